@@ -1,0 +1,1 @@
+"""Drafters: the proposal interface, the token-level transformer drafter, replay, checkpoints."""

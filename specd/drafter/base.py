@@ -1,0 +1,72 @@
+"""The seam between the engine and any drafter.
+
+Contract: the engine owns the token buffer and the batch; a drafter owns only its own state
+(weights, KV cache, per-slot bookkeeping) and answers `propose` with k drafts per active row and,
+when it sampled them, the distributions q they came from. Rows are the engine's slots 0..B-1 in
+order. After verification the engine calls `commit` with how many drafts each row accepted; when
+a request joins a slot it calls `start`, and when the batch is compacted, `move`. A drafter never
+changes what the engine emits, only how many target passes it takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class DraftBatch:
+    """What a drafter may read about the active rows (slots 0..B-1)."""
+
+    tokens: torch.Tensor         # [max_batch, max_seq] each slot's prompt + output so far
+    lengths: torch.Tensor        # [B] tokens in each row's sequence
+    prompt_lengths: list[int]    # [B]
+    request_ids: list[str]       # [B]
+    temperature: torch.Tensor    # [B] 0 means greedy
+    top_p: torch.Tensor          # [B]
+    generators: list[torch.Generator]  # [B] the requests' own random streams
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def is_greedy(self) -> torch.Tensor:
+        return self.temperature == 0
+
+
+@dataclass
+class Proposal:
+    """k drafts per row; q is None when every draft is deterministic (q one-hot at the draft)."""
+
+    drafts: torch.Tensor            # [B, k] token ids
+    q: torch.Tensor | None = None   # [B, k, V] the distributions the drafts were drawn from
+
+
+class Drafter(Protocol):
+    """Anything that proposes drafts: a small transformer, a replay, an n-gram table."""
+
+    @property
+    def version(self) -> str: ...
+
+    def bind(self, max_batch: int, max_seq: int, device: torch.device) -> None:
+        """Allocate per-slot state for an engine of this size."""
+
+    def start(self, slot: int) -> None:
+        """A new request occupies `slot`: forget whatever the slot held."""
+
+    def move(self, src: int, dst: int) -> None:
+        """The request in slot `src` now lives in slot `dst`."""
+
+    def propose(self, batch: DraftBatch, k: int) -> Proposal: ...
+
+    def commit(self, num_accepted: torch.Tensor) -> None:
+        """num_accepted: [B] how many of the last proposal's drafts each row accepted."""
+
+
+def one_hot_q(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """q for deterministic drafts: [B, k] -> [B, k, V] with all mass on the draft."""
+    q = torch.zeros(*drafts.shape, vocab_size, device=drafts.device)
+    return q.scatter_(-1, drafts[..., None], 1.0)

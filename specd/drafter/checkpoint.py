@@ -1,0 +1,83 @@
+"""Drafter checkpoints: one safetensors file with the drafter's shape and its target's fingerprint.
+
+Contract: `save_drafter` writes weights only through safetensors (never pickle), with metadata
+holding the drafter's ModelConfig and the target fingerprint (vocabulary size and tokenizer
+hash). `load_drafter` refuses, with `CheckpointError` naming the problem, a file that is not
+safetensors, lacks that metadata, was made for another target, has missing or wrongly shaped
+tensors, or holds non-finite values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from specd.serving.checkpoint import CheckpointError, load_state_into
+from specd.serving.model import ModelConfig, Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetFingerprint:
+    vocab_size: int
+    tokenizer_hash: str  # sha256 of the target's tokenizer.json, or "none" for tokenizer-less tests
+
+    @classmethod
+    def of(cls, config: ModelConfig, target_dir: str | Path | None = None) -> TargetFingerprint:
+        tokenizer_file = Path(target_dir) / "tokenizer.json" if target_dir is not None else None
+        digest = "none"
+        if tokenizer_file is not None and tokenizer_file.is_file():
+            digest = hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()
+        return cls(config.vocab_size, digest)
+
+
+def save_drafter(model: Transformer, path: str | Path, fingerprint: TargetFingerprint,
+                 extra: dict[str, str] | None = None) -> None:
+    state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()
+             if not (model.config.tie_embeddings and name == "lm_head.weight")}
+    metadata = {"specd_format": "drafter/1",
+                "model_config": json.dumps(dataclasses.asdict(model.config)),
+                "target_fingerprint": json.dumps(dataclasses.asdict(fingerprint)),
+                **(extra or {})}
+    save_file(state, str(path), metadata=metadata)
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return dict(handle.metadata() or {})
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({error})") from None
+
+
+def load_drafter(path: str | Path, expect: TargetFingerprint | None = None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+    metadata = read_metadata(path)
+    if metadata.get("specd_format") != "drafter/1":
+        raise CheckpointError(f"{path}: not a specd drafter checkpoint (format {metadata.get('specd_format')!r})")
+    try:
+        config_fields = json.loads(metadata["model_config"])
+        if config_fields.get("rope_llama3") is not None:
+            config_fields["rope_llama3"] = tuple(config_fields["rope_llama3"])
+        config = ModelConfig(**config_fields)
+        fingerprint = TargetFingerprint(**json.loads(metadata["target_fingerprint"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable drafter metadata ({error})") from None
+    if expect is not None and fingerprint != expect:
+        raise CheckpointError(f"{path}: made for target {fingerprint}, this target is {expect}")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            state = {name: handle.get_tensor(name) for name in handle}
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path}: unreadable tensors ({error})") from None
+    bad = [name for name, tensor in state.items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    if bad:
+        raise CheckpointError(f"{path}: non-finite values in {bad[:5]}")
+    model = Transformer(config)
+    load_state_into(model, state, str(path))
+    return model.to(device=device, dtype=dtype).eval()

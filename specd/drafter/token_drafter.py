@@ -1,0 +1,142 @@
+"""A token-level drafter: a small causal transformer over the target's vocabulary.
+
+Contract: proposes k tokens per row autoregressively from its own KV cache, sampling with each
+row's temperature / top-p (argmax for greedy rows) and returning the q it sampled from. Its
+cache follows the engine's rows lazily: a slot remembers how many of its row's tokens are
+cached, and each proposal first feeds what is missing. After a swap of weights every slot is
+marked empty, so the new weights rebuild their own cache the next time they propose; nothing in
+the engine waits for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specd.drafter.base import DraftBatch, Proposal
+from specd.serving.model import KVCache, ModelConfig, Transformer
+from specd.serving.sampling import sample_from, target_probs
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """Size of a token drafter; the vocabulary and positions come from the target."""
+
+    num_layers: int = 2
+    hidden_size: int = 576
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    intermediate_size: int = 1536
+
+    @classmethod
+    def like(cls, target: ModelConfig, num_layers: int = 2) -> DrafterShape:
+        """A drafter as wide as the target (so it can share its embeddings), with few layers."""
+        return cls(num_layers, target.hidden_size, target.num_heads, target.num_kv_heads, target.intermediate_size)
+
+    def model_config(self, target: ModelConfig) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=target.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.hidden_size // self.num_heads, rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta, max_position=target.max_position,
+            tie_embeddings=True, rope_llama3=target.rope_llama3)
+
+
+def new_drafter_model(target: Transformer, shape: DrafterShape, copy_from_target: bool = True,
+                      seed: int = 0) -> Transformer:
+    """A randomly initialised drafter, optionally with the target's embeddings (and tied head)."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Transformer(shape.model_config(target.config))
+        for param in model.parameters():
+            if param.dim() > 1:
+                torch.nn.init.normal_(param, std=0.02)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    if copy_from_target:
+        if shape.hidden_size != target.config.hidden_size:
+            raise ValueError(f"copying embeddings needs the target's width {target.config.hidden_size}, "
+                             f"the drafter has {shape.hidden_size}")
+        with torch.no_grad():
+            model.embed.weight.copy_(target.embed.weight.float())
+    weight = target.embed.weight
+    return model.to(device=weight.device, dtype=weight.dtype).eval()
+
+
+class TokenDrafter:
+    """Runs a drafter `Transformer` behind the `Drafter` protocol."""
+
+    def __init__(self, model: Transformer, version: str = "0") -> None:
+        self.model = model
+        self._version = version
+        self._cache: KVCache | None = None
+        self._cached: list[int] = []          # per slot: tokens of the row held in the cache
+        self._proposed_from: list[int] = []   # per row: sequence length when the drafts were made
+        self._k = 0
+
+    @property
+    def version(self) -> str:
+        return self._version
+
+    def bind(self, max_batch: int, max_seq: int, device: torch.device) -> None:
+        self._cache = self.model.new_cache(max_batch, max_seq)
+        self._cached = [0] * max_batch
+
+    def start(self, slot: int) -> None:
+        self._cached[slot] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        assert self._cache is not None
+        self._cache.move_slot(src, dst, self._cached[src])
+        self._cached[dst] = self._cached[src]
+
+    def swap_model(self, model: Transformer, version: str) -> None:
+        """Take new weights between two steps; every slot rebuilds its cache on next proposal."""
+        self.model, self._version = model, version
+        self._cached = [0] * len(self._cached)
+
+    @torch.inference_mode()
+    def propose(self, batch: DraftBatch, k: int) -> Proposal:
+        assert self._cache is not None, "bind() first"
+        cache, model = self._cache, self.model
+        lengths = batch.lengths.tolist()
+        # feed the last `width` tokens of every row as one block; rows further behind catch up alone
+        width = min(2, min(lengths))
+        for row, length in enumerate(lengths):
+            behind = self._cached[row]
+            if behind < length - width:
+                model(batch.tokens[row:row + 1, behind:length - width],
+                      torch.tensor([behind], device=batch.tokens.device), cache, first_slot=row,
+                      logits_for="none")
+        starts = batch.lengths - width
+        rows = torch.arange(batch.num_rows, device=batch.tokens.device)
+        block = batch.tokens[rows[:, None], starts[:, None] + torch.arange(width, device=starts.device)]
+        logits, _ = model(block, starts, cache, logits_for="last")
+        drafts, qs = [], []
+        sampling = not bool(batch.is_greedy.all())
+        for i in range(k):
+            assert logits is not None
+            if sampling:
+                q = target_probs(logits, batch.temperature, batch.top_p)[:, 0]  # [B, V]
+                uniforms = torch.stack([torch.rand((), generator=g) for g in batch.generators])
+                sampled = sample_from(q, uniforms.to(q.device))
+                draft = torch.where(batch.is_greedy, logits[:, 0].argmax(-1), sampled)
+                qs.append(q)
+            else:
+                draft = logits[:, 0].argmax(-1)
+            drafts.append(draft)
+            if i < k - 1:
+                logits, _ = model(draft[:, None], batch.lengths + i, cache, logits_for="last")
+        self._proposed_from = lengths
+        self._k = k
+        for row, length in enumerate(lengths):
+            self._cached[row] = length + k - 1
+        return Proposal(torch.stack(drafts, dim=1), torch.stack(qs, dim=1) if sampling else None)
+
+    def commit(self, num_accepted: torch.Tensor) -> None:
+        # d_1..d_{k-1} were fed; only the accepted ones are valid context
+        for row, accepted in enumerate(num_accepted.tolist()):
+            self._cached[row] = self._proposed_from[row] + min(accepted, self._k - 1)

@@ -1,0 +1,1 @@
+"""Hot-swap: the versioned weight store, announcements, swap and rollback (see issue 3)."""

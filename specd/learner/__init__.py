@@ -1,0 +1,1 @@
+"""Learner: record intake, buffer, losses, training loop and evaluation gate (see issue 3)."""

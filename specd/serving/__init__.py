@@ -1,0 +1,1 @@
+"""Serving: target models and loading, the speculative-decoding engine, sampling maths."""

@@ -1,0 +1,245 @@
+"""The speculative-decoding engine: continuous batching, propose, verify in one pass, accept.
+
+Contract: `Engine.step()` admits waiting requests into free slots (prefilling their prompts),
+then runs one decoding step for every running request: the drafter proposes k tokens per row,
+the target verifies all rows' k + 1 positions in one batched pass, and each row accepts with
+exact rejection sampling (`specd.serving.sampling`). Greedy output is token-identical to
+target-only decoding whatever the drafter; sampled output is distributed as the target's.
+
+KV caches follow overwrite-and-mask: the target cache of a row always holds its sequence minus
+the last token (which is the next step's first input); entries written for rejected drafts stay
+in the cache but sit past the row's length, where the causal mask hides them, and the next step
+overwrites them. Running requests occupy slots 0..B-1; when one finishes, the last row moves
+into its slot, so every batched pass reads a plain prefix of the caches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from specd.drafter.base import DraftBatch, Drafter, Proposal, one_hot_q
+from specd.serving.model import Transformer
+from specd.serving.request import RequestRefused, SamplingParams, Sequence
+from specd.serving.sampling import Verdict, target_probs, verify_greedy, verify_sampled
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 8
+    num_draft_tokens: int = 4          # k
+    max_context: int | None = None    # prompt + output; None means the target's max_position
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be 0 or more, got {self.num_draft_tokens}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be at least 2, got {self.max_context}")
+
+
+@dataclass
+class StepStats:
+    """One decoding step of the whole batch."""
+
+    num_rows: int
+    num_drafts_proposed: int
+    num_drafts_accepted: int
+    num_tokens_emitted: int
+    seconds: float
+    drafter_version: str
+
+
+class Engine:
+    def __init__(self, target: Transformer, drafter: Drafter | None = None,
+                 config: EngineConfig = EngineConfig()) -> None:
+        self.target = target
+        self.config = config
+        self.device = target.embed.weight.device
+        self.max_context = min(config.max_context or target.config.max_position, target.config.max_position)
+        k = config.num_draft_tokens if drafter is not None else 0
+        self.k = k
+        # room past the context for drafts that are verified and then cut at max_tokens
+        max_seq = self.max_context + config.num_draft_tokens + 1
+        self.cache = target.new_cache(config.max_batch, max_seq)
+        self.tokens = torch.zeros(config.max_batch, max_seq, dtype=torch.long, device=self.device)
+        self.drafter = drafter
+        if drafter is not None:
+            drafter.bind(config.max_batch, max_seq, self.device)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # index = slot
+        self.step_stats: deque[StepStats] = deque(maxlen=10_000)
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None) -> Sequence:
+        """Queue a request, or raise RequestRefused saying why it cannot be served."""
+        if not prompt_ids:
+            raise RequestRefused("the prompt is empty: give at least one token")
+        vocab = self.target.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRefused(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) + params.max_tokens > self.max_context:
+            raise RequestRefused(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context window of {self.max_context} tokens")
+        seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
+        self.waiting.append(seq)
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[Sequence]:
+        """Decode all prompts together to the end; results in prompt order."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        while self.has_work:
+            self.step()
+        return seqs
+
+    def set_drafter(self, drafter: Drafter | None) -> None:
+        """Swap the drafter object between steps (a new kind; weight swaps go to the drafter)."""
+        if drafter is not None:
+            drafter.bind(self.config.max_batch, self.cache.max_seq, self.device)
+            for slot in range(len(self.running)):
+                drafter.start(slot)
+        self.drafter = drafter
+        self.k = self.config.num_draft_tokens if drafter is not None else 0
+
+    # ---- the step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Admit, decode one step for every running row, retire finished rows; returns them."""
+        while self.waiting and len(self.running) < self.config.max_batch:
+            self._prefill(self.waiting.popleft())
+        if not self.running:
+            return []
+        begin = time.perf_counter()
+        batch = len(self.running)
+        lengths = torch.tensor([s.num_tokens for s in self.running], device=self.device)
+        left = torch.tensor([s.params.max_tokens - s.num_output_tokens for s in self.running],
+                            device=self.device)
+        # drafts past a row's remaining budget count as not proposed (k larger than tokens left)
+        limit = (left - 1).clamp(min=0, max=self.k)
+        proposal = self._propose(lengths) if self.k > 0 else None
+        drafts = proposal.drafts if proposal is not None else torch.zeros(batch, 0, dtype=torch.long,
+                                                                          device=self.device)
+        rows = torch.arange(batch, device=self.device)
+        inputs = torch.cat([self.tokens[rows, lengths - 1][:, None], drafts], dim=1)  # [B, k+1]
+        logits, _ = self.target(inputs, lengths - 1, self.cache)  # [B, k+1, V]
+        assert logits is not None
+        verdict = self._verify(logits, proposal, drafts, limit)
+        if self.drafter is not None and self.k > 0:
+            self.drafter.commit(verdict.num_accepted)
+        stats = self._emit(verdict, drafts, limit, lengths)
+        stats.seconds = time.perf_counter() - begin
+        self.step_stats.append(stats)
+        return self._retire()
+
+    def _prefill(self, seq: Sequence) -> None:
+        slot = len(self.running)
+        prompt = torch.tensor(seq.prompt_ids, device=self.device)
+        self.tokens[slot, :len(prompt)] = prompt
+        if len(prompt) > 1:  # the last prompt token is the first step's input
+            start = torch.zeros(1, dtype=torch.long, device=self.device)
+            self.target(prompt[None, :-1], start, self.cache, first_slot=slot, logits_for="none")
+        seq.generator = torch.Generator()
+        if seq.params.seed is not None:
+            seq.generator.manual_seed(seq.params.seed)
+        else:
+            seq.generator.seed()
+        if self.drafter is not None:
+            self.drafter.start(slot)
+        self.running.append(seq)
+
+    def _draft_batch(self, lengths: torch.Tensor) -> DraftBatch:
+        running = self.running
+        return DraftBatch(
+            tokens=self.tokens, lengths=lengths,
+            prompt_lengths=[len(s.prompt_ids) for s in running],
+            request_ids=[s.request_id for s in running],
+            temperature=torch.tensor([s.params.temperature for s in running], device=self.device),
+            top_p=torch.tensor([s.params.top_p for s in running], device=self.device),
+            generators=[s.generator for s in running])
+
+    def _propose(self, lengths: torch.Tensor) -> Proposal:
+        assert self.drafter is not None
+        proposal = self.drafter.propose(self._draft_batch(lengths), self.k)
+        vocab = self.target.config.vocab_size
+        # a drafter's output is untrusted: out-of-vocabulary drafts would index out of range
+        proposal.drafts = proposal.drafts.clamp(0, vocab - 1)
+        return proposal
+
+    def _verify(self, logits: torch.Tensor, proposal: Proposal | None, drafts: torch.Tensor,
+                limit: torch.Tensor) -> Verdict:
+        temperature = torch.tensor([s.params.temperature for s in self.running], device=self.device)
+        is_greedy = temperature == 0
+        if bool(is_greedy.all()):
+            return verify_greedy(logits, drafts, limit)
+        top_p = torch.tensor([s.params.top_p for s in self.running], device=self.device)
+        p = target_probs(logits, temperature, top_p)
+        k = drafts.shape[1]
+        q = proposal.q if proposal is not None and proposal.q is not None else one_hot_q(drafts, p.shape[-1])
+        uniforms = torch.stack([torch.rand(k + 1, generator=s.generator) for s in self.running])
+        uniforms = uniforms.to(self.device)
+        sampled = verify_sampled(p, q.to(p.dtype), drafts, limit, uniforms[:, :k], uniforms[:, k])
+        if not bool(is_greedy.any()):
+            return sampled
+        greedy = verify_greedy(logits, drafts, limit)
+        return Verdict(torch.where(is_greedy, greedy.num_accepted, sampled.num_accepted),
+                       torch.where(is_greedy[:, None], greedy.tokens, sampled.tokens))
+
+    def _emit(self, verdict: Verdict, drafts: torch.Tensor, limit: torch.Tensor,
+              lengths: torch.Tensor) -> StepStats:
+        eos = set(self.config.eos_token_ids)
+        version = self.drafter_version
+        stats = StepStats(len(self.running), 0, 0, 0, 0.0, version)
+        for slot, (seq, accepted, row_tokens, row_drafts, row_limit, length) in enumerate(zip(
+                self.running, verdict.num_accepted.tolist(), verdict.tokens.tolist(), drafts.tolist(),
+                limit.tolist(), lengths.tolist(), strict=True)):
+            emitted = row_tokens[:accepted + 1]
+            budget = seq.params.max_tokens - seq.num_output_tokens
+            emitted = emitted[:budget]
+            if not seq.params.ignore_eos:
+                stop_at = next((i for i, t in enumerate(emitted) if t in eos), None)
+                if stop_at is not None:
+                    emitted = emitted[:stop_at + 1]
+                    seq.finish_reason = "stop"
+            if seq.finish_reason is None and seq.num_output_tokens + len(emitted) >= seq.params.max_tokens:
+                seq.finish_reason = "length"
+            self.tokens[slot, length:length + len(emitted)] = torch.tensor(emitted, device=self.device)
+            seq.output_ids.extend(emitted)
+            drafts_kept = min(accepted, len(emitted))
+            seq.record_step(length, row_drafts[:row_limit], accepted, drafts_kept, version)
+            stats.num_drafts_proposed += row_limit
+            stats.num_drafts_accepted += drafts_kept
+            stats.num_tokens_emitted += len(emitted)
+        return stats
+
+    @property
+    def drafter_version(self) -> str:
+        return self.drafter.version if self.drafter is not None and self.k > 0 else "none"
+
+    def _retire(self) -> list[Sequence]:
+        finished = [slot for slot, seq in enumerate(self.running) if seq.is_finished]
+        done = [self.running[slot] for slot in finished]
+        for slot in reversed(finished):
+            last = len(self.running) - 1
+            if slot != last:
+                moved = self.running[last]
+                self.cache.move_slot(last, slot, moved.num_tokens)
+                self.tokens[slot, :moved.num_tokens] = self.tokens[last, :moved.num_tokens]
+                if self.drafter is not None:
+                    self.drafter.move(last, slot)
+                self.running[slot] = moved
+            self.running.pop()
+        return done

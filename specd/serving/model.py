@@ -1,0 +1,217 @@
+"""A compact Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) with static KV caches.
+
+Contract: `Transformer.forward` runs a block of tokens for rows that occupy consecutive cache
+slots, each row starting at its own position, and writes their keys and values into the cache at
+those positions. Nothing is ever rolled back: a later write at the same position overwrites a
+stale entry, and the causal mask hides every slot at or beyond a query's own position + 1, so
+rejected drafts left in the cache are never seen. The model knows nothing about tokenisers,
+sampling or speculation; the target and the token-level drafter are both this class.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LogitsFor = Literal["all", "last", "none"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder; Qwen2 adds qkv biases, Qwen3 adds q/k RMS norms."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position: int = 2048
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    # llama3-style rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_position)
+    rope_llama3: tuple[float, float, float, int] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def num_parameters(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+
+
+class KVCache:
+    """Keys and values for `max_batch` slots of `max_seq` positions each, one pair per layer."""
+
+    def __init__(self, config: ModelConfig, max_batch: int, max_seq: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (config.num_layers, max_batch, config.num_kv_heads, max_seq, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, Hkv, S, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def max_batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_seq(self) -> int:
+        return self.k.shape[3]
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of slot `src` into slot `dst` (batch compaction)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+def rope_tables(config: ModelConfig, length: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles for positions [0, length): each [length, head_dim / 2]."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float64) * 2 / config.head_dim))
+    if config.rope_llama3 is not None:
+        factor, low, high, original = config.rope_llama3
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((original / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        medium = (wavelen <= original / low) & (wavelen >= original / high)
+        inv_freq = torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves of x: [B, H, T, D] with cos/sin [B, 1, T, D/2] (HF's rotate_half layout)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        # q, k and v fused into one matmul: fewer, larger kernels are what a CPU decode step needs
+        self.qkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
+                positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.config
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(batch, length, cfg.num_heads, cfg.head_dim)  # [B, T, H, D]
+        k = k.view(batch, length, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(batch, length, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        # k_cache: [B, Hkv, S, D]; advanced indices (row, position) put the [B, T] dims first
+        k_cache[write_index, :, positions] = k.transpose(1, 2)
+        v_cache[write_index, :, positions] = v
+        kv_len = mask.shape[-1] if mask is not None else int(positions.max()) + 1
+        out = F.scaled_dot_product_attention(
+            q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        return self.o(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def new_cache(self, max_batch: int, max_seq: int) -> KVCache:
+        weight = self.embed.weight
+        return KVCache(self.config, max_batch, max_seq, weight.dtype, weight.device)
+
+    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope is None or self._rope[0].shape[0] < length or self._rope[0].device != self.embed.weight.device:
+            self._rope = rope_tables(self.config, max(length, self.config.max_position), self.embed.weight.device)
+        return self._rope
+
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache, first_slot: int = 0,
+                logits_for: LogitsFor = "all", return_hidden: bool = False
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run tokens [B, T] for slots first_slot..first_slot+B-1, row b at positions start[b]+t.
+
+        Returns (logits, hidden): logits [B, T, V] for "all", [B, 1, V] for "last", None for "none";
+        hidden (the final normed states [B, T, hidden]) only when asked for.
+        """
+        batch, length = tokens.shape
+        positions = start[:, None] + torch.arange(length, device=tokens.device)  # [B, T]
+        kv_len = int(start.max()) + length
+        cos_table, sin_table = self._rope_tables(cache.max_seq)
+        cos = cos_table[positions][:, None]  # [B, 1, T, D/2]
+        sin = sin_table[positions][:, None]
+        mask: torch.Tensor | None = None
+        if length > 1 or batch > 1:
+            # query (b, t) sees cache positions 0..start[b]+t: stale entries past it stay hidden
+            mask = torch.arange(kv_len, device=tokens.device) <= positions[:, :, None]  # [B, T, L]
+            mask = mask[:, None]
+        write_index = torch.arange(batch, device=tokens.device)[:, None]  # [B, 1]
+        x = self.embed(tokens)
+        slots = slice(first_slot, first_slot + batch)
+        for layer, block in enumerate(cast(list[Block], self.blocks)):
+            h = block.attn_norm(x)
+            x = x + block.attn(h, cos, sin, write_index, positions,
+                               cache.k[layer, slots], cache.v[layer, slots], mask)
+            x = x + block.mlp(block.mlp_norm(x))
+        if logits_for == "none" and not return_hidden:
+            return None, None
+        hidden = self.norm(x[:, -1:] if logits_for == "last" and not return_hidden else x)
+        logits = None
+        if logits_for == "all":
+            logits = self.lm_head(hidden)
+        elif logits_for == "last":
+            logits = self.lm_head(hidden[:, -1:])
+        return logits, (hidden if return_hidden else None)

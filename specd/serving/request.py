@@ -1,0 +1,94 @@
+"""Per-request objects: sampling settings and the `Sequence` that travels through the engine.
+
+Contract: `SamplingParams` is validated on construction, so a bad setting is refused before it
+reaches the engine. A `Sequence` carries one request's prompt, output and the log of its
+verification steps (position, drafts, how many were accepted, drafter version): that log is the
+raw material of the learner's trajectory records, and its counts are the request's statistics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RequestRefused(ValueError):
+    """A request the engine will not serve, with the reason in words a client can act on."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0   # 0 means greedy
+    top_p: float = 1.0
+    max_tokens: int = 128
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise RequestRefused(f"temperature must be 0 or more, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestRefused(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise RequestRefused(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class VerifyStep:
+    """One verification pass of one request."""
+
+    position: int              # sequence length before the step (index of the first new token)
+    drafts: tuple[int, ...]    # the drafts that were verified (empty without speculation)
+    num_accepted: int          # drafts the target accepted
+    drafter_version: str
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None     # "stop" (EOS) or "length" (max_tokens)
+    steps: list[VerifyStep] = field(default_factory=list)
+    num_drafts_proposed: int = 0
+    num_drafts_accepted: int = 0         # accepted and emitted (a stop can cut accepted drafts)
+    created: float = field(default_factory=time.time)
+    generator: torch.Generator = field(default_factory=torch.Generator, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_target_passes(self) -> int:
+        return len(self.steps)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens emitted per target verification pass."""
+        return self.num_output_tokens / max(self.num_target_passes, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_drafts_accepted / max(self.num_drafts_proposed, 1)
+
+    def record_step(self, position: int, drafts: list[int], num_accepted: int, num_kept: int,
+                    drafter_version: str) -> None:
+        self.steps.append(VerifyStep(position, tuple(drafts), num_accepted, drafter_version))
+        self.num_drafts_proposed += len(drafts)
+        self.num_drafts_accepted += num_kept

@@ -1,0 +1,220 @@
+"""Engine behaviour on tiny float64 models: losslessness, stops, refusals, counts, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY, tiny_drafter, tiny_target
+from test_sampling import chi_square_p_value
+
+from specd.drafter.base import DraftBatch, Proposal
+from specd.drafter.replay import ReplayDrafter, record_greedy
+from specd.drafter.token_drafter import TokenDrafter
+from specd.serving.engine import Engine, EngineConfig
+from specd.serving.model import ModelConfig
+from specd.serving.request import RequestRefused, SamplingParams
+
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [12, 13], [20, 30, 40, 50], [7] * 9]
+GREEDY = SamplingParams(max_tokens=40)
+
+
+def target_only(target, prompts=PROMPTS, params=GREEDY, eos=(), max_batch=4):
+    engine = Engine(target, None, EngineConfig(max_batch=max_batch, eos_token_ids=eos))
+    return [s.output_ids for s in engine.generate(prompts, params)]
+
+
+def noisy_replay(target, every: int) -> ReplayDrafter:
+    """Replays the target's output with every `every`-th token (per prompt offset) corrupted."""
+    exact = record_greedy(target, PROMPTS, GREEDY.max_tokens).recordings
+    noisy = {}
+    for n, (prompt, out) in enumerate(exact.items()):
+        noisy[prompt] = [(t + 1) % TINY.vocab_size if (i + n) % every == every - 1 else t for i, t in enumerate(out)]
+    return ReplayDrafter(noisy)
+
+
+class WrongDrafter:
+    """Always proposes a token the target never picks first: every first draft is rejected."""
+
+    def __init__(self, expected: dict[int, int]) -> None:
+        self.expected = expected
+
+    version = "wrong"
+
+    def bind(self, max_batch, max_seq, device) -> None: ...
+    def start(self, slot) -> None: ...
+    def move(self, src, dst) -> None: ...
+    def commit(self, num_accepted) -> None: ...
+
+    def propose(self, batch: DraftBatch, k: int) -> Proposal:
+        return Proposal(torch.full((batch.num_rows, k), TINY.vocab_size - 1))
+
+
+DRAFTERS = {
+    "random": lambda t: tiny_drafter(t),
+    "replay": lambda t: record_greedy(t, PROMPTS, GREEDY.max_tokens),
+    "noisy-replay": lambda t: noisy_replay(t, every=3),
+    "self": lambda t: TokenDrafter(t),  # the target drafting for itself: all accepted
+}
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("drafter_name", sorted(DRAFTERS))
+def test_greedy_output_identical_to_target_only(k: int, drafter_name: str) -> None:
+    target = tiny_target()
+    expected = target_only(target)
+    engine = Engine(target, DRAFTERS[drafter_name](target), EngineConfig(max_batch=3, num_draft_tokens=k))
+    seqs = engine.generate(PROMPTS, GREEDY)
+    assert [s.output_ids for s in seqs] == expected
+    if drafter_name in ("replay", "self"):
+        assert all(s.accept_length > 1 for s in seqs)
+
+
+def test_rows_in_one_batch_accept_different_numbers_of_drafts() -> None:
+    target = tiny_target()
+    engine = Engine(target, noisy_replay(target, every=3), EngineConfig(max_batch=6, num_draft_tokens=4))
+    seqs = engine.generate(PROMPTS, GREEDY)
+    first_step_accepts = {s.steps[0].num_accepted for s in seqs}
+    assert len(first_step_accepts) > 1
+    assert [s.output_ids for s in seqs] == target_only(target)
+
+
+def test_all_drafts_accepted_adds_bonus_token() -> None:
+    target = tiny_target()
+    engine = Engine(target, record_greedy(target, PROMPTS, 40), EngineConfig(max_batch=6, num_draft_tokens=4))
+    seqs = engine.generate(PROMPTS, GREEDY)
+    assert all(s.steps[0].num_accepted == 4 for s in seqs)
+    assert all(s.num_target_passes == 8 for s in seqs)  # 40 tokens at 5 a pass
+
+
+def test_first_draft_rejected_every_step_still_lossless() -> None:
+    target = tiny_target()
+    engine = Engine(target, WrongDrafter({}), EngineConfig(max_batch=6, num_draft_tokens=4))
+    seqs = engine.generate(PROMPTS, GREEDY)
+    assert [s.output_ids for s in seqs] == target_only(target)
+    tokens_equal_to_draft = sum(t == TINY.vocab_size - 1 for s in seqs for t in s.output_ids)
+    assert sum(s.num_drafts_accepted for s in seqs) == tokens_equal_to_draft
+
+
+def test_eos_inside_accepted_drafts_stops_exactly_there() -> None:
+    target = tiny_target()
+    full = target_only(target)
+    eos = full[0][5]  # a token the target emits mid-run for the first prompt
+    expected = target_only(target, eos=(eos,))
+    assert expected[0] == full[0][:full[0].index(eos) + 1]
+    engine = Engine(target, record_greedy(target, PROMPTS, 40), EngineConfig(
+        max_batch=6, num_draft_tokens=8, eos_token_ids=(eos,)))
+    seqs = engine.generate(PROMPTS, GREEDY)
+    assert [s.output_ids for s in seqs] == expected
+    assert seqs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 13])
+def test_max_tokens_respected_mid_step(max_tokens: int) -> None:
+    target = tiny_target()
+    params = SamplingParams(max_tokens=max_tokens)
+    engine = Engine(target, record_greedy(target, PROMPTS, 40), EngineConfig(max_batch=6, num_draft_tokens=8))
+    seqs = engine.generate(PROMPTS, params)
+    assert [s.output_ids for s in seqs] == target_only(target, params=params)
+    assert all(s.num_output_tokens == max_tokens and s.finish_reason == "length" for s in seqs)
+
+
+def test_k_larger_than_tokens_left_counts_only_usable_drafts() -> None:
+    target = tiny_target()
+    engine = Engine(target, record_greedy(target, PROMPTS, 40), EngineConfig(max_batch=6, num_draft_tokens=8))
+    seq = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=3))[0]
+    assert seq.num_drafts_proposed == 2 and seq.num_target_passes == 1
+
+
+def test_empty_prompt_is_refused() -> None:
+    with pytest.raises(RequestRefused, match="empty"):
+        Engine(tiny_target()).add_request([], GREEDY)
+
+
+def test_prompt_over_context_window_is_refused() -> None:
+    engine = Engine(tiny_target(), None, EngineConfig(max_context=64))
+    with pytest.raises(RequestRefused, match="context window of 64"):
+        engine.add_request(list(range(60)), SamplingParams(max_tokens=8))
+
+
+def test_out_of_vocabulary_prompt_is_refused() -> None:
+    with pytest.raises(RequestRefused, match="outside the vocabulary"):
+        Engine(tiny_target()).add_request([1, TINY.vocab_size], GREEDY)
+
+
+def test_bad_sampling_settings_are_refused() -> None:
+    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": 0}):
+        with pytest.raises(RequestRefused):
+            SamplingParams(**bad)
+
+
+def test_requests_join_and_leave_between_steps() -> None:
+    target = tiny_target()
+    params = [SamplingParams(max_tokens=n) for n in (5, 30, 12, 3, 25, 18)]
+    engine = Engine(target, tiny_drafter(target), EngineConfig(max_batch=2, num_draft_tokens=4))
+    seqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+    batch_sizes = []
+    while engine.has_work:
+        engine.step()
+        batch_sizes.append(engine.step_stats[-1].num_rows)
+    assert max(batch_sizes) == 2
+    for seq, prompt, sp in zip(seqs, PROMPTS, params, strict=True):
+        assert seq.output_ids == target_only(target, [prompt], sp)[0]
+
+
+def test_counts_add_up_per_request_and_per_step() -> None:
+    target = tiny_target()
+    engine = Engine(target, noisy_replay(target, every=4), EngineConfig(max_batch=6, num_draft_tokens=4))
+    seqs = engine.generate(PROMPTS, GREEDY)
+    for seq in seqs:
+        assert seq.num_drafts_proposed == sum(len(step.drafts) for step in seq.steps)
+        assert seq.num_output_tokens == seq.num_target_passes + seq.num_drafts_accepted
+    assert sum(s.num_drafts_accepted for s in engine.step_stats) == sum(s.num_drafts_accepted for s in seqs)
+    assert sum(s.num_tokens_emitted for s in engine.step_stats) == sum(s.num_output_tokens for s in seqs)
+
+
+def test_sampled_output_is_reproducible_for_a_seed() -> None:
+    target = tiny_target()
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=3)
+    runs = [[s.output_ids for s in Engine(target, tiny_drafter(target), EngineConfig(num_draft_tokens=3))
+             .generate(PROMPTS[:3], params)] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_mixed_greedy_and_sampled_rows_keep_greedy_rows_lossless() -> None:
+    target = tiny_target()
+    engine = Engine(target, tiny_drafter(target), EngineConfig(max_batch=4, num_draft_tokens=4))
+    greedy = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    for p in PROMPTS[2:4]:
+        engine.add_request(p, SamplingParams(temperature=1.0, max_tokens=40, seed=1))
+    while engine.has_work:
+        engine.step()
+    assert [s.output_ids for s in greedy] == target_only(target, PROMPTS[:2])
+
+
+def test_sampled_engine_output_follows_the_target_distribution() -> None:
+    """Two emitted tokens, 64 cells, compared with the target's analytic joint distribution."""
+    config = ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=8, max_position=64)
+    target = tiny_target(config, seed=5, scale=0.5)
+    prompt = [1, 2, 3]
+    with torch.no_grad():
+        first_logits, _ = target(torch.tensor([prompt]), torch.tensor([0]), target.new_cache(1, 8))
+        p1 = torch.softmax(first_logits[0, -1], -1)
+        contexts = torch.tensor([[*prompt, t] for t in range(8)])
+        second_logits, _ = target(contexts, torch.zeros(8, dtype=torch.long), target.new_cache(8, 8))
+        p2 = torch.softmax(second_logits[:, -1], -1)
+    joint = (p1[:, None] * p2).flatten()
+    from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+    drafter = TokenDrafter(new_drafter_model(target, DrafterShape(1, 16, 2, 1, 16), copy_from_target=False, seed=2))
+    engine = Engine(target, drafter, EngineConfig(max_batch=256, num_draft_tokens=2))
+    seqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=2, seed=i)) for i in range(6000)]
+    while engine.has_work:
+        engine.step()
+    cells = torch.tensor([s.output_ids[0] * 8 + s.output_ids[1] for s in seqs])
+    counts = torch.bincount(cells, minlength=64)
+    keep = joint * len(seqs) >= 5  # chi-square needs enough expected count per cell
+    other = counts[~keep].sum().unsqueeze(0)
+    observed = torch.cat([counts[keep], other])
+    probs = torch.cat([joint[keep], joint[~keep].sum().unsqueeze(0)])
+    assert chi_square_p_value(observed, probs) > 1e-3
+    assert sum(s.num_drafts_accepted for s in seqs) > 0
