@@ -72,7 +72,7 @@ def load_drafter(path: str | Path, expect: TargetFingerprint | None = None,
         raise CheckpointError(f"{path}: made for target {fingerprint}, this target is {expect}")
     try:
         with safe_open(str(path), framework="pt") as handle:
-            state = {name: handle.get_tensor(name) for name in handle}
+            state = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{path}: unreadable tensors ({error})") from None
     bad = [name for name, tensor in state.items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]

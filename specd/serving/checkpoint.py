@@ -126,7 +126,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
     read: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                 read[name] = handle.get_tensor(name)
     if config.tie_embeddings:
         read.pop("lm_head.weight", None)  # some tied checkpoints still store the copy
