@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 from specd.drafter.base import Drafter
 from specd.drafter.checkpoint import load_drafter
 from specd.drafter.replay import record_greedy
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
+from specd.hotswap.store import StoreError, WeightStore
 from specd.serving.checkpoint import CheckpointError
 from specd.serving.engine import Engine, EngineConfig
 from specd.serving.request import RequestRefused, SamplingParams
 from specd.serving.target import DTYPES, LoadedTarget
+from specd.traffic import TrafficError
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -93,19 +94,122 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="replay traffic with a shift: adaptive vs static vs no speculation")
+    p.add_argument("--traffic", default=None, help="JSONL traffic file (default: ShareGPT then HumanEval)")
+    p.add_argument("--requests", type=int, default=40, help="requests to replay (default 40)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output budget per request (default 64)")
+    p.add_argument("--batch", type=int, default=4, help="requests decoded together (default 4)")
+    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--duty-cycle", type=float, default=0.5, help="learner's share of wall time (default 0.5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", default=None)
+    p.add_argument("--json-out", default="out/demo.json")
+    p.add_argument("--plot-out", default="out/demo.png")
+    p.add_argument("--store", default=None, help="weight store directory (default: a temporary one)")
+    p.set_defaults(run=run_demo_command)
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    from specd.demo import MODES, DemoConfig, plot, run_demo
+    from specd.learner.learner import LearnerConfig
+    from specd.traffic import default_shift_traffic, load_jsonl
+
+    if args.requests < 2:
+        raise RequestRefused("--requests must be at least 2 (one per domain)")
+    if args.traffic:
+        items = load_jsonl(args.traffic)[:args.requests]
+    else:
+        items = default_shift_traffic(args.requests, args.seed)
+    loaded = LoadedTarget.load(args.target)
+    config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, k=args.k, seed=args.seed,
+                        learner=LearnerConfig(duty_cycle=args.duty_cycle, k=args.k, seed=args.seed))
+    result = run_demo(loaded, items, config, Path(args.store) if args.store else None)
+    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json_out).write_text(json.dumps(result, indent=2))
+    plot(result, Path(args.plot_out))
+    print(f"\n{'mode':9} {'domain':12} {'requests':>8} {'accept len':>10} {'acceptance':>10} {'tok/s':>8}")
+    for mode in MODES:
+        for domain, row in result["summary"][mode].items():
+            print(f"{mode:9} {domain:12} {row['requests']:8d} {row['accept_length']:10.2f} "
+                  f"{row['acceptance_rate']:10.1%} {row['tokens_per_s']:8.1f}")
+    timing = result["swap_timing"]
+    print(f"\nlossless (greedy outputs equal to no speculation): {result['lossless']}")
+    print(f"static = version {result['static_version']}; {result['swaps']['applied']} swaps; longest step around "
+          f"a swap {timing['max_step_around_swap_s']:.3f}s vs median {timing['median_step_s']:.3f}s")
+    print(f"learner: {result['learner']['steps']} steps, {result['learner']['tokens_trained']} tokens, "
+          f"duty cycle {args.duty_cycle}, {result['learner']['torch_threads']} torch threads shared with serving")
+    print(f"wrote {args.json_out} and {args.plot_out}")
+    return 0
+
+
+def _add_store_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("versions", help="list drafter versions in a weight store")
+    p.add_argument("--store", required=True, help="weight store directory")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_versions)
+    p = sub.add_parser("rollback", help="make an earlier version live again")
+    p.add_argument("version", nargs="?", type=int, help="version to restore (default: the previous live one)")
+    p.add_argument("--store", required=True)
+    p.set_defaults(run=run_rollback)
+    p = sub.add_parser("pin", help="keep a version forever, as a floor to fall back to")
+    p.add_argument("version", type=int)
+    p.add_argument("--store", required=True)
+    p.add_argument("--unpin", action="store_true")
+    p.set_defaults(run=run_pin)
+
+
+def _open_store(path: str) -> WeightStore:
+    if not Path(path, "versions").is_dir():
+        raise StoreError(f"{path}: not a specd weight store (no versions/ folder)")
+    return WeightStore(path)
+
+
+def run_versions(args: argparse.Namespace) -> int:
+    store = _open_store(args.store)
+    manifests = [store.manifest(v) for v in store.versions()]
+    if args.json:
+        print(json.dumps({"live": store.live_version(), "versions": manifests}))
+        return 0
+    print(f"{'version':>7}  {'status':11} {'pinned':6} {'parent':>6}  {'accept len (cand/live)':22} created")
+    for m in manifests:
+        evaluation = m.get("evaluation") or {}
+        scores = f"{evaluation.get('candidate') or '-'}/{evaluation.get('live') or '-'}"
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["created"]))
+        print(f"{m['version']:>7}  {m['status']:11} {'yes' if m.get('pinned') else '':6} "
+              f"{m.get('parent') or '-':>6}  {scores:22} {created}")
+    return 0
+
+
+def run_rollback(args: argparse.Namespace) -> int:
+    store = _open_store(args.store)
+    restored = store.rollback(args.version)
+    print(f"version {restored} is live")
+    return 0
+
+
+def run_pin(args: argparse.Namespace) -> int:
+    store = _open_store(args.store)
+    store.pin(args.version, not args.unpin)
+    print(f"version {args.version} {'unpinned' if args.unpin else 'pinned'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_demo(sub)
+    _add_store_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    torch.set_grad_enabled(False)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args))
-    except (CheckpointError, RequestRefused, FileNotFoundError) as error:
+    except (CheckpointError, RequestRefused, FileNotFoundError, StoreError, TrafficError) as error:
         print(f"specd: error: {error}", file=sys.stderr)
         return 2
 

@@ -10,9 +10,11 @@ the engine waits for it.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from specd.drafter.base import DraftBatch, Proposal
 from specd.serving.model import KVCache, ModelConfig, Transformer
@@ -28,11 +30,13 @@ class DrafterShape:
     num_heads: int = 9
     num_kv_heads: int = 3
     intermediate_size: int = 1536
+    head_vocab_size: int | None = None  # None: predict the whole vocabulary (tied to the embedding)
 
     @classmethod
-    def like(cls, target: ModelConfig, num_layers: int = 2) -> DrafterShape:
+    def like(cls, target: ModelConfig, num_layers: int = 2, head_vocab_size: int | None = None) -> DrafterShape:
         """A drafter as wide as the target (so it can share its embeddings), with few layers."""
-        return cls(num_layers, target.hidden_size, target.num_heads, target.num_kv_heads, target.intermediate_size)
+        return cls(num_layers, target.hidden_size, target.num_heads, target.num_kv_heads, target.intermediate_size,
+                   head_vocab_size)
 
     def model_config(self, target: ModelConfig) -> ModelConfig:
         return ModelConfig(
@@ -41,7 +45,8 @@ class DrafterShape:
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.hidden_size // self.num_heads, rms_norm_eps=target.rms_norm_eps,
             rope_theta=target.rope_theta, max_position=target.max_position,
-            tie_embeddings=True, rope_llama3=target.rope_llama3)
+            tie_embeddings=self.head_vocab_size is None, head_vocab_size=self.head_vocab_size,
+            rope_llama3=target.rope_llama3)
 
 
 def new_drafter_model(target: Transformer, shape: DrafterShape, copy_from_target: bool = True,
@@ -62,6 +67,8 @@ def new_drafter_model(target: Transformer, shape: DrafterShape, copy_from_target
                              f"the drafter has {shape.hidden_size}")
         with torch.no_grad():
             model.embed.weight.copy_(target.embed.weight.float())
+            if not model.config.tie_embeddings:
+                model.lm_head.weight.copy_(target.lm_head.weight[:model.config.output_size].float())
     weight = target.embed.weight
     return model.to(device=weight.device, dtype=weight.dtype).eval()
 
@@ -76,6 +83,9 @@ class TokenDrafter:
         self._cached: list[int] = []          # per slot: tokens of the row held in the cache
         self._proposed_from: list[int] = []   # per row: sequence length when the drafts were made
         self._k = 0
+        self._pending: tuple[Transformer, str] | None = None
+        self._pending_lock = threading.Lock()
+        self.num_swaps = 0
 
     @property
     def version(self) -> str:
@@ -93,13 +103,28 @@ class TokenDrafter:
         self._cache.move_slot(src, dst, self._cached[src])
         self._cached[dst] = self._cached[src]
 
+    def offer(self, model: Transformer, version: str) -> None:
+        """Hand over checked weights from any thread; they take over at the next proposal."""
+        with self._pending_lock:
+            self._pending = (model, version)
+
     def swap_model(self, model: Transformer, version: str) -> None:
         """Take new weights between two steps; every slot rebuilds its cache on next proposal."""
+        if self._cache is not None and model.config != self.model.config:
+            self._cache = model.new_cache(self._cache.max_batch, self._cache.max_seq)
         self.model, self._version = model, version
         self._cached = [0] * len(self._cached)
+        self.num_swaps += 1
+
+    def _take_pending(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            self.swap_model(*pending)
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch, k: int) -> Proposal:
+        self._take_pending()
         assert self._cache is not None, "bind() first"
         cache, model = self._cache, self.model
         lengths = batch.lengths.tolist()
@@ -117,10 +142,12 @@ class TokenDrafter:
         logits, _ = model(block, starts, cache, logits_for="last")
         drafts, qs = [], []
         sampling = not bool(batch.is_greedy.all())
+        missing_vocab = model.config.vocab_size - model.config.output_size
         for i in range(k):
             assert logits is not None
             if sampling:
-                q = target_probs(logits, batch.temperature, batch.top_p)[:, 0]  # [B, V]
+                q = target_probs(logits, batch.temperature, batch.top_p)[:, 0]  # [B, V'] over the head's ids
+                q = F.pad(q, (0, missing_vocab))  # [B, V]: ids past the head have q = 0
                 uniforms = torch.stack([torch.rand((), generator=g) for g in batch.generators])
                 sampled = sample_from(q, uniforms.to(q.device))
                 draft = torch.where(batch.is_greedy, logits[:, 0].argmax(-1), sampled)

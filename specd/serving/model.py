@@ -38,6 +38,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    # a drafter may predict only ids [0, head_vocab_size): BPE ids run roughly by frequency, so a
+    # prefix of the vocabulary covers most tokens at a fraction of the output layer's cost
+    head_vocab_size: int | None = None
     # llama3-style rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_position)
     rope_llama3: tuple[float, float, float, int] | None = None
 
@@ -46,15 +49,23 @@ class ModelConfig:
                      "num_kv_heads", "head_dim", "max_position"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.head_vocab_size is not None and not 0 < self.head_vocab_size <= self.vocab_size:
+            raise ValueError(f"model config: head_vocab_size must be in (0, {self.vocab_size}]")
+        if self.tie_embeddings and self.output_size != self.vocab_size:
+            raise ValueError("model config: a tied output layer must cover the whole vocabulary")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
 
     @property
+    def output_size(self) -> int:
+        return self.head_vocab_size or self.vocab_size
+
+    @property
     def num_parameters(self) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
-        embed = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+        embed = self.vocab_size * self.hidden_size + (0 if self.tie_embeddings else self.output_size * self.hidden_size)
         return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
 
 
@@ -116,7 +127,7 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_index: torch.Tensor,
-                positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                positions: torch.Tensor, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
         cfg = self.config
         batch, length, _ = x.shape
@@ -128,13 +139,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)
+        gqa = cfg.num_heads != cfg.num_kv_heads
+        if k_cache is None or v_cache is None:  # training: whole sequences, no cache
+            out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=gqa)
+            return self.o(out.transpose(1, 2).reshape(batch, length, -1))
         # k_cache: [B, Hkv, S, D]; advanced indices (row, position) put the [B, T] dims first
         k_cache[write_index, :, positions] = k.transpose(1, 2)
         v_cache[write_index, :, positions] = v
         kv_len = mask.shape[-1] if mask is not None else int(positions.max()) + 1
         out = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+            q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask, enable_gqa=gqa)
         return self.o(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -165,7 +179,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.output_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -173,6 +187,18 @@ class Transformer(nn.Module):
     def new_cache(self, max_batch: int, max_seq: int) -> KVCache:
         weight = self.embed.weight
         return KVCache(self.config, max_batch, max_seq, weight.dtype, weight.device)
+
+    def train_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits [B, T, output_size] for whole sequences from position 0, no cache."""
+        batch, length = tokens.shape
+        positions = torch.arange(length, device=tokens.device).expand(batch, length)
+        cos_table, sin_table = self._rope_tables(length)
+        cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
+        x = self.embed(tokens)
+        for block in cast(list[Block], self.blocks):
+            x = x + block.attn(block.attn_norm(x), cos, sin, positions, positions, None, None, None)
+            x = x + block.mlp(block.mlp_norm(x))
+        return cast(torch.Tensor, self.lm_head(self.norm(x)))
 
     def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].shape[0] < length or self._rope[0].device != self.embed.weight.device:

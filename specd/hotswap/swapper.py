@@ -1,0 +1,93 @@
+"""Follow the store's live version into a running drafter, off the decoding thread.
+
+Contract: `Swapper` runs beside the engine (its own thread, or `check_once` from a test). When
+the store's live version differs from the drafter's, it reads the weights, checks them (sha256
+against the manifest, safetensors metadata, the target's fingerprint, tensor names and shapes,
+finite values) and hands the ready model to `TokenDrafter.offer`; the drafter switches to it at
+the start of its next proposal, i.e. between two decoding steps. Disk reads and checks never
+happen on the decoding thread. Weights that fail a check are refused: the reason is logged and
+kept in `refused`, and the drafter keeps the version it has.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specd.drafter.checkpoint import TargetFingerprint, load_drafter
+from specd.drafter.token_drafter import TokenDrafter
+from specd.hotswap.store import StoreError, WeightStore, sha256_file
+from specd.serving.checkpoint import CheckpointError
+from specd.serving.model import Transformer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SwapEvent:
+    version: str
+    seconds_to_prepare: float
+    at: float = field(default_factory=time.time)
+
+
+class Swapper:
+    def __init__(self, store: WeightStore, drafter: TokenDrafter, fingerprint: TargetFingerprint,
+                 poll_seconds: float = 0.2) -> None:
+        self.store = store
+        self.drafter = drafter
+        self.fingerprint = fingerprint
+        self.poll_seconds = poll_seconds
+        self.prepared: list[SwapEvent] = []
+        self.refused: dict[int, str] = {}
+        self._wanted: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check_once(self) -> bool:
+        """Prepare the live version if it is new; True when a model was handed to the drafter."""
+        try:
+            live = self.store.live_version()
+        except (OSError, ValueError) as error:
+            log.warning("cannot read the store's live version: %s", error)
+            return False
+        if live is None or str(live) in (self.drafter.version, self._wanted) or live in self.refused:
+            return False
+        begin = time.perf_counter()
+        try:
+            model = self._load_checked(live)
+        except (CheckpointError, StoreError, OSError) as error:
+            self.refused[live] = str(error)
+            log.error("refused drafter version %s, keeping %s: %s", live, self.drafter.version, error)
+            return False
+        self._wanted = str(live)
+        self.drafter.offer(model, str(live))
+        self.prepared.append(SwapEvent(str(live), time.perf_counter() - begin))
+        log.info("drafter version %s ready; it takes over at the next step", live)
+        return True
+
+    def _load_checked(self, version: int) -> Transformer:
+        manifest = self.store.manifest(version)
+        path = self.store.weights_path(version)
+        digest = sha256_file(path)
+        if digest != manifest.get("sha256"):
+            raise CheckpointError(f"version {version}: sha256 {digest[:12]}… does not match the manifest's "
+                                  f"{str(manifest.get('sha256'))[:12]}…")
+        weight = self.drafter.model.embed.weight
+        return load_drafter(path, self.fingerprint, weight.dtype, weight.device)
+
+    # ---- background thread ----------------------------------------------------------------
+    def start(self) -> Swapper:
+        self._thread = threading.Thread(target=self._run, name="specd-swapper", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            self.check_once()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

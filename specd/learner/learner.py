@@ -1,0 +1,229 @@
+"""The asynchronous learner: intake, buffer, training, evaluation gate and publishing.
+
+Contract: the learner only ever talks to a bus (records in) and a weight store (versions out); it
+runs in its own thread (`start`) or step by step (`step`), never inside a decoding step. Intake
+validates every record and counts refusals by reason. Training samples windows from a bounded
+buffer of recent trajectories; every `holdout_every`-th record is held out for the gate instead.
+Every `publish_every_steps` steps or `publish_every_seconds` seconds the trained drafter becomes
+a candidate: published if its simulated accept length on the held-out records is not worse than
+the live version's by more than `gate_margin` and its weights are finite, rejected (with the
+reason in its manifest) otherwise. `duty_cycle` caps the share of wall time spent training, so
+a learner beside serving leaves the cores to decoding.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specd.bus import Bus
+from specd.drafter.checkpoint import TargetFingerprint
+from specd.hotswap.store import WeightStore
+from specd.learner.records import RecordRefused, TrajectoryRecord, validate_record
+from specd.learner.signal import build_batch, drafter_loss, simulated_accept_length
+from specd.serving.model import Transformer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    learning_rate: float = 2e-3
+    batch_size: int = 8
+    window: int = 96
+    negative_coef: float = 0.0       # chosen by benchmarks/negative_term.py; see the README
+    miss_weight: float = 2.0
+    prompt_weight: float = 0.1
+    buffer_capacity: int = 2000
+    holdout_every: int = 8
+    holdout_capacity: int = 16
+    publish_every_steps: int = 10
+    publish_every_seconds: float = 15.0
+    gate_margin: float = 0.05       # a candidate may trail the live version by this much accept length
+    k: int = 4
+    min_records: int = 2
+    duty_cycle: float = 0.5
+    train_embeddings: bool = False   # the target's embeddings are a good, frozen start
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.duty_cycle <= 1:
+            raise ValueError(f"duty_cycle must be in (0, 1], got {self.duty_cycle}")
+        if self.batch_size < 1 or self.window < 2:
+            raise ValueError("batch_size must be at least 1 and window at least 2")
+
+
+@dataclass
+class LearnerStats:
+    records_in: int = 0
+    refused: Counter = field(default_factory=Counter)
+    steps: int = 0
+    tokens_trained: int = 0
+    records_trained: int = 0
+    losses: deque = field(default_factory=lambda: deque(maxlen=100))
+    published: list[dict[str, Any]] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    training_seconds: float = 0.0
+
+
+class Learner:
+    def __init__(self, config: LearnerConfig, bus: Bus, store: WeightStore, initial: Transformer,
+                 fingerprint: TargetFingerprint, serving_dtype: torch.dtype = torch.float32) -> None:
+        self.config = config
+        self.bus = bus
+        self.store = store
+        self.fingerprint = fingerprint
+        self.serving_dtype = serving_dtype
+        self.vocab_size = initial.config.vocab_size
+        self.model = copy.deepcopy(initial).float().train()
+        self.model.embed.weight.requires_grad_(config.train_embeddings)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+        self.buffer: deque[TrajectoryRecord] = deque(maxlen=config.buffer_capacity)
+        self.holdout: deque[TrajectoryRecord] = deque(maxlen=config.holdout_capacity)
+        self.stats = LearnerStats()
+        self.rng = random.Random(config.seed)
+        self._last_publish = time.monotonic()
+        self._steps_at_publish = 0
+        self._staleness: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.live_version = store.live_version()
+        if self.live_version is None:  # day 0: the untrained drafter is version 1
+            self.live_version = self._publish(self.model, {"evaluation": None, "reason": "initial"})
+            store.set_live(self.live_version, "initial")
+
+    # ---- intake ---------------------------------------------------------------------------
+    def intake(self, timeout: float = 0.0) -> int:
+        taken = 0
+        for raw in self.bus.take(1024, timeout):
+            try:
+                record = validate_record(raw, self.vocab_size)
+            except RecordRefused as error:
+                self.stats.refused[str(error).split(" ")[0]] += 1
+                log.warning("refused a record: %s", error)
+                continue
+            self.stats.records_in += 1
+            taken += 1
+            held_out = record.temperature == 0 and self.stats.records_in % self.config.holdout_every == 0
+            (self.holdout if held_out else self.buffer).append(record)
+        return taken
+
+    # ---- training -------------------------------------------------------------------------
+    def train_step(self) -> float:
+        cfg = self.config
+        records = self.rng.choices(list(self.buffer), k=cfg.batch_size)
+        batch = build_batch(records, cfg.window, cfg.miss_weight, cfg.prompt_weight, self.rng)
+        logits = self.model.train_logits(batch.tokens)
+        loss, _ = drafter_loss(logits, batch, cfg.negative_coef)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.stats.steps += 1
+        self.stats.tokens_trained += batch.num_label_tokens
+        self.stats.records_trained += len(records)
+        value = float(loss.detach())
+        self.stats.losses.append(value)
+        self._note_staleness(records)
+        return value
+
+    def _note_staleness(self, records: list[TrajectoryRecord]) -> None:
+        now = time.time()
+        live = self.live_version or 0
+        ages = [now - r.finished for r in records]
+        behind = [live - int(s.version) for r in records for s in r.steps[:1] if s.version.isdigit()]
+        self._staleness = {"mean_record_age_s": sum(ages) / len(ages),
+                           "mean_versions_behind": sum(behind) / len(behind) if behind else None}
+
+    def step(self) -> bool:
+        """Take records, train one step if there is data, publish when due; True if it trained."""
+        self.intake()
+        if len(self.buffer) < self.config.min_records:
+            return False
+        begin = time.perf_counter()
+        self.train_step()
+        self.maybe_publish()
+        spent = time.perf_counter() - begin
+        self.stats.training_seconds += spent
+        if self.config.duty_cycle < 1:
+            self._stop.wait(spent * (1 - self.config.duty_cycle) / self.config.duty_cycle)
+        return True
+
+    # ---- gate and publishing --------------------------------------------------------------
+    def maybe_publish(self, force: bool = False) -> int | None:
+        cfg = self.config
+        due = (self.stats.steps - self._steps_at_publish >= cfg.publish_every_steps
+               or time.monotonic() - self._last_publish >= cfg.publish_every_seconds)
+        if not (force or due) or self.stats.steps == self._steps_at_publish:
+            return None
+        self._steps_at_publish, self._last_publish = self.stats.steps, time.monotonic()
+        candidate = copy.deepcopy(self.model).eval()
+        verdict = self.evaluate(candidate)
+        info = {"evaluation": verdict, "records_trained": self.stats.records_trained,
+                "tokens_trained": self.stats.tokens_trained, "learner_steps": self.stats.steps,
+                "staleness": self._staleness}
+        version = self._publish(candidate, info)
+        if verdict["passed"]:
+            self.store.set_live(version, "gate passed")
+            self.live_version = version
+            self.stats.published.append({"version": version, **verdict})
+            log.info("published drafter version %s: %s", version, verdict)
+        else:
+            self.store.update(version, status="rejected", reason=verdict["reason"])
+            self.stats.rejected.append({"version": version, **verdict})
+            log.warning("gate rejected candidate %s: %s", version, verdict["reason"])
+        self.store.gc()
+        return version if verdict["passed"] else None
+
+    def evaluate(self, candidate: Transformer) -> dict[str, Any]:
+        if not all(bool(torch.isfinite(p).all()) for p in candidate.parameters()):
+            return {"passed": False, "reason": "non-finite weights"}
+        held_out = list(self.holdout)
+        if not held_out:
+            return {"passed": True, "reason": "no held-out records yet", "candidate": None, "live": None}
+        live_model = self._live_model()
+        ours = simulated_accept_length(candidate, held_out, self.config.k)
+        theirs = simulated_accept_length(live_model, held_out, self.config.k) if live_model is not None else 1.0
+        passed = ours >= theirs - self.config.gate_margin
+        reason = "ok" if passed else f"accept length {ours:.3f} is worse than live {theirs:.3f} beyond the margin"
+        return {"passed": passed, "reason": reason, "candidate": ours, "live": theirs,
+                "held_out_records": len(held_out)}
+
+    def _live_model(self) -> Transformer | None:
+        from specd.drafter.checkpoint import load_drafter
+
+        live = self.store.live_version()
+        return None if live is None else load_drafter(self.store.weights_path(live), self.fingerprint)
+
+    def _publish(self, model: Transformer, info: dict[str, Any]) -> int:
+        serving_copy = copy.deepcopy(model).to(self.serving_dtype)
+        return self.store.publish(serving_copy, self.fingerprint, self.live_version, info)
+
+    # ---- thread ---------------------------------------------------------------------------
+    def start(self) -> Learner:
+        self._thread = threading.Thread(target=self._run, name="specd-learner", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.step():
+                    self.intake(timeout=0.2)
+            except Exception:  # a learner bug must not take serving down with it
+                log.exception("learner step failed; continuing")
+                self._stop.wait(1.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)

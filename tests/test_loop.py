@@ -1,0 +1,218 @@
+"""The closed loop on tiny models: records, learner, gate, store, hot-swap, rollback."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, learnable_target, tiny_target
+
+from specd.bus import InProcessBus
+from specd.cli import main
+from specd.drafter.checkpoint import TargetFingerprint
+from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
+from specd.hotswap.store import StoreError, WeightStore
+from specd.hotswap.swapper import Swapper
+from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.records import RecordRefused, record_from_sequence, validate_record
+from specd.learner.signal import simulated_accept_length
+from specd.serving.engine import Engine, EngineConfig
+from specd.serving.request import SamplingParams
+
+FINGERPRINT = TargetFingerprint(TINY.vocab_size, "none")
+SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
+
+
+def make_records(target, prompts, server="t", max_tokens=24):
+    engine = Engine(target, None, EngineConfig(max_batch=8))
+    seqs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    return [record_from_sequence(s, server, 0.0).to_dict() for s in seqs]
+
+
+def random_prompts(count, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(TINY.vocab_size) for _ in range(rng.randint(2, 6))] for _ in range(count)]
+
+
+def test_acceptance_rises_after_training_on_traffic(tmp_path: Path) -> None:
+    target = learnable_target()
+    initial = new_drafter_model(target, SHAPE, copy_from_target=False, seed=0).float()
+    bus = InProcessBus()
+    store = WeightStore(tmp_path)
+    config = LearnerConfig(learning_rate=3e-3, batch_size=16, window=32, duty_cycle=1.0, publish_every_steps=10**9,
+                           publish_every_seconds=10**9, holdout_every=10**9, prompt_weight=0.0)
+    learner = Learner(config, bus, store, initial, FINGERPRINT)
+    for record in make_records(target, random_prompts(64, 0)):
+        bus.publish(record)
+    for _ in range(150):
+        learner.step()
+    held_out = [validate_record(r, TINY.vocab_size) for r in make_records(target, random_prompts(16, 99))]
+    before = simulated_accept_length(initial, held_out, k=4)
+    after = simulated_accept_length(learner.model, held_out, k=4)
+    assert after > before + 1.0, (before, after)
+
+
+def test_greedy_output_identical_across_forced_swaps(tmp_path: Path) -> None:
+    target = tiny_target()
+    prompts = random_prompts(6, 1)
+    plain = Engine(target, None, EngineConfig(max_batch=3))
+    expected = [s.output_ids for s in plain.generate(prompts, SamplingParams(max_tokens=40))]
+    models = [new_drafter_model(target, SHAPE, copy_from_target=True, seed=s) for s in range(4)] + [target]
+    drafter = TokenDrafter(models[0], "0")
+    engine = Engine(target, drafter, EngineConfig(max_batch=3, num_draft_tokens=4))
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in prompts]
+    step = 0
+    while engine.has_work:
+        if step % 3 == 2:  # a new version every three steps, mid-request
+            drafter.offer(models[(step // 3) % len(models)], str(step))
+        engine.step()
+        step += 1
+    assert drafter.num_swaps >= 5
+    assert [s.output_ids for s in seqs] == expected
+
+
+def publish_live(store: WeightStore, model) -> int:
+    version = store.publish(model, FINGERPRINT, store.live_version(), {})
+    store.set_live(version)
+    return version
+
+
+CORRUPTIONS = {
+    "corrupted": lambda path: path.write_bytes(path.read_bytes()[:100] + b"\xff" * 64 + path.read_bytes()[164:]),
+    "truncated": lambda path: path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2]),
+}
+
+
+@pytest.mark.parametrize("problem", ["corrupted", "truncated", "sha-mismatch", "wrong-shape", "wrong-vocab", "nan"])
+def test_bad_weights_are_refused_and_serving_keeps_old_version(tmp_path: Path, problem: str) -> None:
+    target = tiny_target()
+    store = WeightStore(tmp_path)
+    good = new_drafter_model(target, SHAPE, seed=0)
+    v1 = publish_live(store, good)
+    drafter = TokenDrafter(good, str(v1))
+    swapper = Swapper(store, drafter, FINGERPRINT)
+    bad = new_drafter_model(target, SHAPE, seed=1)
+    fingerprint = FINGERPRINT
+    if problem == "wrong-vocab":
+        fingerprint = TargetFingerprint(TINY.vocab_size + 1, "none")
+    if problem == "nan":
+        with torch.no_grad():
+            bad.blocks[0].mlp.down.weight[0, 0] = float("nan")
+    version = store.publish(bad, fingerprint, v1, {})
+    path = store.weights_path(version)
+    if problem in CORRUPTIONS:
+        CORRUPTIONS[problem](path)
+        store.update(version, sha256=__import__("specd.hotswap.store", fromlist=["x"]).sha256_file(path))
+    if problem == "sha-mismatch":
+        store.update(version, sha256="0" * 64)
+    if problem == "wrong-shape":
+        from safetensors.torch import load_file, save_file
+
+        from specd.drafter.checkpoint import read_metadata
+
+        tensors, metadata = load_file(str(path)), read_metadata(path)
+        tensors["norm.weight"] = torch.ones(7, dtype=tensors["norm.weight"].dtype)
+        save_file(tensors, str(path), metadata=metadata)
+        store.update(version, sha256=__import__("specd.hotswap.store", fromlist=["x"]).sha256_file(path))
+    store.set_live(version)
+    assert swapper.check_once() is False
+    assert version in swapper.refused
+    engine = Engine(target, drafter, EngineConfig(num_draft_tokens=3))
+    seq = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=10))[0]
+    assert drafter.version == str(v1) and seq.num_output_tokens == 10
+
+
+def test_swapper_delivers_new_live_version_between_steps(tmp_path: Path) -> None:
+    target = tiny_target()
+    store = WeightStore(tmp_path)
+    first = new_drafter_model(target, SHAPE, seed=0)
+    drafter = TokenDrafter(first, str(publish_live(store, first)))
+    swapper = Swapper(store, drafter, FINGERPRINT)
+    v2 = publish_live(store, new_drafter_model(target, SHAPE, seed=5))
+    assert swapper.check_once()
+    assert drafter.version != str(v2)  # not yet: the switch waits for the next step
+    Engine(target, drafter, EngineConfig(num_draft_tokens=2)).generate([[4, 5]], SamplingParams(max_tokens=4))
+    assert drafter.version == str(v2)
+
+
+def test_gate_refuses_a_worse_candidate(tmp_path: Path) -> None:
+    target = learnable_target()
+    bus, store = InProcessBus(), WeightStore(tmp_path)
+    good = new_drafter_model(target, SHAPE, copy_from_target=False, seed=0).float()
+    config = LearnerConfig(learning_rate=3e-3, batch_size=16, window=32, duty_cycle=1.0, publish_every_steps=10**9,
+                           publish_every_seconds=10**9, holdout_every=4, gate_margin=0.05)
+    learner = Learner(config, bus, store, good, FINGERPRINT)
+    for record in make_records(target, random_prompts(48, 2)):
+        bus.publish(record)
+    for _ in range(120):
+        learner.step()
+    assert learner.maybe_publish(force=True) is not None  # trained: better than the day-0 version
+    with torch.no_grad():  # sabotage the training copy: it now predicts noise
+        for p in learner.model.blocks.parameters():
+            p.add_(torch.randn_like(p) * 5)
+        learner.model.lm_head.weight.mul_(-1)
+    learner.stats.steps += 1
+    live_before = store.live_version()
+    assert learner.maybe_publish(force=True) is None
+    rejected = store.manifest(store.versions()[-1])
+    assert rejected["status"] == "rejected" and "worse than live" in rejected["reason"]
+    assert store.live_version() == live_before
+
+
+def test_malformed_records_are_refused_and_counted(tmp_path: Path) -> None:
+    target = tiny_target()
+    bus = InProcessBus()
+    learner = Learner(LearnerConfig(duty_cycle=1.0), bus, WeightStore(tmp_path),
+                      new_drafter_model(target, SHAPE).float(), FINGERPRINT)
+    good = make_records(target, [[1, 2, 3]])[0]
+    bad = [None, "text", {**good, "schema_version": 99}, {**good, "output_ids": [TINY.vocab_size]},
+           {**good, "prompt_ids": "1 2 3"}, {**good, "steps": [{"position": -5, "drafts": [], "num_accepted": 0}]},
+           {k: v for k, v in good.items() if k != "record_id"}]
+    for record in [*bad, good]:
+        bus.publish(record)
+    learner.intake()
+    assert learner.stats.records_in == 1
+    assert sum(learner.stats.refused.values()) == len(bad)
+    for raw in bad:
+        with pytest.raises(RecordRefused):
+            validate_record(raw, TINY.vocab_size)
+
+
+def test_bus_sheds_oldest_records_when_full() -> None:
+    bus = InProcessBus(capacity=3)
+    for i in range(5):
+        bus.publish({"n": i})
+    assert bus.counters.shed == 2
+    assert [r["n"] for r in bus.take(10, 0)] == [2, 3, 4]
+
+
+def test_store_live_rollback_pin_and_gc(tmp_path: Path) -> None:
+    target = tiny_target()
+    store = WeightStore(tmp_path, keep_last=2)
+    versions = [publish_live(store, new_drafter_model(target, SHAPE, seed=s)) for s in range(5)]
+    store.pin(versions[0])
+    assert store.live_version() == versions[-1]
+    assert store.rollback() == versions[-2]
+    assert store.manifest(versions[-1])["status"] == "rolled-back"
+    assert store.live_version() == versions[-2]
+    removed = store.gc()
+    assert versions[0] not in removed and versions[-2] not in removed  # pinned and live survive
+    assert versions[1] in removed
+    with pytest.raises(StoreError):
+        store.rollback(to=999)
+
+
+def test_store_cli_lists_rolls_back_and_pins(tmp_path: Path, capsys) -> None:
+    target = tiny_target()
+    store = WeightStore(tmp_path)
+    versions = [publish_live(store, new_drafter_model(target, SHAPE, seed=s)) for s in range(3)]
+    assert main(["rollback", str(versions[0]), "--store", str(tmp_path)]) == 0
+    assert main(["pin", str(versions[0]), "--store", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["versions", "--store", str(tmp_path), "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert listing["live"] == versions[0] and listing["versions"][0]["pinned"]
+    assert main(["rollback", "--store", str(tmp_path / "missing")]) == 2
