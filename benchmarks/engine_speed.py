@@ -5,7 +5,8 @@ For each dtype (float32, bfloat16) and batch (1, 4), on chat prompts with 128 ne
 - transformers `generate` (greedy, static-length), the reference the engine must not trail;
 - specd target-only;
 - specd + replay drafter at k = 4 (accept length 5 at zero drafting cost: the engine's best case);
-- specd + a random token drafter at k = 4 (the worst case: every draft rejected).
+- specd + a random token drafter at k = 4 (the worst case: every draft rejected);
+- the same random drafter with the adaptive lookahead controller (k chosen per step: the floor).
 Next to each speedup: the drafter/target cost ratio c and the analytic bound
 (1 − α^(k+1)) / ((1 − α)(k·c + 1)). Writes JSON (default out/engine_speed.json) and prints a table.
 """
@@ -64,8 +65,10 @@ def run_hf(hf_model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> 
     return seconds, [row[width:].tolist() for row in out]
 
 
-def run_specd(target: Transformer, drafter, prompts: list[list[int]], new_tokens: int, k: int) -> dict:
-    engine = Engine(target, drafter, EngineConfig(max_batch=len(prompts), num_draft_tokens=k))
+def run_specd(target: Transformer, drafter, prompts: list[list[int]], new_tokens: int, k: int,
+              adaptive_k: bool = False) -> dict:
+    engine = Engine(target, drafter, EngineConfig(max_batch=len(prompts), num_draft_tokens=k,
+                                                  adaptive_lookahead=adaptive_k))
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     begin = time.perf_counter()
     seqs = engine.generate(prompts, params)
@@ -107,7 +110,9 @@ def main() -> None:
             configs = {"specd target-only": (base, 0.0),
                        "specd replay k=4": (run_specd(target, replay, prompts, args.new_tokens, args.k), 0.0),
                        "specd random k=4": (run_specd(target, TokenDrafter(drafter_model), prompts,
-                                                      args.new_tokens, args.k), c)}
+                                                      args.new_tokens, args.k), c),
+                       "specd random adaptive k": (run_specd(target, TokenDrafter(drafter_model), prompts,
+                                                             args.new_tokens, args.k, adaptive_k=True), c)}
             rows.append({"dtype": dtype, "batch": batch, "config": "transformers generate",
                          "tokens_per_s": hf_tps, "speedup_vs_target_only": hf_tps / base["tokens_per_s"],
                          "same_tokens_as_specd_target_only": hf_out == base["outputs"]})
@@ -123,7 +128,7 @@ def main() -> None:
                     "rows_identical_to_target_only": sum(o == b for o, b in zip(result["outputs"], base["outputs"],
                                                                                  strict=True)),
                     "rows": batch})
-            for row in rows[-4:]:
+            for row in rows[-5:]:
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"new_tokens": args.new_tokens, "k": args.k,

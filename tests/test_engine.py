@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY, tiny_drafter, tiny_target
+from conftest import TINY, fixed_k, tiny_drafter, tiny_target
 from test_sampling import chi_square_p_value
 
 from specd.drafter.base import DraftBatch, Proposal
@@ -62,7 +62,7 @@ DRAFTERS = {
 def test_greedy_output_identical_to_target_only(k: int, drafter_name: str) -> None:
     target = tiny_target()
     expected = target_only(target)
-    engine = Engine(target, DRAFTERS[drafter_name](target), EngineConfig(max_batch=3, num_draft_tokens=k))
+    engine = Engine(target, DRAFTERS[drafter_name](target), fixed_k(max_batch=3, num_draft_tokens=k))
     seqs = engine.generate(PROMPTS, GREEDY)
     assert [s.output_ids for s in seqs] == expected
     if drafter_name in ("replay", "self"):
@@ -71,7 +71,7 @@ def test_greedy_output_identical_to_target_only(k: int, drafter_name: str) -> No
 
 def test_rows_in_one_batch_accept_different_numbers_of_drafts() -> None:
     target = tiny_target()
-    engine = Engine(target, noisy_replay(target, every=3), EngineConfig(max_batch=6, num_draft_tokens=4))
+    engine = Engine(target, noisy_replay(target, every=3), fixed_k(max_batch=6, num_draft_tokens=4))
     seqs = engine.generate(PROMPTS, GREEDY)
     first_step_accepts = {s.steps[0].num_accepted for s in seqs}
     assert len(first_step_accepts) > 1
@@ -80,7 +80,7 @@ def test_rows_in_one_batch_accept_different_numbers_of_drafts() -> None:
 
 def test_all_drafts_accepted_adds_bonus_token() -> None:
     target = tiny_target()
-    engine = Engine(target, record_greedy(target, PROMPTS, 40), EngineConfig(max_batch=6, num_draft_tokens=4))
+    engine = Engine(target, record_greedy(target, PROMPTS, 40), fixed_k(max_batch=6, num_draft_tokens=4))
     seqs = engine.generate(PROMPTS, GREEDY)
     assert all(s.steps[0].num_accepted == 4 for s in seqs)
     assert all(s.num_target_passes == 8 for s in seqs)  # 40 tokens at 5 a pass
@@ -88,7 +88,7 @@ def test_all_drafts_accepted_adds_bonus_token() -> None:
 
 def test_first_draft_rejected_every_step_still_lossless() -> None:
     target = tiny_target()
-    engine = Engine(target, WrongDrafter({}), EngineConfig(max_batch=6, num_draft_tokens=4))
+    engine = Engine(target, WrongDrafter({}), fixed_k(max_batch=6, num_draft_tokens=4))
     seqs = engine.generate(PROMPTS, GREEDY)
     assert [s.output_ids for s in seqs] == target_only(target)
     tokens_equal_to_draft = sum(t == TINY.vocab_size - 1 for s in seqs for t in s.output_ids)
@@ -101,7 +101,7 @@ def test_eos_inside_accepted_drafts_stops_exactly_there() -> None:
     eos = full[0][5]  # a token the target emits mid-run for the first prompt
     expected = target_only(target, eos=(eos,))
     assert expected[0] == full[0][:full[0].index(eos) + 1]
-    engine = Engine(target, record_greedy(target, PROMPTS, 40), EngineConfig(
+    engine = Engine(target, record_greedy(target, PROMPTS, 40), fixed_k(
         max_batch=6, num_draft_tokens=8, eos_token_ids=(eos,)))
     seqs = engine.generate(PROMPTS, GREEDY)
     assert [s.output_ids for s in seqs] == expected
@@ -112,7 +112,7 @@ def test_eos_inside_accepted_drafts_stops_exactly_there() -> None:
 def test_max_tokens_respected_mid_step(max_tokens: int) -> None:
     target = tiny_target()
     params = SamplingParams(max_tokens=max_tokens)
-    engine = Engine(target, record_greedy(target, PROMPTS, 40), EngineConfig(max_batch=6, num_draft_tokens=8))
+    engine = Engine(target, record_greedy(target, PROMPTS, 40), fixed_k(max_batch=6, num_draft_tokens=8))
     seqs = engine.generate(PROMPTS, params)
     assert [s.output_ids for s in seqs] == target_only(target, params=params)
     assert all(s.num_output_tokens == max_tokens and s.finish_reason == "length" for s in seqs)
@@ -120,7 +120,7 @@ def test_max_tokens_respected_mid_step(max_tokens: int) -> None:
 
 def test_k_larger_than_tokens_left_counts_only_usable_drafts() -> None:
     target = tiny_target()
-    engine = Engine(target, record_greedy(target, PROMPTS, 40), EngineConfig(max_batch=6, num_draft_tokens=8))
+    engine = Engine(target, record_greedy(target, PROMPTS, 40), fixed_k(max_batch=6, num_draft_tokens=8))
     seq = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=3))[0]
     assert seq.num_drafts_proposed == 2 and seq.num_target_passes == 1
 
@@ -150,7 +150,7 @@ def test_bad_sampling_settings_are_refused() -> None:
 def test_requests_join_and_leave_between_steps() -> None:
     target = tiny_target()
     params = [SamplingParams(max_tokens=n) for n in (5, 30, 12, 3, 25, 18)]
-    engine = Engine(target, tiny_drafter(target), EngineConfig(max_batch=2, num_draft_tokens=4))
+    engine = Engine(target, tiny_drafter(target), fixed_k(max_batch=2, num_draft_tokens=4))
     seqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
     batch_sizes = []
     while engine.has_work:
@@ -163,7 +163,7 @@ def test_requests_join_and_leave_between_steps() -> None:
 
 def test_counts_add_up_per_request_and_per_step() -> None:
     target = tiny_target()
-    engine = Engine(target, noisy_replay(target, every=4), EngineConfig(max_batch=6, num_draft_tokens=4))
+    engine = Engine(target, noisy_replay(target, every=4), fixed_k(max_batch=6, num_draft_tokens=4))
     seqs = engine.generate(PROMPTS, GREEDY)
     for seq in seqs:
         assert seq.num_drafts_proposed == sum(len(step.drafts) for step in seq.steps)
@@ -175,14 +175,14 @@ def test_counts_add_up_per_request_and_per_step() -> None:
 def test_sampled_output_is_reproducible_for_a_seed() -> None:
     target = tiny_target()
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=3)
-    runs = [[s.output_ids for s in Engine(target, tiny_drafter(target), EngineConfig(num_draft_tokens=3))
+    runs = [[s.output_ids for s in Engine(target, tiny_drafter(target), fixed_k(num_draft_tokens=3))
              .generate(PROMPTS[:3], params)] for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 def test_mixed_greedy_and_sampled_rows_keep_greedy_rows_lossless() -> None:
     target = tiny_target()
-    engine = Engine(target, tiny_drafter(target), EngineConfig(max_batch=4, num_draft_tokens=4))
+    engine = Engine(target, tiny_drafter(target), fixed_k(max_batch=4, num_draft_tokens=4))
     greedy = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
     for p in PROMPTS[2:4]:
         engine.add_request(p, SamplingParams(temperature=1.0, max_tokens=40, seed=1))
@@ -206,7 +206,7 @@ def test_sampled_engine_output_follows_the_target_distribution() -> None:
     joint = (p1[:, None] * p2).flatten()
     from specd.drafter.token_drafter import DrafterShape, new_drafter_model
     drafter = TokenDrafter(new_drafter_model(target, DrafterShape(1, 16, 2, 1, 16), copy_from_target=False, seed=2))
-    engine = Engine(target, drafter, EngineConfig(max_batch=256, num_draft_tokens=2))
+    engine = Engine(target, drafter, fixed_k(max_batch=256, num_draft_tokens=2))
     seqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=2, seed=i)) for i in range(6000)]
     while engine.has_work:
         engine.step()
@@ -218,3 +218,34 @@ def test_sampled_engine_output_follows_the_target_distribution() -> None:
     probs = torch.cat([joint[keep], joint[~keep].sum().unsqueeze(0)])
     assert chi_square_p_value(observed, probs) > 1e-3
     assert sum(s.num_drafts_accepted for s in seqs) > 0
+
+
+def test_lookahead_controller_stops_drafting_for_a_useless_drafter_but_keeps_probing() -> None:
+    from specd.serving.lookahead import LookaheadConfig, LookaheadController
+
+    controller = LookaheadController(LookaheadConfig(max_k=4, probe_every=4))
+    assert controller.choose("v1") == 4  # nothing measured yet
+    for _ in range(60):
+        k = controller.choose("v1")
+        controller.observe(k, proposed=k, accepted=0, draft_seconds=0.02 * k, verify_seconds=0.1)
+    choices = [controller.choose("v1") for _ in range(8)]
+    assert choices.count(0) == 6 and choices.count(1) == 2  # probes every fourth step
+    assert controller.choose("v2") > 1  # a new version gets an optimistic fresh start
+
+
+def test_lookahead_controller_drafts_fully_for_a_good_drafter() -> None:
+    from specd.serving.lookahead import LookaheadConfig, LookaheadController
+
+    controller = LookaheadController(LookaheadConfig(max_k=4))
+    for _ in range(30):
+        k = controller.choose("v")
+        controller.observe(k, proposed=k, accepted=k, draft_seconds=0.005 * k, verify_seconds=0.1 + 0.005 * k)
+    assert controller.choose("v") == 4
+
+
+def test_adaptive_lookahead_stays_lossless_when_it_changes_k() -> None:
+    target = tiny_target()
+    engine = Engine(target, noisy_replay(target, every=2), EngineConfig(max_batch=3, num_draft_tokens=6))
+    seqs = engine.generate(PROMPTS, GREEDY)
+    assert [s.output_ids for s in seqs] == target_only(target)
+    assert len({s.k for s in engine.step_stats}) > 1

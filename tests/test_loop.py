@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, learnable_target, tiny_target
+from conftest import TINY, fixed_k, learnable_target, tiny_target
 
 from specd.bus import InProcessBus
 from specd.cli import main
@@ -62,7 +62,7 @@ def test_greedy_output_identical_across_forced_swaps(tmp_path: Path) -> None:
     expected = [s.output_ids for s in plain.generate(prompts, SamplingParams(max_tokens=40))]
     models = [new_drafter_model(target, SHAPE, copy_from_target=True, seed=s) for s in range(4)] + [target]
     drafter = TokenDrafter(models[0], "0")
-    engine = Engine(target, drafter, EngineConfig(max_batch=3, num_draft_tokens=4))
+    engine = Engine(target, drafter, fixed_k(max_batch=3, num_draft_tokens=4))
     seqs = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in prompts]
     step = 0
     while engine.has_work:
@@ -120,7 +120,7 @@ def test_bad_weights_are_refused_and_serving_keeps_old_version(tmp_path: Path, p
     store.set_live(version)
     assert swapper.check_once() is False
     assert version in swapper.refused
-    engine = Engine(target, drafter, EngineConfig(num_draft_tokens=3))
+    engine = Engine(target, drafter, fixed_k(num_draft_tokens=3))
     seq = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=10))[0]
     assert drafter.version == str(v1) and seq.num_output_tokens == 10
 
@@ -134,7 +134,7 @@ def test_swapper_delivers_new_live_version_between_steps(tmp_path: Path) -> None
     v2 = publish_live(store, new_drafter_model(target, SHAPE, seed=5))
     assert swapper.check_once()
     assert drafter.version != str(v2)  # not yet: the switch waits for the next step
-    Engine(target, drafter, EngineConfig(num_draft_tokens=2)).generate([[4, 5]], SamplingParams(max_tokens=4))
+    Engine(target, drafter, fixed_k(num_draft_tokens=2)).generate([[4, 5]], SamplingParams(max_tokens=4))
     assert drafter.version == str(v2)
 
 

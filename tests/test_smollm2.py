@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import fixed_k
 
 from specd.drafter.replay import record_greedy
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
@@ -46,14 +47,14 @@ def test_target_only_matches_transformers_generate(smollm2, prompts, target_only
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_lossless_with_random_drafter(smollm2, prompts, target_only, k: int) -> None:
     drafter = TokenDrafter(new_drafter_model(smollm2.model, DrafterShape.like(smollm2.model.config)))
-    engine = Engine(smollm2.model, drafter, EngineConfig(max_batch=3, num_draft_tokens=k,
+    engine = Engine(smollm2.model, drafter, fixed_k(max_batch=3, num_draft_tokens=k,
                                                          eos_token_ids=smollm2.eos_token_ids))
     assert [s.output_ids for s in engine.generate(prompts, PARAMS)] == target_only
 
 
 def test_greedy_lossless_with_replay_drafter(smollm2, prompts, target_only) -> None:
     drafter = record_greedy(smollm2.model, prompts, PARAMS.max_tokens, smollm2.eos_token_ids)
-    engine = Engine(smollm2.model, drafter, EngineConfig(max_batch=3, num_draft_tokens=4,
+    engine = Engine(smollm2.model, drafter, fixed_k(max_batch=3, num_draft_tokens=4,
                                                          eos_token_ids=smollm2.eos_token_ids))
     seqs = engine.generate(prompts, PARAMS)
     assert [s.output_ids for s in seqs] == target_only

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from specd.drafter.base import DraftBatch, Drafter, Proposal, one_hot_q
+from specd.serving.lookahead import LookaheadConfig, LookaheadController
 from specd.serving.model import Transformer
 from specd.serving.request import RequestRefused, SamplingParams, Sequence
 from specd.serving.sampling import Verdict, target_probs, verify_greedy, verify_sampled
@@ -34,6 +35,7 @@ class EngineConfig:
     num_draft_tokens: int = 4          # k
     max_context: int | None = None    # prompt + output; None means the target's max_position
     eos_token_ids: tuple[int, ...] = ()
+    adaptive_lookahead: bool = True    # pick k per step from measured acceptance and costs
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -54,6 +56,7 @@ class StepStats:
     num_tokens_emitted: int
     seconds: float
     drafter_version: str
+    k: int = 0
 
 
 class Engine:
@@ -74,6 +77,8 @@ class Engine:
             drafter.bind(config.max_batch, max_seq, self.device)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # index = slot
+        self.lookahead = LookaheadController(LookaheadConfig(max_k=config.num_draft_tokens,
+                                                             adaptive=config.adaptive_lookahead))
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
         self._ids = itertools.count()
 
@@ -128,20 +133,26 @@ class Engine:
         lengths = torch.tensor([s.num_tokens for s in self.running], device=self.device)
         left = torch.tensor([s.params.max_tokens - s.num_output_tokens for s in self.running],
                             device=self.device)
+        k = self.lookahead.choose(self.drafter.version) if self.drafter is not None and self.k > 0 else 0
         # drafts past a row's remaining budget count as not proposed (k larger than tokens left)
-        limit = (left - 1).clamp(min=0, max=self.k)
-        proposal = self._propose(lengths) if self.k > 0 else None
+        limit = (left - 1).clamp(min=0, max=k)
+        proposal = self._propose(lengths, k) if k > 0 else None
         drafts = proposal.drafts if proposal is not None else torch.zeros(batch, 0, dtype=torch.long,
                                                                           device=self.device)
+        drafted = time.perf_counter()
         rows = torch.arange(batch, device=self.device)
         inputs = torch.cat([self.tokens[rows, lengths - 1][:, None], drafts], dim=1)  # [B, k+1]
         logits, _ = self.target(inputs, lengths - 1, self.cache)  # [B, k+1, V]
         assert logits is not None
         verdict = self._verify(logits, proposal, drafts, limit)
-        if self.drafter is not None and self.k > 0:
+        if proposal is not None and self.drafter is not None:
             self.drafter.commit(verdict.num_accepted)
-        stats = self._emit(verdict, drafts, limit, lengths)
-        stats.seconds = time.perf_counter() - begin
+        verified = time.perf_counter()
+        stats = self._emit(verdict, drafts, limit, lengths, self.drafter_version)
+        if self.drafter is not None and self.k > 0:
+            self.lookahead.observe(k, stats.num_drafts_proposed, stats.num_drafts_accepted,
+                                   drafted - begin, verified - drafted)
+        stats.seconds, stats.k = time.perf_counter() - begin, k
         self.step_stats.append(stats)
         return self._retire()
 
@@ -171,9 +182,9 @@ class Engine:
             top_p=torch.tensor([s.params.top_p for s in running], device=self.device),
             generators=[s.generator for s in running])
 
-    def _propose(self, lengths: torch.Tensor) -> Proposal:
+    def _propose(self, lengths: torch.Tensor, k: int) -> Proposal:
         assert self.drafter is not None
-        proposal = self.drafter.propose(self._draft_batch(lengths), self.k)
+        proposal = self.drafter.propose(self._draft_batch(lengths), k)
         vocab = self.target.config.vocab_size
         # a drafter's output is untrusted: out-of-vocabulary drafts would index out of range
         proposal.drafts = proposal.drafts.clamp(0, vocab - 1)
@@ -199,9 +210,8 @@ class Engine:
                        torch.where(is_greedy[:, None], greedy.tokens, sampled.tokens))
 
     def _emit(self, verdict: Verdict, drafts: torch.Tensor, limit: torch.Tensor,
-              lengths: torch.Tensor) -> StepStats:
+              lengths: torch.Tensor, version: str) -> StepStats:
         eos = set(self.config.eos_token_ids)
-        version = self.drafter_version
         stats = StepStats(len(self.running), 0, 0, 0, 0.0, version)
         for slot, (seq, accepted, row_tokens, row_drafts, row_limit, length) in enumerate(zip(
                 self.running, verdict.num_accepted.tolist(), verdict.tokens.tolist(), drafts.tolist(),

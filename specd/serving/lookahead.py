@@ -1,0 +1,71 @@
+"""Choose each step's lookahead k from measured acceptance and measured costs (a speed floor).
+
+Contract: `choose()` returns the k in 0..max_k with the best expected tokens per second,
+(1 − α^(k+1)) / (1 − α) tokens for k·t_draft + t_verify(k) seconds, where α is the live
+drafter's measured per-draft acceptance and the times are measured on this machine. k = 0 means
+"decode without drafting this step", so a drafter that does not help costs (almost) nothing:
+every `probe_every` steps a k = 1 probe keeps measuring it. A new drafter version restarts
+the acceptance estimate from an optimistic prior, so fresh weights get a fair trial. ATLAS's
+confidence-aware controller is the inspiration; this one only uses running averages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    max_k: int = 4
+    adaptive: bool = True
+    prior_acceptance: float = 0.6
+    smoothing: float = 0.1          # weight of the newest step in the running averages
+    probe_every: int = 8
+
+
+class LookaheadController:
+    def __init__(self, config: LookaheadConfig) -> None:
+        self.config = config
+        self.acceptance = config.prior_acceptance
+        self.version: str | None = None
+        self.draft_seconds: float | None = None           # per drafted position, whole batch
+        self.verify_seconds: dict[int, float] = {}        # per target pass, by k
+        self.steps_without_drafting = 0
+
+    def choose(self, version: str) -> int:
+        if version != self.version:
+            self.version, self.acceptance = version, self.config.prior_acceptance
+        if not self.config.adaptive or self.draft_seconds is None or not self.verify_seconds:
+            return self.config.max_k
+        best = max(range(self.config.max_k + 1), key=self.expected_rate)
+        if best == 0:
+            self.steps_without_drafting += 1
+            if self.steps_without_drafting % self.config.probe_every == 0:
+                return 1
+        else:
+            self.steps_without_drafting = 0
+        return best
+
+    def expected_rate(self, k: int) -> float:
+        """Expected tokens per second at lookahead k (per row)."""
+        alpha = min(self.acceptance, 0.999)
+        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+        return tokens / (k * (self.draft_seconds or 0.0) + self._verify_time(k))
+
+    def _verify_time(self, k: int) -> float:
+        if k in self.verify_seconds:
+            return self.verify_seconds[k]
+        # an unmeasured width: scale the nearest measured one, each extra position costing 5% of a pass
+        nearest = min(self.verify_seconds, key=lambda measured: abs(measured - k))
+        return self.verify_seconds[nearest] * (1 + 0.05 * k) / (1 + 0.05 * nearest)
+
+    def observe(self, k: int, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        w = self.config.smoothing
+        if proposed > 0:
+            self.acceptance = (1 - w) * self.acceptance + w * accepted / proposed
+        if k > 0:
+            per_position = draft_seconds / k
+            self.draft_seconds = per_position if self.draft_seconds is None else (
+                (1 - w) * self.draft_seconds + w * per_position)
+        previous = self.verify_seconds.get(k)
+        self.verify_seconds[k] = verify_seconds if previous is None else (1 - w) * previous + w * verify_seconds
