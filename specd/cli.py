@@ -195,12 +195,40 @@ def run_pin(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server (embedded default: bundled target, learner inside)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--target", default=None)
+    p.add_argument("--store", default=None, help="weight store directory (default: $SPECD_CACHE/store)")
+    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8, help="most requests decoded together")
+    p.add_argument("--no-learner", action="store_true", help="serve the store's live version without training")
+    p.add_argument("--duty-cycle", type=float, default=0.5)
+    p.add_argument("--server-id", default="specd-0")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the target folder name)")
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from specd.serving.server import ServeOptions, build_server
+
+    options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
+                           learner=not args.no_learner, duty_cycle=args.duty_cycle, server_id=args.server_id,
+                           model_name=args.model_name)
+    web.run_app(build_server(options), host=args.host, port=args.port, print=lambda line: print(line, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_demo(sub)
     _add_store_commands(sub)
+    _add_serve(sub)
     return parser
 
 

@@ -40,3 +40,33 @@ def learnable_target(vocab_size: int = TINY.vocab_size, seed: int = 0) -> Transf
         # row v of the output layer is the embedding of v's predecessor: t scores highest at successor[t]
         model.lm_head.weight.copy_(model.embed.weight[successor.argsort()] * 3)
     return model
+
+
+class ByteTokenizer:
+    """A tokenizer stand-in: UTF-8 bytes are ids 0..255, BOS 256, EOS 257, with a plain chat format."""
+
+    bos_token_id = 256
+    eos_token_id = 257
+    vocab_size = 258
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tokenize: bool = True) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return [self.bos_token_id, *self.encode(text + ("assistant: " if add_generation_prompt else ""))]
+
+
+def tiny_loaded_target(folder: str = "tiny-llama", seed: int = 0):
+    """A LoadedTarget over a tiny random model and the byte tokenizer (vocab 258)."""
+    from pathlib import Path
+
+    from specd.serving.target import LoadedTarget
+
+    config = ModelConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position=512)
+    return LoadedTarget(Path(folder), tiny_target(config, seed=seed, dtype=torch.float32), ByteTokenizer())

@@ -111,6 +111,19 @@ class Engine:
             self.step()
         return seqs
 
+    def cancel(self, request_id: str) -> None:
+        """End a request at the next step boundary (finish reason "cancelled")."""
+        for seq in (*self.waiting, *self.running):
+            if seq.request_id == request_id and not seq.is_finished:
+                seq.finish_reason = "cancelled"
+
+    def reset(self) -> None:
+        """Forget every request (after a fault); caches are overwritten by the next prefill."""
+        self.waiting.clear()
+        self.running.clear()
+        if self.drafter is not None:
+            self.drafter.bind(self.config.max_batch, self.cache.max_seq, self.device)
+
     def set_drafter(self, drafter: Drafter | None) -> None:
         """Swap the drafter object between steps (a new kind; weight swaps go to the drafter)."""
         if drafter is not None:
@@ -124,10 +137,15 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Admit, decode one step for every running row, retire finished rows; returns them."""
+        done = self._retire()  # rows cancelled since the last step
         while self.waiting and len(self.running) < self.config.max_batch:
-            self._prefill(self.waiting.popleft())
+            seq = self.waiting.popleft()
+            if seq.is_finished:
+                done.append(seq)
+            else:
+                self._prefill(seq)
         if not self.running:
-            return []
+            return done
         begin = time.perf_counter()
         batch = len(self.running)
         lengths = torch.tensor([s.num_tokens for s in self.running], device=self.device)
@@ -154,7 +172,7 @@ class Engine:
                                    drafted - begin, verified - drafted)
         stats.seconds, stats.k = time.perf_counter() - begin, k
         self.step_stats.append(stats)
-        return self._retire()
+        return done + self._retire()
 
     def _prefill(self, seq: Sequence) -> None:
         slot = len(self.running)

@@ -1,0 +1,288 @@
+"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, models, health, metrics.
+
+Contract: handlers are small async functions over one `EngineWorker`; requests from all clients
+are batched together by the engine. Every client mistake (malformed JSON, wrong types, unknown
+model, prompt over the context window, absurd max_tokens, n > 1) is answered with an OpenAI-style
+JSON error and a 4xx status, mapped in one place (`_errors` middleware); a 500 is only ever an
+engine fault, and it carries a message, not a traceback. `stream: true` sends server-sent events
+(`data: {chunk}` lines, then `data: [DONE]`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from specd.serving.metrics import ServingMetrics
+from specd.serving.request import RequestRefused, SamplingParams, Sequence
+from specd.serving.target import LoadedTarget
+from specd.serving.worker import EngineWorker, Submission
+
+MAX_TOKENS_CAP = 32_768
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+
+@dataclass
+class ApiState:
+    loaded: LoadedTarget
+    worker: EngineWorker
+    metrics: ServingMetrics
+    model_name: str
+    status: Callable[[], dict[str, Any]] | None = None  # extra fields for /health
+
+
+STATE = web.AppKey("state", ApiState)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as error:
+        body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
+        return web.json_response(body, status=error.status)
+    except web.HTTPException as error:  # aiohttp's own 404 / 405, in OpenAI's shape
+        body = {"error": {"message": error.reason, "type": "invalid_request_error", "param": None, "code": None}}
+        return web.json_response(body, status=error.status)
+
+
+# ---- request parsing --------------------------------------------------------------------------
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise ApiError(400, f"'{name}' must be of type {expected}, got {type(value).__name__}", param=name)
+    return value
+
+
+def _sampling(body: dict[str, Any], default_max_tokens: int) -> tuple[SamplingParams, list[str], bool]:
+    if _field(body, "n", (int,), 1) != 1:
+        raise ApiError(400, "only n = 1 is supported", param="n")
+    max_tokens = _field(body, "max_tokens", (int,), None)
+    if max_tokens is None:
+        max_tokens = _field(body, "max_completion_tokens", (int,), default_max_tokens)
+    if not 1 <= max_tokens <= MAX_TOKENS_CAP:
+        raise ApiError(400, f"'max_tokens' must be between 1 and {MAX_TOKENS_CAP}, got {max_tokens}",
+                       param="max_tokens")
+    stop = _field(body, "stop", (str, list), [])
+    stops = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings", param="stop")
+    try:
+        params = SamplingParams(temperature=float(_field(body, "temperature", (int, float), 1.0)),
+                                top_p=float(_field(body, "top_p", (int, float), 1.0)), max_tokens=max_tokens,
+                                seed=_field(body, "seed", (int,), None))
+    except RequestRefused as error:
+        raise ApiError(400, str(error)) from None
+    return params, stops, bool(_field(body, "stream", (bool,), False))
+
+
+def _check_model(state: ApiState, body: dict[str, Any]) -> None:
+    model = _field(body, "model", (str,), state.model_name)
+    if model != state.model_name:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{state.model_name}'",
+                       param="model", code="model_not_found")
+
+
+# ---- decoding ---------------------------------------------------------------------------------
+class _Stream:
+    """Tokens from the engine thread to one request's coroutine, cut at stop strings."""
+
+    def __init__(self, state: ApiState, prompt_ids: list[int], params: SamplingParams, stops: list[str]) -> None:
+        self.state, self.stops = state, stops
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.request_id = f"specd-{uuid.uuid4().hex[:16]}"
+        self.ids: list[int] = []
+        self.text_sent = ""
+        self.finish_reason: str | None = None
+        self.seq: Sequence | None = None
+
+        def put(kind: str) -> Callable[[Any], None]:
+            def hand_over(value: Any) -> None:
+                self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            return hand_over
+
+        state.worker.submit(Submission(prompt_ids, params, put("tokens"), put("done"), put("error"),
+                                       request_id=self.request_id))
+
+    async def deltas(self):
+        """Yield text pieces as they are decoded; sets finish_reason at the end."""
+        last = time.perf_counter()
+        while True:
+            kind, value = await self.events.get()
+            if kind == "error":
+                status, message = value
+                raise ApiError(status, message, kind="invalid_request_error" if status < 500 else "server_error")
+            if kind == "tokens":
+                now = time.perf_counter()
+                self.state.metrics.inter_token_latency.observe((now - last) / max(len(value), 1))
+                last = now
+                self.ids.extend(value)
+            else:
+                self.seq = value
+                self.ids = list(value.output_ids)
+            text = self.state.loaded.decode(self.ids)
+            cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                self.state.worker.cancel(self.request_id)
+                self.finish_reason = "stop"
+                yield text[len(self.text_sent):cut]
+                return
+            # hold back a possible partial stop string and an incomplete UTF-8 character
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            ready = text[:len(text) - hold] if kind == "tokens" else text
+            ready = ready.rstrip("\ufffd") if kind == "tokens" else ready
+            if len(ready) > len(self.text_sent):
+                piece, self.text_sent = ready[len(self.text_sent):], ready
+                yield piece
+            if kind == "done":
+                self.finish_reason = "length" if value.finish_reason == "length" else "stop"
+                return
+
+
+async def _respond(request: web.Request, state: ApiState, prompt_ids: list[int], params: SamplingParams,
+                   stops: list[str], stream: bool, chat: bool) -> web.StreamResponse:
+    begin = time.perf_counter()
+    decoder = _Stream(state, prompt_ids, params, stops)
+    created = int(time.time())
+    kind = "chat.completion" if chat else "text_completion"
+    base = {"id": decoder.request_id, "created": created, "model": state.model_name}
+
+    def choice(text: str, finish: str | None, delta: bool) -> dict[str, Any]:
+        if not chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        message = {"content": text} if delta else {"role": "assistant", "content": text}
+        return {"index": 0, ("delta" if delta else "message"): message, "finish_reason": finish}
+
+    if not stream:
+        text = "".join([piece async for piece in decoder.deltas()])
+        state.metrics.request_latency.observe(time.perf_counter() - begin)
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(decoder.ids),
+                 "total_tokens": len(prompt_ids) + len(decoder.ids)}
+        return web.json_response({**base, "object": kind, "choices": [choice(text, decoder.finish_reason, False)],
+                                  "usage": usage})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+    pieces = decoder.deltas()
+    try:
+        first = await pieces.__anext__()  # errors before the first token still get a JSON error
+    except StopAsyncIteration:
+        first = ""
+    await response.prepare(request)
+
+    async def send(payload: dict[str, Any] | str) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        await response.write(f"data: {data}\n\n".encode())
+
+    try:
+        if chat:
+            await send({**base, "object": chunk_kind, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+        if first:
+            await send({**base, "object": chunk_kind, "choices": [choice(first, None, True)]})
+        async for piece in pieces:
+            await send({**base, "object": chunk_kind, "choices": [choice(piece, None, True)]})
+        await send({**base, "object": chunk_kind, "choices": [choice("", decoder.finish_reason, True)]})
+        await send("[DONE]")
+    except (ConnectionResetError, asyncio.CancelledError):
+        state.worker.cancel(decoder.request_id)  # the client went away: free its batch slot
+        raise
+    state.metrics.request_latency.observe(time.perf_counter() - begin)
+    return response
+
+
+# ---- handlers ---------------------------------------------------------------------------------
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await _json_body(request)
+    _check_model(state, body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt_ids = list(prompt)
+    elif isinstance(prompt, str):
+        prompt_ids = state.loaded.encode(prompt)
+    else:
+        raise ApiError(400, "'prompt' must be a string, a list with one string, or a list of token ids",
+                       param="prompt")
+    params, stops, stream = _sampling(body, default_max_tokens=16)
+    return await _respond(request, state, prompt_ids, params, stops, stream, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await _json_body(request)
+    _check_model(state, body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects with string content",
+                       param="messages")
+    try:
+        prompt_ids = state.loaded.encode_messages([{"role": m["role"], "content": m["content"]} for m in messages])
+    except Exception as error:  # a chat template can reject role orders it does not know
+        raise ApiError(400, f"the chat template refused these messages: {error}", param="messages") from None
+    params, stops, stream = _sampling(body, default_max_tokens=256)
+    return await _respond(request, state, prompt_ids, params, stops, stream, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [
+        {"id": state.model_name, "object": "model", "created": 0, "owned_by": "specd",
+         "max_model_len": state.worker.engine.max_context}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = state.worker.engine
+    body = {"status": "ok", "drafter_version": engine.drafter_version, "running": len(engine.running),
+            "waiting": len(engine.waiting)}
+    if state.status is not None:
+        body.update(state.status())
+    return web.json_response(body)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[STATE].metrics.exposition(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def create_app(state: ApiState) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=8 * 1024 * 1024)
+    app[STATE] = state
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

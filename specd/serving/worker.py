@@ -1,0 +1,132 @@
+"""Run an `Engine` on its own thread and let other threads (an asyncio server) talk to it.
+
+Contract: `EngineWorker.submit` is thread-safe and returns at once; the worker thread admits the
+request between two decoding steps, reports newly emitted tokens after every step through the
+request's `on_tokens` callback and the end through `on_done` (or a refusal through `on_error`).
+Callbacks run on the worker thread and must only hand data over (e.g. `call_soon_threadsafe`).
+Finished requests are turned into trajectory records and published on the bus, which never
+blocks. `cancel` ends a request at the next step boundary (a client that went away, a stop
+string). Nothing here waits on disk or network inside a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specd.bus import Bus
+from specd.learner.records import record_from_sequence
+from specd.serving.engine import Engine
+from specd.serving.metrics import ServingMetrics
+from specd.serving.request import RequestRefused, SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Submission:
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_tokens: Callable[[list[int]], None]
+    on_done: Callable[[Sequence], None]
+    on_error: Callable[[tuple[int, str]], None]  # (HTTP-like status, message): 400 refused, 500 fault
+    domain: str | None = None
+    request_id: str | None = None
+    sent: int = 0                      # output tokens already reported
+    steps_seen: int = 0                # verification steps already counted in the metrics
+    seq: Sequence | None = field(default=None, repr=False)
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, bus: Bus | None = None, server_id: str = "specd",
+                 metrics: ServingMetrics | None = None) -> None:
+        self.engine = engine
+        self.bus = bus
+        self.metrics = metrics
+        self.server_id = server_id
+        self._inbox: queue.Queue[Submission | str] = queue.Queue()
+        self._active: dict[str, Submission] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_records_published = 0
+
+    def submit(self, submission: Submission) -> None:
+        self._inbox.put(submission)
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(request_id)
+
+    def start(self) -> EngineWorker:
+        self._thread = threading.Thread(target=self._run, name="specd-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put("")
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if isinstance(item, str):
+                if item and item in self._active:
+                    self.engine.cancel(item)
+                continue
+            try:
+                item.seq = self.engine.add_request(item.prompt_ids, item.params, item.request_id)
+            except RequestRefused as error:
+                item.on_error((400, str(error)))
+                continue
+            self._active[item.seq.request_id] = item
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.engine.has_work)
+            if not self.engine.has_work:
+                continue
+            try:
+                finished = self.engine.step()
+            except Exception as error:  # never leave clients hanging on an engine fault
+                log.exception("engine step failed")
+                for sub in self._active.values():
+                    sub.on_error((500, f"internal engine error: {error}"))
+                self._active.clear()
+                self.engine.reset()
+                continue
+            for sub in self._active.values():
+                assert sub.seq is not None
+                self._count_steps(sub)
+                if sub.seq.num_output_tokens > sub.sent:
+                    sub.on_tokens(sub.seq.output_ids[sub.sent:])
+                    sub.sent = sub.seq.num_output_tokens
+            for seq in finished:
+                if seq.request_id not in self._active:
+                    continue
+                sub = self._active.pop(seq.request_id)
+                sub.on_done(seq)
+                if self.bus is not None and seq.finish_reason != "cancelled":
+                    record = record_from_sequence(seq, self.server_id, time.time(), sub.domain)
+                    self.bus.publish(record.to_dict())
+                    self.num_records_published += 1
+                    if self.metrics is not None:
+                        self.metrics.records_published.inc()
+
+    def _count_steps(self, sub: Submission) -> None:
+        assert sub.seq is not None
+        if self.metrics is not None:
+            steps = sub.seq.steps
+            for i, step in enumerate(steps[sub.steps_seen:], start=sub.steps_seen):
+                end = steps[i + 1].position if i + 1 < len(steps) else sub.seq.num_tokens
+                self.metrics.observe_verification(step.drafter_version, len(step.drafts),
+                                                  min(step.num_accepted, end - step.position), end - step.position)
+        sub.steps_seen = len(sub.seq.steps)
