@@ -15,8 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 
-class Bus(Protocol):
+class RecordSink(Protocol):
+    """The serving side of a bus: hand over a record without ever blocking."""
+
     def publish(self, record: dict[str, Any]) -> None: ...
+
+
+class Bus(RecordSink, Protocol):
+    """The learner's side too: take what has arrived."""
 
     def take(self, max_records: int, timeout: float) -> list[dict[str, Any]]: ...
 

@@ -19,6 +19,7 @@ from specd.drafter.checkpoint import load_drafter
 from specd.drafter.replay import record_greedy
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.hotswap.store import StoreError, WeightStore
+from specd.learner.learner import LearnerConfig
 from specd.serving.checkpoint import CheckpointError
 from specd.serving.engine import Engine, EngineConfig
 from specd.serving.request import RequestRefused, SamplingParams
@@ -112,7 +113,6 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 def run_demo_command(args: argparse.Namespace) -> int:
     from specd.demo import MODES, DemoConfig, plot, run_demo
-    from specd.learner.learner import LearnerConfig
     from specd.traffic import default_shift_traffic, load_jsonl
 
     if args.requests < 2:
@@ -143,20 +143,30 @@ def run_demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _where(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--store", help="weight store directory")
+    where.add_argument("--url", help="a running learner (or embedded server), e.g. http://127.0.0.1:8100")
+    p.add_argument("--token", default=None, help="bearer token for control operations (or $SPECD_TOKEN)")
+
+
 def _add_store_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("versions", help="list drafter versions in a weight store")
-    p.add_argument("--store", required=True, help="weight store directory")
+    p = sub.add_parser("versions", help="list drafter versions")
+    _where(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_versions)
     p = sub.add_parser("rollback", help="make an earlier version live again")
     p.add_argument("version", nargs="?", type=int, help="version to restore (default: the previous live one)")
-    p.add_argument("--store", required=True)
+    _where(p)
     p.set_defaults(run=run_rollback)
     p = sub.add_parser("pin", help="keep a version forever, as a floor to fall back to")
     p.add_argument("version", type=int)
-    p.add_argument("--store", required=True)
+    _where(p)
     p.add_argument("--unpin", action="store_true")
     p.set_defaults(run=run_pin)
+    p = sub.add_parser("status", help="live version, learner and store status")
+    _where(p)
+    p.set_defaults(run=run_status)
 
 
 def _open_store(path: str) -> WeightStore:
@@ -165,12 +175,52 @@ def _open_store(path: str) -> WeightStore:
     return WeightStore(path)
 
 
-def run_versions(args: argparse.Namespace) -> int:
-    store = _open_store(args.store)
-    manifests = [store.manifest(v) for v in store.versions()]
-    if args.json:
-        print(json.dumps({"live": store.live_version(), "versions": manifests}))
+def _http(args: argparse.Namespace, path: str, body: dict | None = None) -> dict:
+    """GET (or POST with a JSON body) against a learner's control plane; errors become StoreError."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json"}
+    token = args.token or os.environ.get("SPECD_TOKEN")
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(args.url.rstrip("/") + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return dict(json.loads(response.read()))
+    except urllib.error.HTTPError as error:
+        try:
+            message = json.loads(error.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = error.reason
+        raise StoreError(f"{args.url}{path}: {error.code} {message}") from None
+    except (urllib.error.URLError, OSError) as error:
+        raise StoreError(f"{args.url}: unreachable ({error})") from None
+
+
+def run_status(args: argparse.Namespace) -> int:
+    if args.url:
+        print(json.dumps(_http(args, "/v1/status"), indent=2))
         return 0
+    store = _open_store(args.store)
+    print(json.dumps({"live": store.live_version(), "versions": len(store.versions()),
+                      "history": store.live_state()["history"]}, indent=2))
+    return 0
+
+
+def run_versions(args: argparse.Namespace) -> int:
+    if args.url:
+        listing = _http(args, "/v1/versions")
+        live, manifests = listing["live"], listing["versions"]
+    else:
+        store = _open_store(args.store)
+        live, manifests = store.live_version(), [store.manifest(v) for v in store.versions()]
+    if args.json:
+        print(json.dumps({"live": live, "versions": manifests}))
+        return 0
+    print(f"live: {live}")
     print(f"{'version':>7}  {'status':11} {'pinned':6} {'parent':>6}  {'accept len (cand/live)':22} created")
     for m in manifests:
         evaluation = m.get("evaluation") or {}
@@ -182,15 +232,19 @@ def run_versions(args: argparse.Namespace) -> int:
 
 
 def run_rollback(args: argparse.Namespace) -> int:
-    store = _open_store(args.store)
-    restored = store.rollback(args.version)
+    if args.url:
+        restored = _http(args, "/v1/rollback", {"version": args.version})["live"]
+    else:
+        restored = _open_store(args.store).rollback(args.version, {"by": "operator"})
     print(f"version {restored} is live")
     return 0
 
 
 def run_pin(args: argparse.Namespace) -> int:
-    store = _open_store(args.store)
-    store.pin(args.version, not args.unpin)
+    if args.url:
+        _http(args, "/v1/pin", {"version": args.version, "pinned": not args.unpin})
+    else:
+        _open_store(args.store).pin(args.version, not args.unpin)
     print(f"version {args.version} {'unpinned' if args.unpin else 'pinned'}")
     return 0
 
@@ -207,7 +261,67 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duty-cycle", type=float, default=0.5)
     p.add_argument("--server-id", default="specd-0")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target folder name)")
+    _add_broker(p)
+    p.add_argument("--learner-url", default=None, help="learner to fetch weights from (announcements name it too)")
+    p.add_argument("--token", default=None, help="bearer token for the embedded control plane")
     p.set_defaults(run=run_serve)
+
+
+def _add_broker(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker", default=None, help="MQTT broker URL, e.g. mqtt://127.0.0.1:1883 (sidecar mode)")
+    p.add_argument("--deployment", default="default", help="MQTT topic namespace (default: default)")
+    p.add_argument("--tls-ca", default=None, help="CA file for an mqtts:// broker (default: system CAs)")
+    p.add_argument("--tls-cert", default=None)
+    p.add_argument("--tls-key", default=None)
+
+
+def _mqtt_settings(args: argparse.Namespace):
+    from specd.mqtt import MqttSettings
+
+    if not args.broker:
+        return None
+    try:
+        return MqttSettings.from_url(args.broker, args.deployment, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                                     tls_key=args.tls_key)
+    except ValueError as error:
+        raise StoreError(str(error)) from None
+
+
+def _add_learner(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("learner", help="the learner sidecar: MQTT records in, versions out, control plane over HTTP")
+    p.add_argument("--store", required=True, help="weight store directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--public-url", default=None, help="URL servers use to fetch weights (default: http://host:port)")
+    p.add_argument("--token", default=None, help="bearer token required by control operations (or $SPECD_TOKEN)")
+    p.add_argument("--target", default=None)
+    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--duty-cycle", type=float, default=0.5,
+                   help="share of wall time spent training (default 0.5: servers may share the machine)")
+    p.add_argument("--publish-every", type=float, default=15.0, help="seconds between candidates (default 15)")
+    p.add_argument("--client-id", default="specd-learner", help="MQTT client id of the persistent session")
+    _add_broker(p)
+    p.set_defaults(run=run_learner)
+
+
+def run_learner(args: argparse.Namespace) -> int:
+    import os
+
+    from aiohttp import web
+
+    from specd.learner.sidecar import SidecarOptions, build_sidecar
+
+    settings = _mqtt_settings(args)
+    if settings is None:
+        raise StoreError("specd learner needs --broker mqtt://host:port")
+    options = SidecarOptions(store=args.store, mqtt=settings, client_id=args.client_id,
+                             public_url=args.public_url or f"http://{args.host}:{args.port}",
+                             token=args.token or os.environ.get("SPECD_TOKEN"),
+                             learner=LearnerConfig(k=args.k, duty_cycle=args.duty_cycle,
+                                                   publish_every_seconds=args.publish_every))
+    app = build_sidecar(options, LoadedTarget.load(args.target))
+    web.run_app(app, host=args.host, port=args.port, print=lambda line: print(line, flush=True))
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -217,7 +331,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
                            learner=not args.no_learner, duty_cycle=args.duty_cycle, server_id=args.server_id,
-                           model_name=args.model_name)
+                           model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,
+                           token=args.token)
     web.run_app(build_server(options), host=args.host, port=args.port, print=lambda line: print(line, flush=True))
     return 0
 
@@ -229,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_store_commands(sub)
     _add_serve(sub)
+    _add_learner(sub)
     return parser
 
 

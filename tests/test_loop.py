@@ -216,3 +216,22 @@ def test_store_cli_lists_rolls_back_and_pins(tmp_path: Path, capsys) -> None:
     listing = json.loads(capsys.readouterr().out)
     assert listing["live"] == versions[0] and listing["versions"][0]["pinned"]
     assert main(["rollback", "--store", str(tmp_path / "missing")]) == 2
+
+
+def test_catch_up_after_a_swap_is_spread_over_steps_and_stays_lossless() -> None:
+    target = tiny_target()
+    prompts = [list(range(1 + i, 41 + i)) for i in range(3)]  # 40-token prompts
+    plain = Engine(target, None, EngineConfig(max_batch=3))
+    expected = [s.output_ids for s in plain.generate(prompts, SamplingParams(max_tokens=60))]
+    drafter = TokenDrafter(target, "self", catchup_tokens_per_step=16)  # the target drafting for itself
+    engine = Engine(target, drafter, fixed_k(max_batch=3, num_draft_tokens=4))
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=60)) for p in prompts]
+    engine.step()
+    drafter.offer(target, "self-again")  # a swap: every row must rebuild 40+ cached tokens
+    proposed_per_step = []
+    while engine.has_work:
+        engine.step()
+        proposed_per_step.append(engine.step_stats[-1].num_drafts_proposed)
+    assert proposed_per_step[0] < 3 * 4  # not every row was ready right after the swap
+    assert max(proposed_per_step) == 3 * 4  # and then all were
+    assert [s.output_ids for s in seqs] == expected

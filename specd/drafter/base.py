@@ -43,6 +43,7 @@ class Proposal:
 
     drafts: torch.Tensor            # [B, k] token ids
     q: torch.Tensor | None = None   # [B, k, V] the distributions the drafts were drawn from
+    limits: torch.Tensor | None = None  # [B] drafts usable per row (fewer while a row is not ready)
 
 
 class Drafter(Protocol):

@@ -76,12 +76,14 @@ def new_drafter_model(target: Transformer, shape: DrafterShape, copy_from_target
 class TokenDrafter:
     """Runs a drafter `Transformer` behind the `Drafter` protocol."""
 
-    def __init__(self, model: Transformer, version: str = "0") -> None:
+    def __init__(self, model: Transformer, version: str = "0", catchup_tokens_per_step: int = 256) -> None:
         self.model = model
+        self.catchup_tokens_per_step = catchup_tokens_per_step
         self._version = version
         self._cache: KVCache | None = None
         self._cached: list[int] = []          # per slot: tokens of the row held in the cache
         self._proposed_from: list[int] = []   # per row: sequence length when the drafts were made
+        self._ready: list[bool] = []          # per row: its cache was complete when it drafted
         self._k = 0
         self._pending: tuple[Transformer, str] | None = None
         self._pending_lock = threading.Lock()
@@ -116,6 +118,10 @@ class TokenDrafter:
         self._cached = [0] * len(self._cached)
         self.num_swaps += 1
 
+    def apply_pending(self) -> None:
+        """Take offered weights now; only call between steps (the engine thread, idle)."""
+        self._take_pending()
+
     def _take_pending(self) -> None:
         with self._pending_lock:
             pending, self._pending = self._pending, None
@@ -128,14 +134,21 @@ class TokenDrafter:
         assert self._cache is not None, "bind() first"
         cache, model = self._cache, self.model
         lengths = batch.lengths.tolist()
-        # feed the last `width` tokens of every row as one block; rows further behind catch up alone
+        # feed the last `width` tokens of every row as one block; rows further behind catch up alone,
+        # within a per-step token budget so that a swap (every row behind) never stalls one step
         width = min(2, min(lengths))
+        budget = self.catchup_tokens_per_step
+        ready = []
         for row, length in enumerate(lengths):
             behind = self._cached[row]
-            if behind < length - width:
-                model(batch.tokens[row:row + 1, behind:length - width],
+            chunk = min(length - width - behind, budget)
+            if chunk > 0:
+                model(batch.tokens[row:row + 1, behind:behind + chunk],
                       torch.tensor([behind], device=batch.tokens.device), cache, first_slot=row,
                       logits_for="none")
+                self._cached[row] = behind + chunk
+                budget -= chunk
+            ready.append(self._cached[row] >= length - width)
         starts = batch.lengths - width
         rows = torch.arange(batch.num_rows, device=batch.tokens.device)
         block = batch.tokens[rows[:, None], starts[:, None] + torch.arange(width, device=starts.device)]
@@ -157,13 +170,16 @@ class TokenDrafter:
             drafts.append(draft)
             if i < k - 1:
                 logits, _ = model(draft[:, None], batch.lengths + i, cache, logits_for="last")
-        self._proposed_from = lengths
-        self._k = k
+        self._proposed_from, self._ready, self._k = lengths, ready, k
         for row, length in enumerate(lengths):
-            self._cached[row] = length + k - 1
-        return Proposal(torch.stack(drafts, dim=1), torch.stack(qs, dim=1) if sampling else None)
+            if ready[row]:
+                self._cached[row] = length + k - 1
+        # a row still catching up drafted from a partial cache: its drafts must not count
+        limits = None if all(ready) else torch.tensor([k if r else 0 for r in ready], device=batch.tokens.device)
+        return Proposal(torch.stack(drafts, dim=1), torch.stack(qs, dim=1) if sampling else None, limits)
 
     def commit(self, num_accepted: torch.Tensor) -> None:
         # d_1..d_{k-1} were fed; only the accepted ones are valid context
         for row, accepted in enumerate(num_accepted.tolist()):
-            self._cached[row] = self._proposed_from[row] + min(accepted, self._k - 1)
+            if self._ready[row]:
+                self._cached[row] = self._proposed_from[row] + min(accepted, self._k - 1)

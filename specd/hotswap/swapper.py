@@ -1,7 +1,8 @@
 """Follow the store's live version into a running drafter, off the decoding thread.
 
 Contract: `Swapper` runs beside the engine (its own thread, or `check_once` from a test). When
-the store's live version differs from the drafter's, it reads the weights, checks them (sha256
+the source's live version (a local store, or announcements plus HTTP fetches from a learner)
+differs from the drafter's, it reads the weights, checks them (sha256
 against the manifest, safetensors metadata, the target's fingerprint, tensor names and shapes,
 finite values) and hands the ready model to `TokenDrafter.offer`; the drafter switches to it at
 the start of its next proposal, i.e. between two decoding steps. Disk reads and checks never
@@ -15,6 +16,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
 
 from specd.drafter.checkpoint import TargetFingerprint, load_drafter
 from specd.drafter.token_drafter import TokenDrafter
@@ -32,10 +35,32 @@ class SwapEvent:
     at: float = field(default_factory=time.time)
 
 
-class Swapper:
-    def __init__(self, store: WeightStore, drafter: TokenDrafter, fingerprint: TargetFingerprint,
-                 poll_seconds: float = 0.2) -> None:
+class VersionSource(Protocol):
+    """Where the live version is announced and its weights and manifest are found."""
+
+    def live_version(self) -> int | None: ...
+
+    def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
+        """A local path to the version's weights and its manifest."""
+
+
+class LocalStore:
+    """A weight store on this machine's disk (the embedded default, or a shared volume)."""
+
+    def __init__(self, store: WeightStore) -> None:
         self.store = store
+
+    def live_version(self) -> int | None:
+        return self.store.live_version()
+
+    def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
+        return self.store.weights_path(version), self.store.manifest(version)
+
+
+class Swapper:
+    def __init__(self, source: WeightStore | VersionSource, drafter: TokenDrafter, fingerprint: TargetFingerprint,
+                 poll_seconds: float = 0.2) -> None:
+        self.source: VersionSource = LocalStore(source) if isinstance(source, WeightStore) else source
         self.drafter = drafter
         self.fingerprint = fingerprint
         self.poll_seconds = poll_seconds
@@ -48,7 +73,7 @@ class Swapper:
     def check_once(self) -> bool:
         """Prepare the live version if it is new; True when a model was handed to the drafter."""
         try:
-            live = self.store.live_version()
+            live = self.source.live_version()
         except (OSError, ValueError) as error:
             log.warning("cannot read the store's live version: %s", error)
             return False
@@ -68,8 +93,7 @@ class Swapper:
         return True
 
     def _load_checked(self, version: int) -> Transformer:
-        manifest = self.store.manifest(version)
-        path = self.store.weights_path(version)
+        path, manifest = self.source.fetch(version)
         digest = sha256_file(path)
         if digest != manifest.get("sha256"):
             raise CheckpointError(f"version {version}: sha256 {digest[:12]}… does not match the manifest's "

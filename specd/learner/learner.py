@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from specd.bus import Bus
-from specd.drafter.checkpoint import TargetFingerprint
+from specd.drafter.checkpoint import TargetFingerprint, load_drafter
 from specd.hotswap.store import WeightStore
 from specd.learner.records import RecordRefused, TrajectoryRecord, validate_record
 from specd.learner.signal import build_batch, drafter_loss, simulated_accept_length
@@ -83,6 +83,9 @@ class Learner:
         self.fingerprint = fingerprint
         self.serving_dtype = serving_dtype
         self.vocab_size = initial.config.vocab_size
+        live = store.live_version()
+        if live is not None:  # a restarted learner resumes from what is serving
+            initial = load_drafter(store.weights_path(live), fingerprint)
         self.model = copy.deepcopy(initial).float().train()
         self.model.embed.weight.requires_grad_(config.train_embeddings)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -96,7 +99,7 @@ class Learner:
         self._staleness: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.live_version = store.live_version()
+        self.live_version = live
         if self.live_version is None:  # day 0: the untrained drafter is version 1
             self.live_version = self._publish(self.model, {"evaluation": None, "reason": "initial"})
             store.set_live(self.live_version, "initial")
@@ -199,8 +202,6 @@ class Learner:
                 "held_out_records": len(held_out)}
 
     def _live_model(self) -> Transformer | None:
-        from specd.drafter.checkpoint import load_drafter
-
         live = self.store.live_version()
         return None if live is None else load_drafter(self.store.weights_path(live), self.fingerprint)
 

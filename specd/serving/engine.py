@@ -155,6 +155,8 @@ class Engine:
         # drafts past a row's remaining budget count as not proposed (k larger than tokens left)
         limit = (left - 1).clamp(min=0, max=k)
         proposal = self._propose(lengths, k) if k > 0 else None
+        if proposal is not None and proposal.limits is not None:
+            limit = torch.minimum(limit, proposal.limits)
         drafts = proposal.drafts if proposal is not None else torch.zeros(batch, 0, dtype=torch.long,
                                                                           device=self.device)
         drafted = time.perf_counter()

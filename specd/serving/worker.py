@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specd.bus import Bus
+from specd.bus import RecordSink
 from specd.learner.records import record_from_sequence
 from specd.serving.engine import Engine
 from specd.serving.metrics import ServingMetrics
@@ -42,7 +42,7 @@ class Submission:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, bus: Bus | None = None, server_id: str = "specd",
+    def __init__(self, engine: Engine, bus: RecordSink | None = None, server_id: str = "specd",
                  metrics: ServingMetrics | None = None) -> None:
         self.engine = engine
         self.bus = bus
@@ -93,6 +93,10 @@ class EngineWorker:
         while not self._stop.is_set():
             self._drain_inbox(block=not self.engine.has_work)
             if not self.engine.has_work:
+                # idle: a swap offered meanwhile can happen now rather than at the next request
+                apply_pending = getattr(self.engine.drafter, "apply_pending", None)
+                if apply_pending is not None:
+                    apply_pending()
                 continue
             try:
                 finished = self.engine.step()

@@ -1,0 +1,150 @@
+"""The control plane over HTTP: versions, weights, live/rollback/pin, acceptance series, dashboard.
+
+Contract: `add_control_routes(app, plane)` mounts the same routes on the learner sidecar and on an
+embedded `specd serve`:
+  GET  /v1/versions                 {"live": n, "versions": [manifest, ...]}
+  GET  /v1/versions/{n}             one manifest
+  GET  /v1/versions/{n}/weights     the safetensors file (servers check its sha256)
+  GET  /v1/acceptance               acceptance time series per version and server
+  GET  /v1/status                   learner and store status
+  POST /v1/live      {"version": n}            make n live
+  POST /v1/rollback  {"version": n?}           roll back (default: the previous live version)
+  POST /v1/pin       {"version": n, "pinned": true|false}
+  GET  /  and /dashboard            the dashboard page
+POST routes need `Authorization: Bearer <token>` when a token is configured. Store errors become
+4xx JSON errors with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from specd.hotswap.store import StoreError, WeightStore
+from specd.learner.canary import AcceptanceLog
+
+
+@dataclass
+class ControlPlane:
+    store: WeightStore
+    acceptance: AcceptanceLog
+    token: str | None = None
+    status: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    on_change: Callable[[], None] = field(default=lambda: None)  # e.g. announce the new live version
+
+
+PLANE = web.AppKey("control_plane", ControlPlane)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
+
+
+def _version(request: web.Request) -> int:
+    try:
+        return int(request.match_info["version"])
+    except ValueError:
+        raise web.HTTPBadRequest(reason="the version must be an integer") from None
+
+
+async def _authorised_body(request: web.Request) -> dict[str, Any] | web.Response:
+    plane = request.app[PLANE]
+    if plane.token and request.headers.get("Authorization") != f"Bearer {plane.token}":
+        return _error(401, "this control operation needs `Authorization: Bearer <token>`")
+    try:
+        body = await request.json() if request.can_read_body else {}
+    except json.JSONDecodeError:
+        return _error(400, "the request body is not valid JSON")
+    if not isinstance(body, dict):
+        return _error(400, "the request body must be a JSON object")
+    return body
+
+
+def _optional_int(body: dict[str, Any], name: str, required: bool) -> int | None:
+    value = body.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise StoreError(f"'{name}' must be an integer version number")
+    return value
+
+
+async def versions(request: web.Request) -> web.Response:
+    store = request.app[PLANE].store
+    return web.json_response({"live": store.live_version(), "versions": [store.manifest(v) for v in store.versions()]})
+
+
+async def manifest(request: web.Request) -> web.Response:
+    try:
+        return web.json_response(request.app[PLANE].store.manifest(_version(request)))
+    except StoreError as error:
+        return _error(404, str(error))
+
+
+async def weights(request: web.Request) -> web.StreamResponse:
+    path = request.app[PLANE].store.weights_path(_version(request))
+    if not path.is_file():
+        return _error(404, f"version {_version(request)} has no weights here")
+    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+
+
+async def acceptance(request: web.Request) -> web.Response:
+    log = request.app[PLANE].acceptance
+    return web.json_response({"series": list(log.series), "totals": log.totals})
+
+
+async def status(request: web.Request) -> web.Response:
+    plane = request.app[PLANE]
+    return web.json_response({"live": plane.store.live_version(), **plane.status()})
+
+
+async def _operate(request: web.Request, operation: Callable[[ControlPlane, dict[str, Any]], Any]) -> web.Response:
+    body = await _authorised_body(request)
+    if isinstance(body, web.Response):
+        return body
+    plane = request.app[PLANE]
+    try:
+        operation(plane, body)
+    except StoreError as error:
+        return _error(400, str(error))
+    plane.on_change()
+    return web.json_response({"live": plane.store.live_version()})
+
+
+async def set_live(request: web.Request) -> web.Response:
+    return await _operate(request, lambda p, b: p.store.set_live(_optional_int(b, "version", True) or 0, "operator"))
+
+
+async def rollback(request: web.Request) -> web.Response:
+    return await _operate(request, lambda p, b: p.store.rollback(_optional_int(b, "version", False),
+                                                                 {"by": "operator"}))
+
+
+async def pin(request: web.Request) -> web.Response:
+    return await _operate(request, lambda p, b: p.store.pin(_optional_int(b, "version", True) or 0,
+                                                            bool(b.get("pinned", True))))
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    # one self-contained page (inline SVG charts, no CDN): see specd/hotswap/dashboard.html
+    page = resources.files("specd.hotswap").joinpath("dashboard.html").read_text()
+    return web.Response(text=page, content_type="text/html")
+
+
+def add_control_routes(app: web.Application, plane: ControlPlane) -> None:
+    app[PLANE] = plane
+    app.router.add_get("/v1/versions", versions)
+    app.router.add_get("/v1/versions/{version}", manifest)
+    app.router.add_get("/v1/versions/{version}/weights", weights)
+    app.router.add_get("/v1/acceptance", acceptance)
+    app.router.add_get("/v1/status", status)
+    app.router.add_post("/v1/live", set_live)
+    app.router.add_post("/v1/rollback", rollback)
+    app.router.add_post("/v1/pin", pin)
+    app.router.add_get("/", dashboard)
+    app.router.add_get("/dashboard", dashboard)

@@ -1,0 +1,206 @@
+"""The MQTT transport (aiomqtt): records from servers to the learner, live-version announcements back.
+
+Contract:
+- Topics, under a deployment name D: `specd/D/records/<server>` (trajectory records, QoS 1),
+  `specd/D/reports/<server>` (acceptance reports, QoS 1), `specd/D/live` (the live version,
+  retained, so a server that starts late learns it at once).
+- `MqttPublisher` runs its own thread and event loop; `publish()` (the `Bus` interface) only
+  appends to a bounded buffer and never blocks a decoding step. Records leave the buffer only
+  after the broker acknowledged them (QoS 1 PUBACK); while the broker is down they wait, the
+  oldest are shed (and counted) beyond the bound, and the client reconnects with jittered
+  exponential backoff.
+- `MqttSubscriber` keeps a persistent session (fixed client id, clean_session False, QoS 1), so
+  records published while the learner is away are delivered when it returns.
+- Username/password and TLS (a CA file, optional client certificate) pass straight through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import ssl
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import aiomqtt
+
+from specd.bus import BusCounters
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MqttSettings:
+    host: str = "127.0.0.1"
+    port: int = 1883
+    deployment: str = "default"
+    username: str | None = None
+    password: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def from_url(cls, url: str, deployment: str = "default", **extra: Any) -> MqttSettings:
+        """mqtt://[user:password@]host[:port] or mqtts://... (TLS with the system's CAs unless tls_ca)."""
+        parsed = urlparse(url)
+        if parsed.scheme not in ("mqtt", "mqtts") or not parsed.hostname:
+            raise ValueError(f"broker URL {url!r}: expected mqtt://host[:port] or mqtts://host[:port]")
+        tls = parsed.scheme == "mqtts"
+        return cls(host=parsed.hostname, port=parsed.port or (8883 if tls else 1883), deployment=deployment,
+                   username=parsed.username, password=parsed.password,
+                   tls_ca=extra.pop("tls_ca", None) or ("system" if tls else None), **extra)
+
+    def topic(self, kind: str, server: str | None = None) -> str:
+        return f"specd/{self.deployment}/{kind}" + (f"/{server}" if server else "")
+
+    def client(self, identifier: str | None = None, clean_session: bool | None = None) -> aiomqtt.Client:
+        context = None
+        if self.tls_ca is not None:
+            context = ssl.create_default_context(cafile=None if self.tls_ca == "system" else self.tls_ca)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+        return aiomqtt.Client(self.host, self.port, username=self.username, password=self.password,
+                              identifier=identifier, clean_session=clean_session, tls_context=context,
+                              timeout=5)
+
+
+def backoff(attempt: int, base: float = 0.2, cap: float = 5.0) -> float:
+    """Jittered exponential backoff: uniform in [0, min(cap, base * 2^attempt)]."""
+    return random.uniform(0, min(cap, base * 2 ** attempt))
+
+
+class MqttPublisher:
+    """A never-blocking `Bus` whose records (and reports) reach the broker from a background thread."""
+
+    def __init__(self, settings: MqttSettings, server_id: str, capacity: int = 10_000,
+                 on_announcement: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.settings = settings
+        self.server_id = server_id
+        self.capacity = capacity
+        self.on_announcement = on_announcement
+        self.counters = BusCounters()
+        self.connected = threading.Event()
+        self._pending: deque[tuple[str, bytes]] = deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- the Bus interface ----------------------------------------------------------------
+    def publish(self, record: dict[str, Any]) -> None:
+        self._enqueue(self.settings.topic("records", self.server_id), record)
+
+    def report(self, report: dict[str, Any]) -> None:
+        self._enqueue(self.settings.topic("reports", self.server_id), report)
+
+    def _enqueue(self, topic: str, payload: dict[str, Any]) -> None:
+        with self._lock:
+            if len(self._pending) >= self.capacity:
+                self._pending.popleft()
+                self.counters.shed += 1
+            self._pending.append((topic, json.dumps(payload).encode()))
+            self.counters.published += 1
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    @property
+    def backlog(self) -> int:
+        return len(self._pending)
+
+    # ---- the thread -----------------------------------------------------------------------
+    def start(self) -> MqttPublisher:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="specd-mqtt", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, drain_seconds: float = 2.0) -> None:
+        deadline = threading.Event()
+        if self.connected.is_set():
+            deadline.wait(0)  # give queued records a moment to leave
+            for _ in range(int(drain_seconds / 0.05)):
+                if not self._pending:
+                    break
+                deadline.wait(0.05)
+        self._stop.set()
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    async def _main(self) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                async with self.settings.client() as client:
+                    attempt = 0
+                    self.connected.set()
+                    await client.subscribe(self.settings.topic("live"), qos=1)
+                    listener = asyncio.create_task(self._listen(client))
+                    try:
+                        await self._drain(client)
+                    finally:
+                        listener.cancel()
+            except aiomqtt.MqttError as error:
+                log.warning("MQTT broker unreachable (%s); %d records waiting", error, len(self._pending))
+            self.connected.clear()
+            if not self._stop.is_set():
+                await asyncio.sleep(backoff(attempt))
+                attempt += 1
+
+    async def _drain(self, client: aiomqtt.Client) -> None:
+        assert self._wake is not None
+        while not self._stop.is_set():
+            with self._lock:
+                head = self._pending[0] if self._pending else None
+            if head is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await client.publish(head[0], head[1], qos=1)  # returns once the broker acknowledged it
+            with self._lock:
+                if self._pending and self._pending[0] is head:
+                    self._pending.popleft()
+                    self.counters.delivered += 1
+
+    async def _listen(self, client: aiomqtt.Client) -> None:
+        async for message in client.messages:
+            if self.on_announcement is None:
+                continue
+            try:
+                self.on_announcement(json.loads(bytes(message.payload)))
+            except (ValueError, TypeError) as error:
+                log.warning("ignored a malformed announcement: %s", error)
+
+
+async def subscribe_forever(settings: MqttSettings, client_id: str,
+                            handle: Callable[[str, bytes], Awaitable[None]], stop: asyncio.Event) -> None:
+    """The learner's side: a persistent QoS 1 session on records and reports, reconnecting forever."""
+    attempt = 0
+    while not stop.is_set():
+        try:
+            async with settings.client(identifier=client_id, clean_session=False) as client:
+                attempt = 0
+                await client.subscribe(settings.topic("records") + "/+", qos=1)
+                await client.subscribe(settings.topic("reports") + "/+", qos=1)
+                async for message in client.messages:
+                    await handle(str(message.topic), bytes(message.payload))
+        except aiomqtt.MqttError as error:
+            log.warning("MQTT broker unreachable (%s); retrying", error)
+        if not stop.is_set():
+            await asyncio.sleep(backoff(attempt))
+            attempt += 1
+
+
+async def announce(settings: MqttSettings, payload: dict[str, Any]) -> None:
+    """Publish the live version as a retained message (one short connection)."""
+    async with settings.client() as client:
+        await client.publish(settings.topic("live"), json.dumps(payload).encode(), qos=1, retain=True)

@@ -1,0 +1,148 @@
+"""Real processes on loopback for the service tests: Mosquitto, `specd learner`, `specd serve`.
+
+Each helper starts a process, waits until it answers, and stops it on exit. Ports are free
+ports chosen by the OS; every test gets its own MQTT deployment name (its own topics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(check, timeout: float = 60.0, interval: float = 0.2, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as error:  # not up yet
+            last_error = error
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what} (last error: {last_error})")
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+class Broker:
+    """Mosquitto on a free loopback port, with persistence so sessions survive a restart."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "mosquitto.conf").write_text(
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
+            f"persistence_location {folder}/\nmax_queued_messages 100000\nautosave_interval 1\n")
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self) -> Broker:
+        binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+        self.process = subprocess.Popen([binary, "-c", str(self.folder / "mosquitto.conf")],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def listening() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+
+        wait_for(listening, 20, what="mosquitto")
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
+
+
+class SpecdProcess:
+    """`python -m specd.cli ARGS` with its log in a file; `url` once it answers /health."""
+
+    def __init__(self, args: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> None:
+        self.args, self.port, self.log = args, port, log
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180.0) -> SpecdProcess:
+        handle = self.log.open("a")
+        self.process = subprocess.Popen([sys.executable, "-m", "specd.cli", *self.args, "--port", str(self.port)],
+                                        stdout=handle, stderr=subprocess.STDOUT, env=self.env)
+        try:
+            wait_for(lambda: get_json(self.url + "/health")["status"] == "ok", timeout, what=" ".join(self.args[:1]))
+        except TimeoutError:
+            raise TimeoutError(f"{self.args[0]} did not start; log:\n{self.log.read_text()[-3000:]}") from None
+        return self
+
+    def health(self) -> dict[str, Any]:
+        return dict(get_json(self.url + "/health"))
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+            self.process = None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(20)
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process = None
+
+
+def tiny_checkpoint(folder: Path) -> Path:
+    """A small random Llama checkpoint that uses SmolLM2's real tokenizer and chat template."""
+    import transformers
+
+    from specd.serving.bundled import bundled_target_dir
+
+    if (folder / "config.json").is_file():
+        return folder
+    source = bundled_target_dir()
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.15)  # peaked enough that greedy paths are stable
+    model.save_pretrained(str(folder), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, folder / name)
+    return folder

@@ -1,0 +1,66 @@
+"""The dashboard in a real browser (headless Chromium via Playwright): charts, versions, rollback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+from pathlib import Path
+
+import pytest
+from services import SpecdProcess, free_port, get_json, tiny_checkpoint, wait_for
+
+from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+from specd.hotswap.store import WeightStore
+from specd.serving.target import LoadedTarget
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def chat(url: str, question: str) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": question}], "max_tokens": 16, "temperature": 0}
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=60).read()
+
+
+def test_dashboard_renders_live_charts_and_rolls_back_from_the_page(tmp_path: Path) -> None:
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.fail("chromium is not installed (scripts/quickstart test installs it)")
+    checkpoint = tiny_checkpoint(tmp_path / "tiny")
+    loaded = LoadedTarget.load(checkpoint)
+    store = WeightStore(tmp_path / "store")
+    shape = DrafterShape.like(loaded.model.config, 1, 4096)
+    for seed in (0, 1):
+        version = store.publish(new_drafter_model(loaded.model, shape, seed=seed), loaded.fingerprint,
+                                store.live_version(), {})
+        store.set_live(version)
+    server = SpecdProcess(["serve", "--target", str(checkpoint), "--store", str(tmp_path / "store"), "--no-learner",
+                           "--model-name", "tiny", "--token", "secret"], free_port(), tmp_path / "serve.log").start()
+    try:
+        wait_for(lambda: server.health()["drafter_version"] == "2", 30, what="server on version 2")
+        for question in ("Hello there", "What is two plus two?", "Tell me a joke", "Name a colour"):
+            chat(server.url, question)
+        wait_for(lambda: get_json(server.url + "/v1/acceptance")["series"], 20, what="acceptance reports")
+        with playwright_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+                "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--no-first-run"])
+            page = browser.new_page()
+            page.on("dialog", lambda dialog: dialog.accept("secret") if dialog.type == "prompt" else dialog.accept())
+            page.goto(server.url + "/dashboard")
+            page.wait_for_function("document.querySelectorAll('#rate polyline.series').length > 0", timeout=20000)
+            assert page.locator("#length polyline.series").count() > 0
+            assert int(page.locator("#rate").get_attribute("data-points") or 0) > 0
+            assert page.locator("#versions tbody tr").count() == 2
+            assert "live: v2" in page.locator("#live").inner_text()
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            page.click("#versions tr[data-version='1'] button")
+            page.wait_for_function("document.querySelector('#live').textContent.includes('v1')", timeout=20000)
+            browser.close()
+        wait_for(lambda: server.health()["drafter_version"] == "1", 15, what="the rollback reaching the server")
+        assert store.manifest(2)["status"] == "rolled-back"
+    finally:
+        server.stop()
