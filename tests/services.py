@@ -56,7 +56,8 @@ class Broker:
         self.process: subprocess.Popen | None = None
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "mosquitto.conf").write_text(
-            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
+            # user root: as root, mosquitto would drop to a "mosquitto" user that cannot write here
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\nuser root\npersistence true\n"
             f"persistence_location {folder}/\nmax_queued_messages 100000\nautosave_interval 1\n")
 
     @property

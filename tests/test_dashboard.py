@@ -56,7 +56,7 @@ def test_dashboard_renders_live_charts_and_rolls_back_from_the_page(tmp_path: Pa
             assert int(page.locator("#rate").get_attribute("data-points") or 0) > 0
             assert page.locator("#versions tbody tr").count() == 2
             assert "live: v2" in page.locator("#live").inner_text()
-            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)  # for people: see the log
             page.click("#versions tr[data-version='1'] button")
             page.wait_for_function("document.querySelector('#live').textContent.includes('v1')", timeout=20000)
             browser.close()

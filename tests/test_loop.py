@@ -235,3 +235,19 @@ def test_catch_up_after_a_swap_is_spread_over_steps_and_stays_lossless() -> None
     assert proposed_per_step[0] < 3 * 4  # not every row was ready right after the swap
     assert max(proposed_per_step) == 3 * 4  # and then all were
     assert [s.output_ids for s in seqs] == expected
+
+
+def test_learner_holds_publishing_after_an_operator_rollback(tmp_path: Path) -> None:
+    target = learnable_target()
+    bus, store = InProcessBus(), WeightStore(tmp_path)
+    config = LearnerConfig(duty_cycle=1.0, publish_every_steps=1, holdout_every=10**9, hold_after_rollback_s=3600)
+    learner = Learner(config, bus, store, new_drafter_model(target, SHAPE, copy_from_target=False).float(),
+                      FINGERPRINT)
+    for record in make_records(target, random_prompts(8, 3)):
+        bus.publish(record)
+    learner.step()
+    assert store.live_version() == 2
+    store.rollback()  # the operator
+    for _ in range(3):
+        learner.step()
+    assert store.live_version() == 1 and store.versions() == [1, 2]

@@ -48,6 +48,7 @@ class LearnerConfig:
     publish_every_steps: int = 10
     publish_every_seconds: float = 15.0
     gate_margin: float = 0.05       # a candidate may trail the live version by this much accept length
+    hold_after_rollback_s: float = 60.0  # after someone else changes the live version, publish nothing this long
     k: int = 4
     min_records: int = 2
     duty_cycle: float = 0.5
@@ -97,6 +98,7 @@ class Learner:
         self._last_publish = time.monotonic()
         self._steps_at_publish = 0
         self._staleness: dict[str, Any] | None = None
+        self._hold_until = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.live_version = live
@@ -162,8 +164,22 @@ class Learner:
         return True
 
     # ---- gate and publishing --------------------------------------------------------------
+    def _follow_external_change(self) -> bool:
+        """An operator or the canary changed the live version: train on from it and hold publishing."""
+        live = self.store.live_version()
+        if live is None or live == self.live_version:
+            return time.monotonic() < self._hold_until
+        log.warning("live version changed to %s outside the learner; holding publications for %.0f s",
+                    live, self.config.hold_after_rollback_s)
+        self.live_version = live
+        self.model.load_state_dict(load_drafter(self.store.weights_path(live), self.fingerprint).float().state_dict())
+        self._hold_until = time.monotonic() + self.config.hold_after_rollback_s
+        return True
+
     def maybe_publish(self, force: bool = False) -> int | None:
         cfg = self.config
+        if self._follow_external_change() and not force:
+            return None
         due = (self.stats.steps - self._steps_at_publish >= cfg.publish_every_steps
                or time.monotonic() - self._last_publish >= cfg.publish_every_seconds)
         if not (force or due) or self.stats.steps == self._steps_at_publish:
