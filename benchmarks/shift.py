@@ -36,11 +36,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--drafter-layers", type=int, default=1)
     parser.add_argument("--duty-cycle", type=float, default=0.5)
+    parser.add_argument("--adaptive-k", action="store_true", help="lookahead controller on (default: fixed k)")
+    parser.add_argument("--drafter-kind", choices=["hybrid", "learned"], default="hybrid")
     parser.add_argument("--out", default="out/shift.json")
     args = parser.parse_args()
     loaded = LoadedTarget.load(None)
     items = default_shift_traffic(args.requests)
     config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, drafter_layers=args.drafter_layers,
+                        adaptive_lookahead=args.adaptive_k, drafter_kind=args.drafter_kind,
                         learner=LearnerConfig(duty_cycle=args.duty_cycle))
     result = run_demo(loaded, items, config)
     first, second = result["domains"][0], result["domains"][-1]

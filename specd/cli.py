@@ -103,6 +103,11 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=4, help="requests decoded together (default 4)")
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--duty-cycle", type=float, default=0.5, help="learner's share of wall time (default 0.5)")
+    p.add_argument("--drafter-kind", choices=["hybrid", "learned"], default="hybrid",
+                   help="hybrid: context matches first, the learned drafter elsewhere (default); learned: only it")
+    p.add_argument("--adaptive-k", action="store_true",
+                   help="let the lookahead controller pick k per step (default: fixed k, so accept length "
+                        "measures the drafter)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", default=None)
     p.add_argument("--json-out", default="out/demo.json")
@@ -123,6 +128,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         items = default_shift_traffic(args.requests, args.seed)
     loaded = LoadedTarget.load(args.target)
     config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, k=args.k, seed=args.seed,
+                        adaptive_lookahead=args.adaptive_k, drafter_kind=args.drafter_kind,
                         learner=LearnerConfig(duty_cycle=args.duty_cycle, k=args.k, seed=args.seed))
     result = run_demo(loaded, items, config, Path(args.store) if args.store else None)
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -258,6 +264,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--batch", type=int, default=8, help="most requests decoded together")
     p.add_argument("--no-learner", action="store_true", help="serve the store's live version without training")
+    p.add_argument("--no-records", action="store_true", help="publish no trajectory records (to measure their cost)")
     p.add_argument("--duty-cycle", type=float, default=0.5)
     p.add_argument("--server-id", default="specd-0")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target folder name)")
@@ -332,7 +339,7 @@ def run_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
                            learner=not args.no_learner, duty_cycle=args.duty_cycle, server_id=args.server_id,
                            model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,
-                           token=args.token)
+                           token=args.token, publish_records=not args.no_records)
     web.run_app(build_server(options), host=args.host, port=args.port, print=lambda line: print(line, flush=True))
     return 0
 

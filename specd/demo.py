@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from specd.bus import InProcessBus
 from specd.drafter.checkpoint import load_drafter
+from specd.drafter.context_match import HybridDrafter, wrap_drafter
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import Swapper
@@ -50,6 +51,9 @@ class DemoConfig:
     k: int = 4
     drafter_layers: int = 1
     drafter_head_vocab: int = 8192
+    drafter_kind: str = "hybrid"   # "hybrid": context matches first, the learned drafter elsewhere; "learned"
+    # fixed k by default: accept length then measures the drafter, not the lookahead controller's choices
+    adaptive_lookahead: bool = False
     seed: int = 0
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 
@@ -81,10 +85,11 @@ def segments(items: list[TrafficItem]) -> list[tuple[str, list[int]]]:
 
 
 def run_mode(mode: str, loaded: LoadedTarget, items: list[TrafficItem], prompts: list[list[int]],
-             config: DemoConfig, drafter: TokenDrafter | None, bus: InProcessBus | None,
+             config: DemoConfig, drafter: TokenDrafter | HybridDrafter | None, bus: InProcessBus | None,
              on_segment_end=None) -> ModeRun:
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=config.max_batch, num_draft_tokens=config.k,
-                                                        eos_token_ids=loaded.eos_token_ids))
+                                                        eos_token_ids=loaded.eos_token_ids,
+                                                        adaptive_lookahead=config.adaptive_lookahead))
     run = ModeRun(mode)
     results: dict[int, Sequence] = {}
     bar = tqdm(total=len(items), desc=f"{mode:>8}", unit="req", leave=True)
@@ -152,7 +157,7 @@ def run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig,
     initial = new_drafter_model(loaded.model, shape, copy_from_target=True, seed=config.seed)
     bus = InProcessBus()
     learner = Learner(config.learner, bus, store, initial, loaded.fingerprint, loaded.model.embed.weight.dtype)
-    drafter = TokenDrafter(initial, version=str(store.live_version()))
+    drafter = wrap_drafter(TokenDrafter(initial, version=str(store.live_version())), config.drafter_kind)
     swapper = Swapper(store, drafter, loaded.fingerprint)
     frozen: dict[str, int | None] = {}
     learner.start()
@@ -167,8 +172,8 @@ def run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig,
     assert static_version is not None
     static_model = load_drafter(store.weights_path(static_version), loaded.fingerprint,
                                 loaded.model.embed.weight.dtype)
-    static = run_mode("static", loaded, items, prompts, config, TokenDrafter(static_model, str(static_version)),
-                      None)
+    static_drafter = wrap_drafter(TokenDrafter(static_model, str(static_version)), config.drafter_kind)
+    static = run_mode("static", loaded, items, prompts, config, static_drafter, None)
     plain = run_mode("none", loaded, items, prompts, config, None, None)
     runs = {"adaptive": adaptive, "static": static, "none": plain}
     return {
@@ -185,6 +190,7 @@ def run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig,
                     "training_seconds": learner.stats.training_seconds,
                     "torch_threads": torch.get_num_threads(), "records_shed": bus.counters.shed},
         "config": {k: v for k, v in asdict(config).items() if k != "learner"},
+        "context_matched_rows": getattr(drafter, "num_matched_rows", None),
         "requests": {mode: runs[mode].requests for mode in MODES},
     }
 

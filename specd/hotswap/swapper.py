@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from specd.drafter.checkpoint import TargetFingerprint, load_drafter
+from specd.drafter.context_match import HybridDrafter
 from specd.drafter.token_drafter import TokenDrafter
 from specd.hotswap.store import StoreError, WeightStore, sha256_file
 from specd.serving.checkpoint import CheckpointError
@@ -58,7 +59,8 @@ class LocalStore:
 
 
 class Swapper:
-    def __init__(self, source: WeightStore | VersionSource, drafter: TokenDrafter, fingerprint: TargetFingerprint,
+    def __init__(self, source: WeightStore | VersionSource, drafter: TokenDrafter | HybridDrafter,
+                 fingerprint: TargetFingerprint,
                  poll_seconds: float = 0.2) -> None:
         self.source: VersionSource = LocalStore(source) if isinstance(source, WeightStore) else source
         self.drafter = drafter

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from specd.bus import InProcessBus, RecordSink
 from specd.drafter.checkpoint import load_drafter
+from specd.drafter.context_match import wrap_drafter
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.hotswap.control import ControlPlane, add_control_routes
 from specd.hotswap.remote import RemoteSource
@@ -56,6 +57,8 @@ class ServeOptions:
     learner_url: str | None = None     # where to fetch weights before the first announcement names one
     token: str | None = None           # bearer token for the embedded control plane
     report_seconds: float = 2.0
+    drafter_kind: str = "hybrid"       # context matches first, the learned drafter elsewhere; or "learned"
+    publish_records: bool = True       # off only to measure what the loop costs
 
 
 def _report(server_id: str, metrics: ServingMetrics) -> dict[str, Any]:
@@ -79,7 +82,7 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
         remote = RemoteSource(store_dir / "fetched", options.learner_url)
         publisher = MqttPublisher(options.mqtt, options.server_id, on_announcement=remote.announce)
         bus, source, store = publisher, remote, None
-        drafter = TokenDrafter(new_drafter_model(loaded.model, shape), "0")  # until the first announcement
+        learned = TokenDrafter(new_drafter_model(loaded.model, shape), "0")  # until the first announcement
         counters = publisher.counters
     else:
         store = WeightStore(store_dir)
@@ -91,15 +94,16 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
         if options.learner:
             learner = Learner(LearnerConfig(duty_cycle=options.duty_cycle, k=options.k), in_process, store, model,
                               loaded.fingerprint, dtype)
-        drafter = TokenDrafter(model, str(store.live_version() or "0"))
+        learned = TokenDrafter(model, str(store.live_version() or "0"))
         counters = in_process.counters
+    drafter = wrap_drafter(learned, options.drafter_kind)
     swapper = Swapper(source, drafter, loaded.fingerprint)
     metrics.sources.update({"specd_records_shed": lambda: counters.shed,
                             "specd_drafter_swaps": lambda: drafter.num_swaps,
                             "specd_drafter_refused": lambda: len(swapper.refused)})
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=options.max_batch, num_draft_tokens=options.k,
                                                         eos_token_ids=loaded.eos_token_ids))
-    worker = EngineWorker(engine, bus, options.server_id, metrics)
+    worker = EngineWorker(engine, bus if options.publish_records else None, options.server_id, metrics)
 
     def status() -> dict[str, Any]:
         return {"server_id": options.server_id, "live_version": source.live_version(),

@@ -1,4 +1,4 @@
-"""Real processes on loopback for the service tests: Mosquitto, `specd learner`, `specd serve`.
+"""Real processes on loopback for the service tests and benchmarks: Mosquitto, `specd learner`, `specd serve`.
 
 Each helper starts a process, waits until it answers, and stops it on exit. Ports are free
 ports chosen by the OS; every test gets its own MQTT deployment name (its own topics).

@@ -1,0 +1,138 @@
+"""The service under load, side by side in one run (SmolLM2, embedded `specd serve` processes).
+
+1. Hot-swap under load: concurrent streaming clients for `--seconds`, once with the live version
+   changed every `--swap-every` seconds (POST /v1/live, alternating among prepared versions) and
+   once without; failed requests (goal 0) and p50/p99 inter-token latency (goal: p99 ratio ≤ 1.1).
+2. Cost of the loop: the same load against a server publishing trajectory records and one that
+   does not (`--no-records`); serving throughput (goal: under 3% apart).
+Both servers run with --no-learner so the learner's own CPU use does not enter the comparison
+(the demo and the shift benchmark report it with the learner on). Writes out/service_load.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+from specd.hotswap.store import WeightStore
+from specd.serving.target import LoadedTarget
+from specd.testing_services import SpecdProcess, free_port
+
+PROMPTS = ["Write a haiku about the sea.", "What is recursion?", "List three fruits.", "Explain DNS briefly.",
+           "Describe a cat.", "How do planes fly?", "Give me a pasta recipe.", "What is entropy?"]
+
+
+def prepare_store(folder: Path, versions: int) -> None:
+    loaded = LoadedTarget.load(None)
+    store = WeightStore(folder, keep_last=100)
+    shape = DrafterShape.like(loaded.model.config, 1, 8192)
+    for seed in range(versions):
+        version = store.publish(new_drafter_model(loaded.model, shape, seed=seed), loaded.fingerprint,
+                                store.live_version(), {})
+        store.set_live(version)
+
+
+async def client(session: aiohttp.ClientSession, url: str, deadline: float, gaps: list[float],
+                 outcomes: list[bool], tokens: list[int], index: int) -> None:
+    n = index
+    while time.monotonic() < deadline:
+        body = {"model": "bench", "messages": [{"role": "user", "content": PROMPTS[n % len(PROMPTS)]}],
+                "max_tokens": 48, "temperature": 0, "stream": True}
+        n += 3
+        try:
+            async with session.post(url + "/v1/chat/completions", json=body) as response:
+                if response.status != 200:
+                    outcomes.append(False)
+                    continue
+                last = time.perf_counter()
+                async for line in response.content:
+                    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"][0].get("delta", {}).get("content"):
+                        now = time.perf_counter()
+                        gaps.append(now - last)
+                        last = now
+                        tokens[0] += 1
+                outcomes.append(True)
+        except (TimeoutError, aiohttp.ClientError):
+            outcomes.append(False)
+
+
+async def swapper(url: str, deadline: float, every: float, versions: int, swaps: list[float]) -> None:
+    async with aiohttp.ClientSession() as session:
+        version = versions
+        while time.monotonic() + every < deadline:
+            await asyncio.sleep(every)
+            version = version % versions + 1
+            async with session.post(url + "/v1/live", json={"version": version}) as response:
+                if response.status == 200:
+                    swaps.append(time.time())
+
+
+async def load(url: str, seconds: float, clients: int, swap_every: float | None, versions: int) -> dict:
+    gaps: list[float] = []
+    outcomes: list[bool] = []
+    tokens = [0]
+    swaps: list[float] = []
+    deadline = time.monotonic() + seconds
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        tasks = [client(session, url, deadline, gaps, outcomes, tokens, i) for i in range(clients)]
+        if swap_every:
+            tasks.append(swapper(url, deadline, swap_every, versions, swaps))
+        begin = time.perf_counter()
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - begin
+    gaps.sort()
+    return {"requests": len(outcomes), "failed": outcomes.count(False), "swaps": len(swaps),
+            "tokens_per_s": tokens[0] / elapsed, "itl_p50_ms": 1000 * statistics.median(gaps),
+            "itl_p99_ms": 1000 * gaps[int(0.99 * (len(gaps) - 1))]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=40)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--swap-every", type=float, default=3.0)
+    parser.add_argument("--versions", type=int, default=3)
+    parser.add_argument("--out", default="out/service_load.json")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="specd-load."))
+    prepare_store(work / "store", args.versions)
+    results = {}
+    for name, extra in (("records_on", []), ("records_off", ["--no-records"])):
+        server = SpecdProcess(["serve", "--store", str(work / "store"), "--no-learner", "--model-name", "bench",
+                               "--batch", str(args.clients), *extra], free_port(), work / f"{name}.log").start()
+        try:
+            asyncio.run(load(server.url, 5, args.clients, None, args.versions))  # warm-up
+            if name == "records_on":
+                results["with_swaps"] = asyncio.run(load(server.url, args.seconds, args.clients, args.swap_every,
+                                                         args.versions))
+            results[name] = asyncio.run(load(server.url, args.seconds, args.clients, None, args.versions))
+        finally:
+            server.stop()
+        print(name, json.dumps(results), flush=True)
+    summary = {
+        "failed_requests_with_swaps": results["with_swaps"]["failed"],
+        "swaps": results["with_swaps"]["swaps"],
+        "itl_p99_ratio_swaps_vs_none": results["with_swaps"]["itl_p99_ms"] / results["records_on"]["itl_p99_ms"],
+        "itl_p50_ratio_swaps_vs_none": results["with_swaps"]["itl_p50_ms"] / results["records_on"]["itl_p50_ms"],
+        "throughput_records_on_vs_off": results["records_on"]["tokens_per_s"] / results["records_off"]["tokens_per_s"],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"runs": results, "summary": summary, "clients": args.clients,
+                                          "seconds": args.seconds, "swap_every": args.swap_every}, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Context matching (prompt lookup): propose what followed the last earlier occurrence of the suffix.
+
+Contract: `context_match_drafts(sequence, k, max_n, min_n)` looks for the longest suffix of the
+row's tokens (max_n down to min_n tokens) that occurred earlier in the same row, most recent
+occurrence first, and returns up to k tokens that followed it; an empty list when nothing
+matches. Deterministic and free of training: code and chat answers repeat their prompt often.
+`HybridDrafter` puts it in front of a learned `TokenDrafter`: a row with a context match gets
+the match's drafts, every other row the learned drafter's. The learned drafter still runs for
+all rows (its cache must follow every row); rows whose drafts were replaced commit as "none of
+your drafts were used", so its cache stays exact. Swaps and versions belong to the learned part.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specd.drafter.base import DraftBatch, Proposal
+from specd.drafter.token_drafter import TokenDrafter
+from specd.serving.model import Transformer
+
+
+def context_match_drafts(sequence: list[int], k: int, max_n: int = 4, min_n: int = 2) -> list[int]:
+    length = len(sequence)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = sequence[length - n:]
+        # scan backwards: the most recent earlier occurrence predicts best
+        for start in range(length - n - 1, -1, -1):
+            if sequence[start:start + n] == suffix:
+                return sequence[start + n:start + n + k]
+    return []
+
+
+class HybridDrafter:
+    def __init__(self, learned: TokenDrafter, max_n: int = 4, min_n: int = 2, window: int = 1024) -> None:
+        self.learned = learned
+        self.max_n, self.min_n, self.window = max_n, min_n, window
+        self._matched: list[bool] = []
+        self.num_matched_rows = 0
+
+    # the learned part owns versions, swaps and caches
+    @property
+    def version(self) -> str:
+        return self.learned.version
+
+    @property
+    def model(self) -> Transformer:
+        return self.learned.model
+
+    @property
+    def num_swaps(self) -> int:
+        return self.learned.num_swaps
+
+    def offer(self, model: Transformer, version: str) -> None:
+        self.learned.offer(model, version)
+
+    def apply_pending(self) -> None:
+        self.learned.apply_pending()
+
+    def bind(self, max_batch: int, max_seq: int, device: torch.device) -> None:
+        self.learned.bind(max_batch, max_seq, device)
+
+    def start(self, slot: int) -> None:
+        self.learned.start(slot)
+
+    def move(self, src: int, dst: int) -> None:
+        self.learned.move(src, dst)
+
+    def propose(self, batch: DraftBatch, k: int) -> Proposal:
+        proposal = self.learned.propose(batch, k)
+        drafts = proposal.drafts.clone()
+        limits = proposal.limits.clone() if proposal.limits is not None else torch.full_like(batch.lengths, k)
+        self._matched = []
+        for row, length in enumerate(batch.lengths.tolist()):
+            start = max(0, length - self.window)
+            found = context_match_drafts(batch.tokens[row, start:length].tolist(), k, self.max_n, self.min_n)
+            self._matched.append(bool(found))
+            if found:
+                drafts[row, :len(found)] = torch.tensor(found, device=drafts.device)
+                limits[row] = len(found)
+        self.num_matched_rows += sum(self._matched)
+        q = proposal.q
+        if q is not None and any(self._matched):  # matched rows' drafts are deterministic: q one-hot
+            matched = torch.tensor(self._matched, device=q.device)
+            one_hot = torch.zeros_like(q).scatter_(-1, drafts[..., None], 1.0)
+            q = torch.where(matched[:, None, None], one_hot, q)
+        return Proposal(drafts, q, limits)
+
+    def commit(self, num_accepted: torch.Tensor) -> None:
+        used = torch.tensor([not m for m in self._matched], device=num_accepted.device)
+        self.learned.commit(torch.where(used, num_accepted, torch.zeros_like(num_accepted)))
+
+
+def wrap_drafter(learned: TokenDrafter, kind: str) -> TokenDrafter | HybridDrafter:
+    """The drafter a server runs: "hybrid" (context matches first) or "learned" alone."""
+    if kind not in ("hybrid", "learned"):
+        raise ValueError(f"drafter kind {kind!r}: choose hybrid or learned")
+    return HybridDrafter(learned) if kind == "hybrid" else learned
