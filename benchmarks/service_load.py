@@ -1,10 +1,12 @@
 """The service under load, side by side in one run (SmolLM2, embedded `specd serve` processes).
 
-1. Hot-swap under load: concurrent streaming clients for `--seconds`, once with the live version
-   changed every `--swap-every` seconds (POST /v1/live, alternating among prepared versions) and
-   once without; failed requests (goal 0) and p50/p99 inter-token latency (goal: p99 ratio ≤ 1.1).
+1. Hot-swap under load: concurrent streaming clients, with the live version changed every
+   `--swap-every` seconds (POST /v1/live, cycling through prepared versions) and without;
+   failed requests (goal 0) and p50/p99 inter-token latency (goal: p99 ratio ≤ 1.1).
 2. Cost of the loop: the same load against a server publishing trajectory records and one that
    does not (`--no-records`); serving throughput (goal: under 3% apart).
+Both servers run at once and the conditions alternate in short slices over several rounds
+(medians reported), because this machine is shared and noisy.
 Both servers run with --no-learner so the learner's own CPU use does not enter the comparison
 (the demo and the shift benchmark report it with the learner on). Writes out/service_load.json.
 """
@@ -100,7 +102,8 @@ async def load(url: str, seconds: float, clients: int, swap_every: float | None,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=40)
+    parser.add_argument("--seconds", type=float, default=20, help="length of one slice")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--swap-every", type=float, default=3.0)
     parser.add_argument("--versions", type=int, default=3)
@@ -108,25 +111,36 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="specd-load."))
     prepare_store(work / "store", args.versions)
-    results = {}
-    for name, extra in (("records_on", []), ("records_off", ["--no-records"])):
-        server = SpecdProcess(["serve", "--store", str(work / "store"), "--no-learner", "--model-name", "bench",
-                               "--batch", str(args.clients), *extra], free_port(), work / f"{name}.log").start()
-        try:
+    servers = {name: SpecdProcess(["serve", "--store", str(work / "store"), "--no-learner", "--model-name", "bench",
+                                   "--batch", str(args.clients), *extra], free_port(), work / f"{name}.log").start()
+               for name, extra in (("records_on", []), ("records_off", ["--no-records"]))}
+    # the machine is shared and noisy: alternate short slices of each condition, several rounds
+    conditions = (("with_swaps", "records_on", args.swap_every), ("records_on", "records_on", None),
+                  ("records_off", "records_off", None))
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in conditions}
+    try:
+        for server in servers.values():
             asyncio.run(load(server.url, 5, args.clients, None, args.versions))  # warm-up
-            if name == "records_on":
-                results["with_swaps"] = asyncio.run(load(server.url, args.seconds, args.clients, args.swap_every,
-                                                         args.versions))
-            results[name] = asyncio.run(load(server.url, args.seconds, args.clients, None, args.versions))
-        finally:
+        for round_number in range(args.rounds):
+            for name, server_name, swap_every in conditions:
+                runs[name].append(asyncio.run(load(servers[server_name].url, args.seconds, args.clients, swap_every,
+                                                   args.versions)))
+            print(f"round {round_number + 1}: " + json.dumps({n: r[-1] for n, r in runs.items()}), flush=True)
+    finally:
+        for server in servers.values():
             server.stop()
-        print(name, json.dumps(results), flush=True)
+
+    def median(name: str, field: str) -> float:
+        return statistics.median(r[field] for r in runs[name])
+
+    results = runs
     summary = {
-        "failed_requests_with_swaps": results["with_swaps"]["failed"],
-        "swaps": results["with_swaps"]["swaps"],
-        "itl_p99_ratio_swaps_vs_none": results["with_swaps"]["itl_p99_ms"] / results["records_on"]["itl_p99_ms"],
-        "itl_p50_ratio_swaps_vs_none": results["with_swaps"]["itl_p50_ms"] / results["records_on"]["itl_p50_ms"],
-        "throughput_records_on_vs_off": results["records_on"]["tokens_per_s"] / results["records_off"]["tokens_per_s"],
+        "failed_requests_with_swaps": sum(r["failed"] for r in runs["with_swaps"]),
+        "failed_requests_total": sum(r["failed"] for rs in runs.values() for r in rs),
+        "swaps": sum(r["swaps"] for r in runs["with_swaps"]),
+        "itl_p99_ratio_swaps_vs_none": median("with_swaps", "itl_p99_ms") / median("records_on", "itl_p99_ms"),
+        "itl_p50_ratio_swaps_vs_none": median("with_swaps", "itl_p50_ms") / median("records_on", "itl_p50_ms"),
+        "throughput_records_on_vs_off": median("records_on", "tokens_per_s") / median("records_off", "tokens_per_s"),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"runs": results, "summary": summary, "clients": args.clients,

@@ -13,6 +13,7 @@ kept in `refused`, and the drafter keeps the version it has.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,17 @@ from specd.serving.checkpoint import CheckpointError
 from specd.serving.model import Transformer
 
 log = logging.getLogger(__name__)
+
+
+def lower_thread_priority(niceness: int = 10) -> None:
+    """Make the calling thread (and threads it starts, e.g. its OpenMP team) yield to decoding.
+
+    Linux keeps a nice value per thread; elsewhere this quietly does nothing.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError, PermissionError):
+        pass
 
 
 @dataclass
@@ -110,6 +122,7 @@ class Swapper:
         return self
 
     def _run(self) -> None:
+        lower_thread_priority()  # loading and checking weights must not slow decoding down
         while not self._stop.wait(self.poll_seconds):
             self.check_once()
 

@@ -27,6 +27,7 @@ import torch
 from specd.bus import Bus
 from specd.drafter.checkpoint import TargetFingerprint, load_drafter
 from specd.hotswap.store import WeightStore
+from specd.hotswap.swapper import lower_thread_priority
 from specd.learner.records import RecordRefused, TrajectoryRecord, validate_record
 from specd.learner.signal import build_batch, drafter_loss, simulated_accept_length
 from specd.serving.model import Transformer
@@ -232,6 +233,7 @@ class Learner:
         return self
 
     def _run(self) -> None:
+        lower_thread_priority()  # training yields to decoding whenever both want a core
         while not self._stop.is_set():
             try:
                 if not self.step():
