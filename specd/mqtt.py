@@ -22,6 +22,7 @@ import logging
 import random
 import ssl
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -122,13 +123,10 @@ class MqttPublisher:
         return self
 
     def stop(self, drain_seconds: float = 2.0) -> None:
-        deadline = threading.Event()
-        if self.connected.is_set():
-            deadline.wait(0)  # give queued records a moment to leave
-            for _ in range(int(drain_seconds / 0.05)):
-                if not self._pending:
-                    break
-                deadline.wait(0.05)
+        """Give queued records up to `drain_seconds` to leave (if connected), then stop."""
+        deadline = time.monotonic() + drain_seconds
+        while self.connected.is_set() and self._pending and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._stop.set()
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)

@@ -12,6 +12,7 @@ kept in `refused`, and the drafter keeps the version it has.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -35,10 +36,8 @@ def lower_thread_priority(niceness: int = 10) -> None:
 
     Linux keeps a nice value per thread; elsewhere this quietly does nothing.
     """
-    try:
+    with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except (AttributeError, OSError, PermissionError):
-        pass
 
 
 @dataclass

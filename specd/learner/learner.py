@@ -142,6 +142,11 @@ class Learner:
         self._note_staleness(records)
         return value
 
+    @property
+    def staleness(self) -> dict[str, Any]:
+        """How old the last trained batch was: mean record age (s) and versions behind the live one."""
+        return dict(self._staleness or {})
+
     def _note_staleness(self, records: list[TrajectoryRecord]) -> None:
         now = time.time()
         live = self.live_version or 0

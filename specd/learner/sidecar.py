@@ -79,7 +79,7 @@ class Sidecar:
 
     def status(self) -> dict[str, object]:
         stats = self.learner.stats
-        staleness = self.learner._staleness or {}
+        staleness = self.learner.staleness
         return {"records_in": len(self.seen), "records_waiting": self.bus.backlog,
                 "records_refused": sum(stats.refused.values()) + self.refused_messages,
                 "learner_steps": stats.steps, "tokens_trained": stats.tokens_trained,

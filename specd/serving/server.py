@@ -117,7 +117,7 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
         def learner_status() -> dict[str, Any]:
             if learner is None:
                 return {}
-            staleness = learner._staleness or {}
+            staleness = learner.staleness
             return {"records_in": learner.stats.records_in, "records_waiting": counters.published - counters.delivered,
                     "records_refused": sum(learner.stats.refused.values()), "learner_steps": learner.stats.steps,
                     "mean_record_age_s": staleness.get("mean_record_age_s")}
