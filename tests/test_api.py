@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.asyncio
 async def client(tmp_path):
     loaded = tiny_loaded_target()
     app = build_server(ServeOptions(store=str(tmp_path / "store"), learner=False, model_name="tiny",
-                                    drafter_head_vocab=200), loaded)
+                                    drafter_head_vocab=200, report_seconds=0.1), loaded)
     async with TestClient(TestServer(app)) as client:
         yield client
 
@@ -95,3 +96,15 @@ async def test_models_health_and_metrics(client) -> None:
                  "specd_spec_decode_accept_length", "specd_request_latency_seconds_bucket",
                  "specd_records_published_total", "specd_drafter_swaps_total"):
         assert name in text, name
+
+
+async def test_acceptance_series_is_labelled_by_domain(client) -> None:
+    body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0}
+    await client.post("/v1/completions", json={**body, "metadata": {"domain": "code"}})
+    await client.post("/v1/completions", json=body, headers={"X-Specd-Domain": "chat"})
+    for _ in range(50):
+        series = (await (await client.get("/v1/acceptance")).json())["series"]
+        if {"code", "chat"} <= {point["domain"] for point in series}:
+            break
+        await asyncio.sleep(0.1)
+    assert {"code", "chat"} <= {point["domain"] for point in series}

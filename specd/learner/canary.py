@@ -1,7 +1,7 @@
 """Live acceptance from the servers' reports, and the canary that rolls a regression back.
 
-Contract: servers report cumulative counters per drafter version (drafts proposed and accepted,
-target passes, tokens emitted). `AcceptanceLog.add` turns them into per-interval deltas per
+Contract: servers report cumulative counters per drafter version and traffic domain (drafts
+proposed and accepted, target passes, tokens emitted). `AcceptanceLog.add` turns them into per-interval deltas per
 server and version (a restarted server's counters start again at zero: a drop is a reset, not a
 negative delta), keeps a bounded time series for the dashboard, and totals per version.
 `canary_verdict` compares the live version with the one before it: once the live version has
@@ -32,10 +32,11 @@ class AcceptanceLog:
     def __init__(self, max_points: int = 5000) -> None:
         self.series: deque[dict[str, Any]] = deque(maxlen=max_points)
         self.totals: dict[str, dict[str, int]] = {}
-        self._last: dict[tuple[str, str], dict[str, int]] = {}
+        self._last: dict[tuple[str, str, str], dict[str, int]] = {}
 
     def add(self, report: dict[str, Any]) -> None:
         server = str(report.get("server_id", "?"))
+        domain = str(report.get("domain") or "default")
         at = float(report.get("time", time.time()))
         versions = report.get("versions")
         if not isinstance(versions, dict):
@@ -43,17 +44,16 @@ class AcceptanceLog:
         for version, counts in versions.items():
             if not isinstance(counts, dict) or not all(isinstance(counts.get(c, 0), int) for c in COUNTERS):
                 raise ValueError(f"report for version {version!r} has malformed counters")
-            previous = self._last.get((server, version), dict.fromkeys(COUNTERS, 0))
+            previous = self._last.get((server, domain, version), dict.fromkeys(COUNTERS, 0))
             reset = any(counts.get(c, 0) < previous[c] for c in COUNTERS)
             delta = {c: counts.get(c, 0) - (0 if reset else previous[c]) for c in COUNTERS}
-            self._last[(server, version)] = {c: counts.get(c, 0) for c in COUNTERS}
+            self._last[(server, domain, version)] = {c: counts.get(c, 0) for c in COUNTERS}
             if not any(delta.values()):
                 continue
             total = self.totals.setdefault(str(version), dict.fromkeys(COUNTERS, 0))
             for c in COUNTERS:
                 total[c] += delta[c]
-            self.series.append({"time": at, "server": server, "version": str(version),
-                                "domain": str(report.get("domain") or "default"), **delta})
+            self.series.append({"time": at, "server": server, "version": str(version), "domain": domain, **delta})
 
     def acceptance(self, version: str) -> tuple[float | None, int]:
         total = self.totals.get(version)

@@ -114,7 +114,8 @@ def _check_model(state: ApiState, body: dict[str, Any]) -> None:
 class _Stream:
     """Tokens from the engine thread to one request's coroutine, cut at stop strings."""
 
-    def __init__(self, state: ApiState, prompt_ids: list[int], params: SamplingParams, stops: list[str]) -> None:
+    def __init__(self, state: ApiState, prompt_ids: list[int], params: SamplingParams, stops: list[str],
+                 domain: str | None) -> None:
         self.state, self.stops = state, stops
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -130,7 +131,7 @@ class _Stream:
             return hand_over
 
         state.worker.submit(Submission(prompt_ids, params, put("tokens"), put("done"), put("error"),
-                                       request_id=self.request_id))
+                                       domain=domain, request_id=self.request_id))
 
     async def deltas(self):
         """Yield text pieces as they are decoded; sets finish_reason at the end."""
@@ -167,10 +168,18 @@ class _Stream:
                 return
 
 
-async def _respond(request: web.Request, state: ApiState, prompt_ids: list[int], params: SamplingParams,
-                   stops: list[str], stream: bool, chat: bool) -> web.StreamResponse:
+def _domain(request: web.Request, body: dict[str, Any]) -> str | None:
+    """The traffic domain a client labels its request with: OpenAI `metadata.domain` or X-Specd-Domain."""
+    metadata = body.get("metadata")
+    domain = metadata.get("domain") if isinstance(metadata, dict) else None
+    domain = domain or request.headers.get("X-Specd-Domain")
+    return str(domain)[:64] if domain else None
+
+
+async def _respond(request: web.Request, body: dict[str, Any], state: ApiState, prompt_ids: list[int],
+                   params: SamplingParams, stops: list[str], stream: bool, chat: bool) -> web.StreamResponse:
     begin = time.perf_counter()
-    decoder = _Stream(state, prompt_ids, params, stops)
+    decoder = _Stream(state, prompt_ids, params, stops, _domain(request, body))
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"
     base = {"id": decoder.request_id, "created": created, "model": state.model_name}
@@ -234,7 +243,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "'prompt' must be a string, a list with one string, or a list of token ids",
                        param="prompt")
     params, stops, stream = _sampling(body, default_max_tokens=16)
-    return await _respond(request, state, prompt_ids, params, stops, stream, chat=False)
+    return await _respond(request, body, state, prompt_ids, params, stops, stream, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -252,7 +261,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except Exception as error:  # a chat template can reject role orders it does not know
         raise ApiError(400, f"the chat template refused these messages: {error}", param="messages") from None
     params, stops, stream = _sampling(body, default_max_tokens=256)
-    return await _respond(request, state, prompt_ids, params, stops, stream, chat=True)
+    return await _respond(request, body, state, prompt_ids, params, stops, stream, chat=True)
 
 
 async def models(request: web.Request) -> web.Response:

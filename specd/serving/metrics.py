@@ -36,7 +36,12 @@ class _DerivedRates(Collector):
                                  labels=["version"])
         length = GaugeMetricFamily("specd_spec_decode_accept_length", "tokens emitted per target pass",
                                    labels=["version"])
-        for version, (proposed, accepted, passes, emitted) in self.metrics.totals.items():
+        by_version: dict[str, list[int]] = {}
+        for (version, _), counts in self.metrics.totals.items():
+            summed = by_version.setdefault(version, [0, 0, 0, 0])
+            for i, count in enumerate(counts):
+                summed[i] += count
+        for version, (proposed, accepted, passes, emitted) in by_version.items():
             if proposed:
                 rate.add_metric([version], accepted / proposed)
             if passes:
@@ -70,17 +75,19 @@ class ServingMetrics:
                                          buckets=LATENCY_BUCKETS)
         self.inter_token_latency = Histogram("specd_inter_token_latency_seconds",
                                              "time between streamed tokens", registry=r, buckets=ITL_BUCKETS)
-        self.totals: dict[str, list[int]] = {}  # version -> [proposed, accepted, passes, emitted]
+        # (version, domain) -> [proposed, accepted, passes, emitted]: what reports to the learner carry
+        self.totals: dict[tuple[str, str], list[int]] = {}
         r.register(_DerivedRates(self))
 
-    def observe_verification(self, version: str, drafts: int, accepted: int, emitted: int) -> None:
+    def observe_verification(self, version: str, drafts: int, accepted: int, emitted: int,
+                             domain: str = "default") -> None:
         self.draft_tokens.labels(version).inc(drafts)
         self.accepted_tokens.labels(version).inc(accepted)
         self.passes.labels(version).inc()
         self.emitted.labels(version).inc(emitted)
         for position in range(accepted):
             self.accepted_per_pos.labels(str(position)).inc()
-        totals = self.totals.setdefault(version, [0, 0, 0, 0])
+        totals = self.totals.setdefault((version, domain), [0, 0, 0, 0])
         totals[0] += drafts
         totals[1] += accepted
         totals[2] += 1

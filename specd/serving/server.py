@@ -61,10 +61,15 @@ class ServeOptions:
     publish_records: bool = True       # off only to measure what the loop costs
 
 
-def _report(server_id: str, metrics: ServingMetrics) -> dict[str, Any]:
-    versions = {v: dict(zip(("drafts", "accepted", "passes", "emitted"), totals, strict=True))
-                for v, totals in metrics.totals.items()}
-    return {"server_id": server_id, "time": time.time(), "versions": versions}
+def _reports(server_id: str, metrics: ServingMetrics) -> list[dict[str, Any]]:
+    """One cumulative report per traffic domain: counters per drafter version."""
+    by_domain: dict[str, dict[str, dict[str, int]]] = {}
+    for (version, domain), totals in list(metrics.totals.items()):
+        counts = dict(zip(("drafts", "accepted", "passes", "emitted"), totals, strict=True))
+        by_domain.setdefault(domain, {})[version] = counts
+    now = time.time()
+    return [{"server_id": server_id, "time": now, "domain": domain, "versions": versions}
+            for domain, versions in by_domain.items()]
 
 
 def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> web.Application:
@@ -127,11 +132,12 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
     async def report_loop(stop: asyncio.Event) -> None:
         while not stop.is_set():
             await asyncio.sleep(options.report_seconds)
-            report = _report(options.server_id, metrics)
-            if publisher is not None:
-                publisher.report(report)
-            elif store is not None:
-                acceptance.add(report)
+            for report in _reports(options.server_id, metrics):
+                if publisher is not None:
+                    publisher.report(report)
+                elif store is not None:
+                    acceptance.add(report)
+            if publisher is None and store is not None:
                 apply_canary(store, acceptance, CanaryConfig())
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -132,5 +132,6 @@ class EngineWorker:
             for i, step in enumerate(steps[sub.steps_seen:], start=sub.steps_seen):
                 end = steps[i + 1].position if i + 1 < len(steps) else sub.seq.num_tokens
                 self.metrics.observe_verification(step.drafter_version, len(step.drafts),
-                                                  min(step.num_accepted, end - step.position), end - step.position)
+                                                  min(step.num_accepted, end - step.position), end - step.position,
+                                                  sub.domain or "default")
         sub.steps_seen = len(sub.seq.steps)
