@@ -109,7 +109,15 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=3)
     parser.add_argument("--out", default="out/service_load.json")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="specd-load."))
+    with tempfile.TemporaryDirectory(prefix="specd-load.") as folder:
+        summary, runs = measure(Path(folder), args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary, "clients": args.clients,
+                                          "seconds": args.seconds, "swap_every": args.swap_every}, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+def measure(work: Path, args: argparse.Namespace) -> tuple[dict, dict]:
     prepare_store(work / "store", args.versions)
     servers = {name: SpecdProcess(["serve", "--store", str(work / "store"), "--no-learner", "--model-name", "bench",
                                    "--batch", str(args.clients), *extra], free_port(), work / f"{name}.log").start()
@@ -133,7 +141,6 @@ def main() -> None:
     def median(name: str, field: str) -> float:
         return statistics.median(r[field] for r in runs[name])
 
-    results = runs
     summary = {
         "failed_requests_with_swaps": sum(r["failed"] for r in runs["with_swaps"]),
         "failed_requests_total": sum(r["failed"] for rs in runs.values() for r in rs),
@@ -142,10 +149,7 @@ def main() -> None:
         "itl_p50_ratio_swaps_vs_none": median("with_swaps", "itl_p50_ms") / median("records_on", "itl_p50_ms"),
         "throughput_records_on_vs_off": median("records_on", "tokens_per_s") / median("records_off", "tokens_per_s"),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"runs": results, "summary": summary, "clients": args.clients,
-                                          "seconds": args.seconds, "swap_every": args.swap_every}, indent=2))
-    print(json.dumps(summary, indent=2))
+    return summary, runs
 
 
 if __name__ == "__main__":

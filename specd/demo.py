@@ -148,10 +148,26 @@ def swap_timing(run: ModeRun) -> dict[str, Any]:
 
 def run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig,
              store_dir: Path | None = None) -> dict[str, Any]:
+    """Run the three modes; the weight store is a temporary folder unless `store_dir` is given."""
+    if store_dir is not None:
+        return _run_demo(loaded, items, config, Path(store_dir))
+    with tempfile.TemporaryDirectory(prefix="specd-demo-store.") as folder:
+        return _run_demo(loaded, items, config, Path(folder))
+
+
+def _freeze(store: WeightStore, frozen: dict[str, int | None]) -> None:
+    """End of the first domain: remember the live version and pin it so GC keeps it for `static`."""
+    version = store.live_version()
+    frozen["version"] = version
+    if version is not None:
+        store.pin(version)
+
+
+def _run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig, store_dir: Path) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     prompts = [encode(loaded, item) for item in items]
     domains = list(dict.fromkeys(item.domain for item in items))
-    store = WeightStore(store_dir or tempfile.mkdtemp(prefix="specd-demo-store."), keep_last=1000)
+    store = WeightStore(store_dir, keep_last=5)
     shape = DrafterShape.like(loaded.model.config, config.drafter_layers,
                               min(config.drafter_head_vocab, loaded.model.config.vocab_size))
     initial = new_drafter_model(loaded.model, shape, copy_from_target=True, seed=config.seed)
@@ -164,7 +180,7 @@ def run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig,
     swapper.start()
     try:
         adaptive = run_mode("adaptive", loaded, items, prompts, config, drafter, bus,
-                            on_segment_end=lambda: frozen.update(version=store.live_version()))
+                            on_segment_end=lambda: _freeze(store, frozen))
     finally:
         swapper.stop()
         learner.stop()
