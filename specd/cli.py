@@ -57,7 +57,8 @@ def _build_drafter(choice: str, loaded: LoadedTarget, prompt_ids: list[int], par
     path = Path(choice)
     if not path.is_file():
         raise CheckpointError(f"--drafter {choice!r}: not a file, and not one of random, replay, none")
-    return TokenDrafter(load_drafter(path, loaded.fingerprint, DTYPES[dtype], device), version=path.stem)
+    model = load_drafter(path, loaded.fingerprint, DTYPES[dtype], device, target_embedding=loaded.model.embed.weight)
+    return TokenDrafter(model, version=path.stem)
 
 
 def run_generate(args: argparse.Namespace) -> int:

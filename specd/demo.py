@@ -172,7 +172,8 @@ def _run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig
                               min(config.drafter_head_vocab, loaded.model.config.vocab_size))
     initial = new_drafter_model(loaded.model, shape, copy_from_target=True, seed=config.seed)
     bus = InProcessBus()
-    learner = Learner(config.learner, bus, store, initial, loaded.fingerprint, loaded.model.embed.weight.dtype)
+    learner = Learner(config.learner, bus, store, initial, loaded.fingerprint, loaded.model.embed.weight.dtype,
+                      loaded.model.embed.weight)
     drafter = wrap_drafter(TokenDrafter(initial, version=str(store.live_version())), config.drafter_kind)
     swapper = Swapper(store, drafter, loaded.fingerprint)
     frozen: dict[str, int | None] = {}
@@ -186,8 +187,9 @@ def _run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig
         learner.stop()
     static_version = frozen.get("version") or store.live_version()
     assert static_version is not None
-    static_model = load_drafter(store.weights_path(static_version), loaded.fingerprint,
-                                loaded.model.embed.weight.dtype)
+    embedding = loaded.model.embed.weight
+    static_model = load_drafter(store.weights_path(static_version), loaded.fingerprint, embedding.dtype,
+                                target_embedding=embedding)
     static_drafter = wrap_drafter(TokenDrafter(static_model, str(static_version)), config.drafter_kind)
     static = run_mode("static", loaded, items, prompts, config, static_drafter, None)
     plain = run_mode("none", loaded, items, prompts, config, None, None)

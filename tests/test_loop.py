@@ -251,3 +251,19 @@ def test_learner_holds_publishing_after_an_operator_rollback(tmp_path: Path) -> 
     for _ in range(3):
         learner.step()
     assert store.live_version() == 1 and store.versions() == [1, 2]
+
+
+def test_versions_reference_a_frozen_target_embedding_instead_of_copying_it(tmp_path: Path) -> None:
+    from specd.drafter.checkpoint import load_drafter
+    from specd.serving.checkpoint import CheckpointError
+
+    target = tiny_target()
+    store = WeightStore(tmp_path)
+    drafter = new_drafter_model(target, DrafterShape(1, 32, 4, 2, 64, head_vocab_size=64), copy_from_target=True)
+    shared = store.publish(drafter, FINGERPRINT, None, {}, target_embedding=target.embed.weight)
+    copied = store.publish(drafter, FINGERPRINT, None, {})
+    assert store.weights_path(shared).stat().st_size < store.weights_path(copied).stat().st_size
+    loaded = load_drafter(store.weights_path(shared), FINGERPRINT, target_embedding=target.embed.weight)
+    torch.testing.assert_close(loaded.embed.weight, target.embed.weight.float())
+    with pytest.raises(CheckpointError, match="shares the target's embedding"):
+        load_drafter(store.weights_path(shared), FINGERPRINT)

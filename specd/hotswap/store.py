@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specd.drafter.checkpoint import TargetFingerprint, save_drafter
 from specd.serving.model import Transformer
 
@@ -82,13 +84,13 @@ class WeightStore:
 
     # ---- writing --------------------------------------------------------------------------
     def publish(self, model: Transformer, fingerprint: TargetFingerprint, parent: int | None,
-                info: dict[str, Any]) -> int:
+                info: dict[str, Any], target_embedding: torch.Tensor | None = None) -> int:
         """Write a new candidate version; returns its number."""
         version = max(self.versions(), default=0) + 1
         staging = Path(tempfile.mkdtemp(dir=self.root / "versions", prefix=".staging."))
         try:
             weights = staging / "drafter.safetensors"
-            save_drafter(model, weights, fingerprint, {"version": str(version)})
+            save_drafter(model, weights, fingerprint, {"version": str(version)}, target_embedding)
             manifest = {"version": version, "parent": parent, "sha256": sha256_file(weights),
                         "created": time.time(), "drafter_config": json.loads(json.dumps(model.config.__dict__)),
                         "target_fingerprint": fingerprint.__dict__, "status": "candidate", "pinned": False,

@@ -112,7 +112,8 @@ class Swapper:
             raise CheckpointError(f"version {version}: sha256 {digest[:12]}… does not match the manifest's "
                                   f"{str(manifest.get('sha256'))[:12]}…")
         weight = self.drafter.model.embed.weight
-        return load_drafter(path, self.fingerprint, weight.dtype, weight.device)
+        # the serving drafter's embedding is the target's whenever a version shares it
+        return load_drafter(path, self.fingerprint, weight.dtype, weight.device, target_embedding=weight)
 
     # ---- background thread ----------------------------------------------------------------
     def start(self) -> Swapper:

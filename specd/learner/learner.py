@@ -78,16 +78,18 @@ class LearnerStats:
 
 class Learner:
     def __init__(self, config: LearnerConfig, bus: Bus, store: WeightStore, initial: Transformer,
-                 fingerprint: TargetFingerprint, serving_dtype: torch.dtype = torch.float32) -> None:
+                 fingerprint: TargetFingerprint, serving_dtype: torch.dtype = torch.float32,
+                 target_embedding: torch.Tensor | None = None) -> None:
         self.config = config
         self.bus = bus
         self.store = store
         self.fingerprint = fingerprint
         self.serving_dtype = serving_dtype
+        self.target_embedding = target_embedding  # versions that keep it frozen reference it, not copy it
         self.vocab_size = initial.config.vocab_size
         live = store.live_version()
         if live is not None:  # a restarted learner resumes from what is serving
-            initial = load_drafter(store.weights_path(live), fingerprint)
+            initial = load_drafter(store.weights_path(live), fingerprint, target_embedding=target_embedding)
         self.model = copy.deepcopy(initial).float().train()
         self.model.embed.weight.requires_grad_(config.train_embeddings)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -178,7 +180,8 @@ class Learner:
         log.warning("live version changed to %s outside the learner; holding publications for %.0f s",
                     live, self.config.hold_after_rollback_s)
         self.live_version = live
-        self.model.load_state_dict(load_drafter(self.store.weights_path(live), self.fingerprint).float().state_dict())
+        restored = load_drafter(self.store.weights_path(live), self.fingerprint, target_embedding=self.target_embedding)
+        self.model.load_state_dict(restored.float().state_dict())
         self._hold_until = time.monotonic() + self.config.hold_after_rollback_s
         return True
 
@@ -225,11 +228,13 @@ class Learner:
 
     def _live_model(self) -> Transformer | None:
         live = self.store.live_version()
-        return None if live is None else load_drafter(self.store.weights_path(live), self.fingerprint)
+        if live is None:
+            return None
+        return load_drafter(self.store.weights_path(live), self.fingerprint, target_embedding=self.target_embedding)
 
     def _publish(self, model: Transformer, info: dict[str, Any]) -> int:
         serving_copy = copy.deepcopy(model).to(self.serving_dtype)
-        return self.store.publish(serving_copy, self.fingerprint, self.live_version, info)
+        return self.store.publish(serving_copy, self.fingerprint, self.live_version, info, self.target_embedding)
 
     # ---- thread ---------------------------------------------------------------------------
     def start(self) -> Learner:

@@ -59,8 +59,9 @@ class Sidecar:
         self.refused_messages = 0
         config = loaded.model.config
         shape = DrafterShape.like(config, options.drafter_layers, min(options.drafter_head_vocab, config.vocab_size))
+        embedding = loaded.model.embed.weight
         self.learner = Learner(options.learner, self.bus, self.store, new_drafter_model(loaded.model, shape),
-                               loaded.fingerprint, loaded.model.embed.weight.dtype)
+                               loaded.fingerprint, embedding.dtype, embedding)
         self._replay_spool()
         self._announced: int | None = None
         self._changed = asyncio.Event()

@@ -94,11 +94,12 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
         in_process = InProcessBus()
         bus, source = in_process, LocalStore(store)
         live = store.live_version()
-        model = (load_drafter(store.weights_path(live), loaded.fingerprint, dtype) if live is not None
+        model = (load_drafter(store.weights_path(live), loaded.fingerprint, dtype,
+                              target_embedding=loaded.model.embed.weight) if live is not None
                  else new_drafter_model(loaded.model, shape))
         if options.learner:
             learner = Learner(LearnerConfig(duty_cycle=options.duty_cycle, k=options.k), in_process, store, model,
-                              loaded.fingerprint, dtype)
+                              loaded.fingerprint, dtype, loaded.model.embed.weight)
         learned = TokenDrafter(model, str(store.live_version() or "0"))
         counters = in_process.counters
     drafter = wrap_drafter(learned, options.drafter_kind)
