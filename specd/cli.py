@@ -264,6 +264,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", default=None, help="weight store directory (default: $SPECD_CACHE/store)")
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--batch", type=int, default=8, help="most requests decoded together")
+    p.add_argument("--max-context", type=int, default=4096,
+                   help="prompt + output tokens per request; KV caches are sized for it (default 4096, "
+                        "capped at the target's own limit)")
     p.add_argument("--no-learner", action="store_true", help="serve the store's live version without training")
     p.add_argument("--no-records", action="store_true", help="publish no trajectory records (to measure their cost)")
     p.add_argument("--duty-cycle", type=float, default=0.5)
@@ -338,6 +341,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from specd.serving.server import ServeOptions, build_server
 
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
+                           max_context=args.max_context,
                            learner=not args.no_learner, duty_cycle=args.duty_cycle, server_id=args.server_id,
                            model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,
                            token=args.token, publish_records=not args.no_records)

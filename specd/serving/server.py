@@ -47,6 +47,7 @@ class ServeOptions:
     store: str | None = None
     k: int = 4
     max_batch: int = 8
+    max_context: int | None = 4096    # prompt + output tokens per request; None: the target's own limit
     learner: bool = True
     duty_cycle: float = 0.5
     server_id: str = "specd-0"
@@ -108,6 +109,7 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
                             "specd_drafter_swaps": lambda: drafter.num_swaps,
                             "specd_drafter_refused": lambda: len(swapper.refused)})
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=options.max_batch, num_draft_tokens=options.k,
+                                                        max_context=options.max_context,
                                                         eos_token_ids=loaded.eos_token_ids))
     worker = EngineWorker(engine, bus if options.publish_records else None, options.server_id, metrics)
 
