@@ -175,7 +175,7 @@ def _run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig
     learner = Learner(config.learner, bus, store, initial, loaded.fingerprint, loaded.model.embed.weight.dtype,
                       loaded.model.embed.weight)
     drafter = wrap_drafter(TokenDrafter(initial, version=str(store.live_version())), config.drafter_kind)
-    swapper = Swapper(store, drafter, loaded.fingerprint)
+    swapper = Swapper(store, drafter, loaded.fingerprint, target_embedding=loaded.model.embed.weight)
     frozen: dict[str, int | None] = {}
     learner.start()
     swapper.start()

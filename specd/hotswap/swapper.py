@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from specd.drafter.checkpoint import TargetFingerprint, load_drafter
 from specd.drafter.context_match import HybridDrafter
 from specd.drafter.token_drafter import TokenDrafter
@@ -71,11 +73,12 @@ class LocalStore:
 
 class Swapper:
     def __init__(self, source: WeightStore | VersionSource, drafter: TokenDrafter | HybridDrafter,
-                 fingerprint: TargetFingerprint,
-                 poll_seconds: float = 0.2) -> None:
+                 fingerprint: TargetFingerprint, poll_seconds: float = 0.2,
+                 target_embedding: torch.Tensor | None = None) -> None:
         self.source: VersionSource = LocalStore(source) if isinstance(source, WeightStore) else source
         self.drafter = drafter
         self.fingerprint = fingerprint
+        self.target_embedding = target_embedding  # fills in versions that share the target's embedding
         self.poll_seconds = poll_seconds
         self.prepared: list[SwapEvent] = []
         self.refused: dict[int, str] = {}
@@ -112,8 +115,8 @@ class Swapper:
             raise CheckpointError(f"version {version}: sha256 {digest[:12]}… does not match the manifest's "
                                   f"{str(manifest.get('sha256'))[:12]}…")
         weight = self.drafter.model.embed.weight
-        # the serving drafter's embedding is the target's whenever a version shares it
-        return load_drafter(path, self.fingerprint, weight.dtype, weight.device, target_embedding=weight)
+        return load_drafter(path, self.fingerprint, weight.dtype, weight.device,
+                            target_embedding=self.target_embedding)
 
     # ---- background thread ----------------------------------------------------------------
     def start(self) -> Swapper:

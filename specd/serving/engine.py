@@ -154,7 +154,8 @@ class Engine:
         k = self.lookahead.choose(self.drafter.version) if self.drafter is not None and self.k > 0 else 0
         # drafts past a row's remaining budget count as not proposed (k larger than tokens left)
         limit = (left - 1).clamp(min=0, max=k)
-        proposal = self._propose(lengths, k) if k > 0 else None
+        rows_info = self._draft_batch(lengths)  # per-row settings, built once for drafting and verifying
+        proposal = self._propose(rows_info, k) if k > 0 else None
         if proposal is not None and proposal.limits is not None:
             limit = torch.minimum(limit, proposal.limits)
         drafts = proposal.drafts if proposal is not None else torch.zeros(batch, 0, dtype=torch.long,
@@ -164,7 +165,7 @@ class Engine:
         inputs = torch.cat([self.tokens[rows, lengths - 1][:, None], drafts], dim=1)  # [B, k+1]
         logits, _ = self.target(inputs, lengths - 1, self.cache)  # [B, k+1, V]
         assert logits is not None
-        verdict = self._verify(logits, proposal, drafts, limit)
+        verdict = self._verify(logits, proposal, drafts, limit, rows_info)
         if proposal is not None and self.drafter is not None:
             self.drafter.commit(verdict.num_accepted)
         verified = time.perf_counter()
@@ -202,22 +203,20 @@ class Engine:
             top_p=torch.tensor([s.params.top_p for s in running], device=self.device),
             generators=[s.generator for s in running])
 
-    def _propose(self, lengths: torch.Tensor, k: int) -> Proposal:
+    def _propose(self, rows_info: DraftBatch, k: int) -> Proposal:
         assert self.drafter is not None
-        proposal = self.drafter.propose(self._draft_batch(lengths), k)
+        proposal = self.drafter.propose(rows_info, k)
         vocab = self.target.config.vocab_size
         # a drafter's output is untrusted: out-of-vocabulary drafts would index out of range
         proposal.drafts = proposal.drafts.clamp(0, vocab - 1)
         return proposal
 
     def _verify(self, logits: torch.Tensor, proposal: Proposal | None, drafts: torch.Tensor,
-                limit: torch.Tensor) -> Verdict:
-        temperature = torch.tensor([s.params.temperature for s in self.running], device=self.device)
-        is_greedy = temperature == 0
+                limit: torch.Tensor, rows_info: DraftBatch) -> Verdict:
+        is_greedy = rows_info.is_greedy
         if bool(is_greedy.all()):
             return verify_greedy(logits, drafts, limit)
-        top_p = torch.tensor([s.params.top_p for s in self.running], device=self.device)
-        p = target_probs(logits, temperature, top_p)
+        p = target_probs(logits, rows_info.temperature, rows_info.top_p)
         k = drafts.shape[1]
         q = proposal.q if proposal is not None and proposal.q is not None else one_hot_q(drafts, p.shape[-1])
         uniforms = torch.stack([torch.rand(k + 1, generator=s.generator) for s in self.running])

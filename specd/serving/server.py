@@ -104,7 +104,7 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
         learned = TokenDrafter(model, str(store.live_version() or "0"))
         counters = in_process.counters
     drafter = wrap_drafter(learned, options.drafter_kind)
-    swapper = Swapper(source, drafter, loaded.fingerprint)
+    swapper = Swapper(source, drafter, loaded.fingerprint, target_embedding=loaded.model.embed.weight)
     metrics.sources.update({"specd_records_shed": lambda: counters.shed,
                             "specd_drafter_swaps": lambda: drafter.num_swaps,
                             "specd_drafter_refused": lambda: len(swapper.refused)})
