@@ -25,6 +25,7 @@ from specd.serving.engine import Engine, EngineConfig
 from specd.serving.request import RequestRefused, SamplingParams
 from specd.serving.target import DTYPES, LoadedTarget
 from specd.traffic import TrafficError
+from specd.vllm_plugin.command import add_vllm_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -357,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store_commands(sub)
     _add_serve(sub)
     _add_learner(sub)
+    add_vllm_parser(sub)
     return parser
 
 

@@ -49,28 +49,41 @@ class DrafterShape:
             rope_llama3=target.rope_llama3)
 
 
-def new_drafter_model(target: Transformer, shape: DrafterShape, copy_from_target: bool = True,
+@dataclass(frozen=True)
+class TargetHead:
+    """What a new drafter borrows from its target: the shape, the embedding and the output layer."""
+
+    config: ModelConfig
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+
+    @classmethod
+    def of(cls, target: Transformer) -> TargetHead:
+        return cls(target.config, target.embed.weight, target.lm_head.weight)
+
+
+def new_drafter_model(target: Transformer | TargetHead, shape: DrafterShape, copy_from_target: bool = True,
                       seed: int = 0) -> Transformer:
     """A randomly initialised drafter, optionally with the target's embeddings (and tied head)."""
+    head = TargetHead.of(target) if isinstance(target, Transformer) else target
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = Transformer(shape.model_config(target.config))
+        model = Transformer(shape.model_config(head.config))
         for param in model.parameters():
             if param.dim() > 1:
                 torch.nn.init.normal_(param, std=0.02)
     finally:
         torch.random.set_rng_state(generator_state)
     if copy_from_target:
-        if shape.hidden_size != target.config.hidden_size:
-            raise ValueError(f"copying embeddings needs the target's width {target.config.hidden_size}, "
+        if shape.hidden_size != head.config.hidden_size:
+            raise ValueError(f"copying embeddings needs the target's width {head.config.hidden_size}, "
                              f"the drafter has {shape.hidden_size}")
         with torch.no_grad():
-            model.embed.weight.copy_(target.embed.weight.float())
+            model.embed.weight.copy_(head.embed.float())
             if not model.config.tie_embeddings:
-                model.lm_head.weight.copy_(target.lm_head.weight[:model.config.output_size].float())
-    weight = target.embed.weight
-    return model.to(device=weight.device, dtype=weight.dtype).eval()
+                model.lm_head.weight.copy_(head.lm_head[:model.config.output_size].float())
+    return model.to(device=head.embed.device, dtype=head.embed.dtype).eval()
 
 
 class TokenDrafter:

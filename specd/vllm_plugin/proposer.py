@@ -1,0 +1,253 @@
+"""`SpecdProposer`: specd's drafter as vLLM's `custom_class` speculative proposer.
+
+Contract: vLLM (0.32) builds it as `SpecdProposer(vllm_config)` in each worker, calls
+`load_model(target_model)` once the target is loaded, then every step
+`propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)` and takes
+back 0..k greedy drafts per row (vLLM's rejection sampler treats drafts without probabilities
+as deterministic, which keeps sampled decoding exact and greedy decoding identical to vLLM
+alone). Inside `propose` it only reads vLLM's buffers and the runner's row -> request id map,
+infers the previous step's accepted drafts, moves drafter slots to follow vLLM's rows, and
+drafts; records, acceptance reports, MQTT and weight fetches all run on background threads.
+New drafter versions arrive as specd's servers get them (retained MQTT announcements plus HTTP
+from the learner, or a local store), are checked off the decoding thread and take over at the
+start of a `propose`: no vLLM call, no pause. Settings come from `SPECD_*` environment
+variables (see `launch.PluginSettings`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from specd.drafter.base import DraftBatch
+from specd.drafter.checkpoint import TargetFingerprint
+from specd.drafter.context_match import HybridDrafter, wrap_drafter
+from specd.drafter.token_drafter import DrafterShape, TargetHead, TokenDrafter, new_drafter_model
+from specd.hotswap.remote import RemoteSource
+from specd.hotswap.store import WeightStore
+from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
+from specd.learner.records import TrajectoryRecord
+from specd.mqtt import MqttPublisher
+from specd.serving.checkpoint import CheckpointError, read_target_head
+from specd.vllm_plugin.launch import PluginSettings
+from specd.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
+
+log = logging.getLogger(__name__)
+
+
+class PinnedSource:
+    """A version source an operator can override: a forced version wins over announcements."""
+
+    def __init__(self, inner: VersionSource, forced: int | None = None) -> None:
+        self.inner = inner
+        self.forced = forced
+
+    def live_version(self) -> int | None:
+        return self.forced if self.forced is not None else self.inner.live_version()
+
+    def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
+        return self.inner.fetch(version)
+
+
+def find_model_runner() -> Any:
+    """vLLM's model runner, found up the call stack: it holds the row -> request id map we need."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if candidate is not None and hasattr(candidate, "input_batch") and hasattr(candidate, "requests"):
+            return candidate
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+class SpecdProposer:
+    def __init__(self, vllm_config: Any) -> None:
+        self.settings = PluginSettings.from_env()
+        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.max_rows = int(vllm_config.scheduler_config.max_num_seqs)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.target_dir = Path(str(vllm_config.model_config.model))
+        if not (self.target_dir / "config.json").is_file():
+            raise CheckpointError(f"specd's proposer needs the target as a local checkpoint folder; "
+                                  f"{self.target_dir} has no config.json")
+        self.runner: Any = None
+        self.drafter: TokenDrafter | HybridDrafter | None = None
+        self.swapper: Swapper | None = None
+        self.source: PinnedSource | None = None
+        self.publisher: MqttPublisher | None = None
+        self.tracker = StepTracker(self.settings.server_id, self.settings.domain)
+        self.slots = SlotTable(self.max_rows, self.max_rows)
+        self.recent: list[dict[str, Any]] = []        # the last finished records, for the control path
+        self.num_steps = 0
+        self.seconds_proposing = 0.0
+        self._finished: queue.SimpleQueue[TrajectoryRecord | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()                  # tracker totals are read by the reporter thread
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def load_model(self, target_model: Any) -> None:
+        self.runner = find_model_runner()
+        device = next(target_model.parameters()).device
+        config, embed, head = read_target_head(self.target_dir)
+        fingerprint = TargetFingerprint.of(config, self.target_dir)
+        embed, head = embed.to(device), head.to(device)
+        settings = self.settings
+        inner: VersionSource
+        if settings.store is not None:
+            inner = LocalStore(WeightStore(settings.store))
+        else:
+            cache = Path(settings.cache or tempfile.mkdtemp(prefix="specd-vllm-"))
+            inner = RemoteSource(cache / "fetched", settings.learner_url)
+        if settings.mqtt is not None:
+            announce = inner.announce if isinstance(inner, RemoteSource) else None
+            self.publisher = MqttPublisher(settings.mqtt, settings.server_id, on_announcement=announce).start()
+        self.source = PinnedSource(inner, settings.version)
+        shape = DrafterShape.like(config, settings.drafter_layers, min(settings.drafter_head_vocab, config.vocab_size))
+        model = new_drafter_model(TargetHead(config, embed, head), shape)
+        learned = TokenDrafter(model, "0")  # until the live version is loaded, a moment after start
+        self.drafter = wrap_drafter(learned, settings.drafter_kind)
+        self.drafter.bind(self.slots.capacity, self.max_model_len + self.k + 1, device)
+        self.swapper = Swapper(self.source, self.drafter, fingerprint, target_embedding=embed)
+        self.swapper.check_once()  # a local store's live version serves from the first step
+        self.swapper.start()
+        self._spawn(self._publish_records, "specd-vllm-records")
+        self._spawn(self._report_loop, "specd-vllm-reports")
+        log.info("specd proposer ready: k=%d, %d rows, drafter %s, version source %s", self.k, self.max_rows,
+                 settings.drafter_kind, type(inner).__name__)
+
+    def _spawn(self, target: Any, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # ---- the decoding thread ----------------------------------------------------------------
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings: Any = None, **_: Any) -> list[list[int]]:
+        begin = time.perf_counter()
+        assert self.drafter is not None, "vLLM called propose before load_model"
+        if self.runner is None:
+            self.runner = find_model_runner()
+        rows = len(sampled_token_ids)
+        request_ids = [str(r) for r in self.runner.input_batch.req_ids[:rows]]
+        lengths = np.asarray(num_tokens_no_spec[:rows])
+        prompt_lengths = np.asarray(self.runner.input_batch.num_prompt_tokens[:rows])
+        with self._lock:
+            accepted = self.tracker.observe(request_ids, sampled_token_ids, lengths, prompt_lengths,
+                                            token_ids_cpu, self.drafter.version)
+        if accepted:  # the previous proposal's rows are still in their slots: settle them first
+            self.drafter.commit(torch.tensor(accepted))
+        if rows == 0:
+            self.tracker.previous_rows = []
+            self._close_finished(request_ids, sampled_token_ids)
+            return []
+        self.slots.arrange(request_ids, self.drafter)
+        device = self.drafter.model.embed.weight.device
+        batch = DraftBatch(tokens=torch.from_numpy(token_ids_cpu[:rows]).to(device),
+                           lengths=torch.from_numpy(lengths.astype(np.int64)).to(device),
+                           prompt_lengths=prompt_lengths.tolist(), request_ids=request_ids,
+                           temperature=torch.zeros(rows, device=device), top_p=torch.ones(rows, device=device),
+                           generators=[])
+        proposal = self.drafter.propose(batch, self.k)
+        drafts_table = proposal.drafts.tolist()
+        limits = proposal.limits.tolist() if proposal.limits is not None else [self.k] * rows
+        drafts = []
+        for row in range(rows):
+            room = self.max_model_len - 1 - int(lengths[row])  # vLLM never verifies past max_model_len
+            usable = min(int(limits[row]), room) if sampled_token_ids[row] else 0
+            drafts.append(drafts_table[row][:max(usable, 0)])
+        with self._lock:
+            self.tracker.remember(request_ids, drafts, lengths, self.drafter.version)
+        self._close_finished(request_ids, sampled_token_ids)
+        self.num_steps += 1
+        self.seconds_proposing += time.perf_counter() - begin
+        return drafts
+
+    def _close_finished(self, request_ids: list[str], sampled: list[list[int]]) -> None:
+        """Hand finished requests to the record thread: stopped this step, or gone from vLLM."""
+        requests = self.runner.requests
+        for row, request_id in enumerate(request_ids):
+            state = requests.get(request_id)
+            params = getattr(state, "sampling_params", None)
+            trajectory = self.tracker.live.get(request_id)
+            if params is None or trajectory is None or not sampled[row]:
+                continue
+            stop_ids = set(params.stop_token_ids or ())
+            if getattr(params, "eos_token_id", None) is not None:
+                stop_ids.add(int(params.eos_token_id))
+            output = trajectory.tokens[len(trajectory.prompt_ids):]
+            keep = stop_index(output, params.max_tokens, stop_ids, self.max_model_len - len(trajectory.prompt_ids))
+            if keep is not None:
+                self._finish(request_id, keep, params)
+        gone = [request_id for request_id in self.tracker.live if request_id not in requests]
+        for request_id in gone:  # aborted, stopped by a stop string, or otherwise ended by vLLM
+            self._finish(request_id, None, None)
+
+    def _finish(self, request_id: str, keep: int | None, params: Any) -> None:
+        sampling = {"temperature": getattr(params, "temperature", 0.0), "top_p": getattr(params, "top_p", 1.0)}
+        with self._lock:
+            record = self.tracker.finish(request_id, keep, sampling)
+        self.slots.release(request_id)
+        if record is not None:
+            self._finished.put(record)
+
+    # ---- background threads -----------------------------------------------------------------
+    def _publish_records(self) -> None:
+        while True:
+            record = self._finished.get()
+            if record is None:
+                return
+            payload = record.to_dict()
+            self.recent = [*self.recent[-63:], payload]
+            if self.publisher is not None:
+                self.publisher.publish(payload)  # bounded buffer: never blocks
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(self.settings.report_seconds):
+            if self.publisher is None:
+                continue
+            with self._lock:
+                report = self.tracker.report()
+            if report["versions"]:
+                self.publisher.report(report)
+
+    def status(self) -> dict[str, Any]:
+        """What the control path (`collective_rpc`) shows an operator."""
+        with self._lock:
+            report = self.tracker.report()
+            live_requests = len(self.tracker.live)
+        return {"server_id": self.settings.server_id, "version": self.drafter.version if self.drafter else None,
+                "forced_version": self.source.forced if self.source else None,
+                "source_live_version": self.source.inner.live_version() if self.source else None,
+                "k": self.k, "drafter": self.settings.drafter_kind, "steps": self.num_steps,
+                "mean_propose_ms": 1000 * self.seconds_proposing / max(self.num_steps, 1),
+                "live_requests": live_requests, "swaps": self.drafter.num_swaps if self.drafter else 0,
+                "refused_versions": dict(self.swapper.refused) if self.swapper else {},
+                "broker_connected": self.publisher.connected.is_set() if self.publisher else None,
+                "records_published": self.publisher.counters.published if self.publisher else 0,
+                "totals": report["versions"]}
+
+    def force_version(self, version: int | None) -> dict[str, Any]:
+        """Serve `version` regardless of announcements (None: follow them again); it takes over within a poll."""
+        if self.source is None or self.swapper is None:
+            raise RuntimeError("the proposer is not loaded yet")
+        self.source.forced = version
+        self.swapper.check_once()
+        return self.status()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._finished.put(None)
+        if self.swapper is not None:
+            self.swapper.stop()
+        if self.publisher is not None:
+            self.publisher.stop()

@@ -1,0 +1,158 @@
+"""The vLLM plugin's bookkeeping, settings and command, without vLLM: slots, acceptance, records."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specd.cli import main
+from specd.drafter.base import DraftBatch
+from specd.learner.records import validate_record
+from specd.testing import tiny_target
+from specd.vllm_plugin.launch import PROPOSER_CLASS, WORKER_EXTENSION, PluginSettings, vllm_command
+from specd.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
+from tests.conftest import tiny_drafter
+
+
+class LabelledSlots:
+    """A drafter stand-in whose slots hold labels, so moves and starts can be checked."""
+
+    def __init__(self, capacity: int) -> None:
+        self.content: list[str | None] = [None] * capacity
+        self.starts = 0
+
+    def start(self, slot: int) -> None:
+        self.content[slot] = None
+        self.starts += 1
+
+    def move(self, src: int, dst: int) -> None:
+        self.content[dst] = self.content[src]
+
+
+def step(table: SlotTable, drafter: LabelledSlots, request_ids: list[str]) -> None:
+    table.arrange(request_ids, drafter)
+    for row, request_id in enumerate(request_ids):
+        assert drafter.content[row] in (None, request_id), f"row {row} holds another request's state"
+        drafter.content[row] = request_id  # drafting fills the slot with this request's state
+
+
+def test_slot_table_keeps_each_request_state_through_compaction_preemption_and_return() -> None:
+    table, drafter = SlotTable(rows=3, parked=3), LabelledSlots(6)
+    step(table, drafter, ["a", "b", "c"])
+    assert drafter.starts == 3
+    step(table, drafter, ["a", "c"])            # b finished or preempted: vLLM moved c up
+    step(table, drafter, ["c", "b", "a"])       # b is back, everything permuted
+    assert drafter.starts == 3                  # nobody lost their state
+    table.release("b")
+    step(table, drafter, ["d", "c", "a"])
+    assert drafter.starts == 4                  # only the new request started fresh
+
+
+def test_slot_table_evicts_the_least_recently_seen_parked_request() -> None:
+    table, drafter = SlotTable(rows=2, parked=1), LabelledSlots(3)
+    step(table, drafter, ["a", "b"])
+    step(table, drafter, ["b"])                 # a parked
+    step(table, drafter, ["c"])                 # b must park too: a (seen earlier) is evicted
+    step(table, drafter, ["b", "a"])
+    assert drafter.starts == 4                  # a, b, c, and a again; b came back from parking
+    with pytest.raises(ValueError, match="bound for 2"):
+        table.arrange(["x", "y", "z"], drafter)
+
+
+def test_token_drafter_drafts_the_same_whatever_row_its_request_occupies() -> None:
+    """Slots moved by the table must carry exact caches: compare with one drafter per request."""
+    target = tiny_target()
+    rng = random.Random(0)
+    sequences = {name: [rng.randrange(96) for _ in range(5 + i)] for i, name in enumerate("abcd")}
+    shared = tiny_drafter(target)
+    shared.bind(8, 128, torch.device("cpu"))
+    table = SlotTable(rows=4, parked=4)
+    alone = {name: tiny_drafter(target) for name in sequences}
+    for drafter in alone.values():
+        drafter.bind(1, 128, torch.device("cpu"))
+    schedules = [["a", "b", "c"], ["a", "c"], ["c", "a", "b"], ["d", "b"], ["b", "d", "a", "c"], ["c", "a"]]
+    for names in schedules:
+        table.arrange(names, shared)
+        proposal = shared.propose(batch_of([sequences[n] for n in names], names), 3)
+        for row, name in enumerate(names):
+            reference = alone[name].propose(batch_of([sequences[name]], [name]), 3)
+            assert proposal.drafts[row].tolist() == reference.drafts[0].tolist(), f"{name} in row {row}"
+            alone[name].commit(torch.tensor([1]))
+        shared.commit(torch.tensor([1] * len(names)))
+        for row, name in enumerate(names):  # the first draft was accepted, then one new token
+            sequences[name] += [int(proposal.drafts[row, 0]), rng.randrange(96)]
+
+
+def batch_of(sequences: list[list[int]], names: list[str]) -> DraftBatch:
+    tokens = torch.zeros(len(sequences), 128, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        tokens[row, :len(seq)] = torch.tensor(seq)
+    return DraftBatch(tokens, torch.tensor([len(s) for s in sequences]), [2] * len(sequences), names,
+                      torch.zeros(len(sequences)), torch.ones(len(sequences)), [])
+
+
+def rows_of(sequences: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.zeros((len(sequences), 64), dtype=np.int32)
+    for row, seq in enumerate(sequences):
+        tokens[row, :len(seq)] = seq
+    return tokens, np.array([len(s) for s in sequences])
+
+
+def test_step_tracker_infers_accepted_counts_and_voids_drafts_that_were_never_verified() -> None:
+    tracker = StepTracker("vllm-test", domain="code")
+    prompt_a, prompt_b = [1, 2, 3], [4, 5]
+    tokens, lengths = rows_of([[*prompt_a, 10], [*prompt_b, 20]])
+    assert tracker.observe(["a", "b"], [[10], [20]], lengths, np.array([3, 2]), tokens, "1") == []
+    tracker.remember(["a", "b"], [[11, 12, 13], [21, 22]], lengths, "1")
+    # a accepted 2 drafts (+ a correction); b left the batch (preempted): its drafts are void
+    tokens, lengths = rows_of([[*prompt_a, 10, 11, 12, 99]])
+    assert tracker.observe(["a"], [[11, 12, 99]], lengths, np.array([3]), tokens, "1") == [2, 0]
+    tracker.remember(["a"], [[7]], lengths, "2")
+    tokens, lengths = rows_of([[*prompt_b, 20, 30], [*prompt_a, 10, 11, 12, 99, 8]])
+    assert tracker.observe(["b", "a"], [[30], [8]], lengths, np.array([2, 3]), tokens, "2") == [0]
+    record = tracker.finish("a", keep_output=4, sampling={"temperature": 0.0, "top_p": 1.0})
+    assert record is not None and record.prompt_ids == prompt_a and record.output_ids == [10, 11, 12, 99]
+    assert [(s.position, s.drafts, s.num_accepted, s.version) for s in record.steps] == [(4, [11, 12, 13], 2, "1")]
+    validate_record(json.loads(json.dumps(record.to_dict())), vocab_size=100)
+    assert tracker.report()["versions"]["1"] == {"drafts": 3, "accepted": 2, "passes": 3, "emitted": 5}
+    # a pass that verified no drafts counts for the version serving at that step
+    assert tracker.report()["versions"]["2"] == {"drafts": 1, "accepted": 0, "passes": 2, "emitted": 2}
+    assert tracker.finish("a") is None and tracker.is_finished("a")
+
+
+def test_stop_index_mirrors_vllms_stop_rules() -> None:
+    assert stop_index([5, 6, 2, 7], max_tokens=10, stop_ids={2}, room=100) == 3   # stop token kept
+    assert stop_index([5, 6, 7], max_tokens=2, stop_ids=set(), room=100) == 2       # max_tokens
+    assert stop_index([5, 6, 7], max_tokens=None, stop_ids=set(), room=3) == 3      # context full
+    assert stop_index([5, 6], max_tokens=10, stop_ids={2}, room=100) is None        # still running
+
+
+def test_plugin_settings_round_trip_and_refuse_bad_values() -> None:
+    settings = PluginSettings(broker="mqtt://127.0.0.1:1884", learner_url="http://127.0.0.1:8100", version=3,
+                              domain="code", drafter_kind="learned")
+    assert PluginSettings.from_env(settings.to_env()) == settings
+    with pytest.raises(ValueError, match="SPECD_VERSION"):
+        PluginSettings.from_env({"SPECD_VERSION": "three"})
+    with pytest.raises(ValueError, match="SPECD_DRAFTER"):
+        PluginSettings.from_env({"SPECD_DRAFTER": "magic"})
+    with pytest.raises(ValueError, match="broker URL"):
+        PluginSettings.from_env({"SPECD_BROKER": "http://127.0.0.1"})
+
+
+def test_vllm_command_runs_specds_proposer_extension_and_metrics(capsys) -> None:
+    env, argv = vllm_command("/models/t", PluginSettings(broker="mqtt://127.0.0.1:1883"), k=5)
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": 5}
+    assert argv[argv.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    assert env["SPECD_BROKER"] == "mqtt://127.0.0.1:1883" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert main(["vllm", "--print", "--json", "--store", "/tmp/store", "-k", "3", "--kv-cache-gib", "1"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["env"]["SPECD_STORE"] == "/tmp/store" and "1073741824" in printed["argv"]
+    assert main(["vllm", "--print"]) == 2
+    assert "needs --broker" in capsys.readouterr().err
+    assert main(["vllm", "--print", "--store", "/s", "-k", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
