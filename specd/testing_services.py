@@ -147,3 +147,72 @@ def tiny_checkpoint(folder: Path) -> Path:
         if (source / name).is_file():
             shutil.copy(source / name, folder / name)
     return folder
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 300.0, token: str | None = None) -> Any:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+class VllmServer:
+    """vLLM's OpenAI server as a process: plain (`speculative` None), n-gram, or specd's proposer.
+
+    `argv` and `env` come from `specd.vllm_plugin.launch.vllm_command` for specd, or are built
+    here for the others; the model is served under its folder path, as vLLM names it.
+    """
+
+    def __init__(self, target: str, port: int, log: Path, argv: list[str] | None = None,
+                 env: dict[str, str] | None = None, speculative: dict[str, Any] | None = None,
+                 extra: list[str] | None = None) -> None:
+        self.target, self.port, self.log = target, port, log
+        if argv is None:
+            argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+                    "--host", "127.0.0.1", "--port", str(port), *(extra or [])]
+            if speculative is not None:
+                argv += ["--speculative-config", json.dumps(speculative),
+                         "--per-request-spec-decode-metrics", "detailed"]
+        self.argv = argv
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 600.0) -> VllmServer:
+        handle = self.log.open("a")
+        self.process = subprocess.Popen(self.argv, stdout=handle, stderr=subprocess.STDOUT, env=self.env)
+
+        def ready() -> bool:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.process.returncode}; log:\n{self.log.read_text()[-4000:]}")
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                return response.status == 200
+
+        try:
+            wait_for(ready, timeout, interval=1.0, what="vLLM server")
+        except TimeoutError:
+            self.stop()
+            raise TimeoutError(f"vLLM did not start; log:\n{self.log.read_text()[-4000:]}") from None
+        return self
+
+    def chat(self, content: str, max_tokens: int, **fields: Any) -> dict[str, Any]:
+        """One greedy chat completion with token ids and vLLM's per-request metrics."""
+        body = {"model": self.target, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                "temperature": 0, "return_token_ids": True, **fields}
+        return dict(post_json(self.url + "/v1/chat/completions", body))
+
+    def rpc(self, method: str, *args: Any) -> Any:
+        """A worker-extension method through POST /collective_rpc (VLLM_SERVER_DEV_MODE=1)."""
+        return post_json(self.url + "/collective_rpc", {"method": method, "args": list(args)})["results"][0]
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(30)
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process = None

@@ -12,6 +12,10 @@ your drafts were used", so its cache stays exact. Swaps and versions belong to t
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from specd.drafter.base import DraftBatch, Proposal
@@ -19,14 +23,19 @@ from specd.drafter.token_drafter import TokenDrafter
 from specd.serving.model import Transformer
 
 
-def context_match_drafts(sequence: list[int], k: int, max_n: int = 4, min_n: int = 2) -> list[int]:
-    length = len(sequence)
+def context_match_drafts(sequence: Sequence[int] | np.ndarray, k: int, max_n: int = 4, min_n: int = 2) -> list[int]:
+    tokens = np.asarray(sequence)
+    length = len(tokens)
+    # an earlier occurrence of the n-token suffix ends at some j <= length - 2 with tokens[j] == the
+    # last token: filter those candidates one token further back per round (vectorised, no Python scan)
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1]) if length > 1 else np.empty(0, dtype=np.int64)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = sequence[length - n:]
-        # scan backwards: the most recent earlier occurrence predicts best
-        for start in range(length - n - 1, -1, -1):
-            if sequence[start:start + n] == suffix:
-                return sequence[start + n:start + n + k]
+        matching = ends[ends >= n - 1]
+        for back in range(1, n):
+            matching = matching[tokens[matching - back] == tokens[length - 1 - back]]
+        if len(matching):
+            end = int(matching[-1])  # the most recent earlier occurrence predicts best
+            return [int(t) for t in tokens[end + 1:end + 1 + k]]
     return []
 
 
@@ -36,6 +45,12 @@ class HybridDrafter:
         self.max_n, self.min_n, self.window = max_n, min_n, window
         self._matched: list[bool] = []
         self.num_matched_rows = 0
+        # a caller may switch the learned part off while it does not pay for itself (the vLLM
+        # proposer's gate); these say what it cost and earned at the last step it ran
+        self.use_learned = True
+        self.learned_ran = False
+        self.learned_seconds = 0.0
+        self.last_learned_accepted = 0
 
     # the learned part owns versions, swaps and caches
     @property
@@ -66,19 +81,26 @@ class HybridDrafter:
         self.learned.move(src, dst)
 
     def propose(self, batch: DraftBatch, k: int) -> Proposal:
-        proposal = self.learned.propose(batch, k)
-        drafts = proposal.drafts.clone()
-        limits = proposal.limits.clone() if proposal.limits is not None else torch.full_like(batch.lengths, k)
+        self.learned_ran = self.use_learned
+        q: torch.Tensor | None = None
+        if self.learned_ran:
+            begin = time.perf_counter()
+            proposal = self.learned.propose(batch, k)
+            self.learned_seconds = time.perf_counter() - begin
+            drafts, q = proposal.drafts.clone(), proposal.q
+            limits = proposal.limits.clone() if proposal.limits is not None else torch.full_like(batch.lengths, k)
+        else:  # rows without a context match draft nothing this step
+            drafts = torch.zeros(batch.num_rows, k, dtype=torch.long, device=batch.lengths.device)
+            limits = torch.zeros_like(batch.lengths)
         self._matched = []
         for row, length in enumerate(batch.lengths.tolist()):
             start = max(0, length - self.window)
-            found = context_match_drafts(batch.tokens[row, start:length].tolist(), k, self.max_n, self.min_n)
+            found = context_match_drafts(batch.tokens[row, start:length].cpu().numpy(), k, self.max_n, self.min_n)
             self._matched.append(bool(found))
             if found:
                 drafts[row, :len(found)] = torch.tensor(found, device=drafts.device)
                 limits[row] = len(found)
         self.num_matched_rows += sum(self._matched)
-        q = proposal.q
         if q is not None and any(self._matched):  # matched rows' drafts are deterministic: q one-hot
             matched = torch.tensor(self._matched, device=q.device)
             one_hot = torch.zeros_like(q).scatter_(-1, drafts[..., None], 1.0)
@@ -86,8 +108,12 @@ class HybridDrafter:
         return Proposal(drafts, q, limits)
 
     def commit(self, num_accepted: torch.Tensor) -> None:
+        if not self.learned_ran:
+            return
         used = torch.tensor([not m for m in self._matched], device=num_accepted.device)
-        self.learned.commit(torch.where(used, num_accepted, torch.zeros_like(num_accepted)))
+        learned_accepted = torch.where(used, num_accepted, torch.zeros_like(num_accepted))
+        self.last_learned_accepted = int(learned_accepted.sum())
+        self.learned.commit(learned_accepted)
 
 
 def wrap_drafter(learned: TokenDrafter, kind: str) -> TokenDrafter | HybridDrafter:

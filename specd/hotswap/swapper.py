@@ -86,6 +86,11 @@ class Swapper:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def prepared_version(self) -> str | None:
+        """The last version handed to the drafter (it serves from the drafter's next proposal)."""
+        return self._wanted
+
     def check_once(self) -> bool:
         """Prepare the live version if it is new; True when a model was handed to the drafter."""
         try:

