@@ -6,8 +6,11 @@ occurrence first, and returns up to k tokens that followed it; an empty list whe
 matches. Deterministic and free of training: code and chat answers repeat their prompt often.
 `HybridDrafter` puts it in front of a learned `TokenDrafter`: a row with a context match gets
 the match's drafts, every other row the learned drafter's. The learned drafter still runs for
-all rows (its cache must follow every row); rows whose drafts were replaced commit as "none of
-your drafts were used", so its cache stays exact. Swaps and versions belong to the learned part.
+all rows (its cache must follow every row) unless a caller switches it off (`use_learned`); rows
+whose drafts were replaced commit as "none of your drafts were used", so its cache stays exact.
+With a `table` (a `TrafficTable`), a row without a match in its own context asks what earlier
+requests continued its last tokens with, before the learned drafter's guess is used. Swaps and
+versions belong to the learned part.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from specd.drafter.base import DraftBatch, Proposal
 from specd.drafter.token_drafter import TokenDrafter
+from specd.drafter.traffic_table import TrafficTable
 from specd.serving.model import Transformer
 
 
@@ -48,6 +52,9 @@ class HybridDrafter:
         # a caller may switch the learned part off while it does not pay for itself (the vLLM
         # proposer's gate); these say what it cost and earned at the last step it ran
         self.use_learned = True
+        # continuations learned across requests (see traffic_table), asked where the row has no match
+        self.table: TrafficTable | None = None
+        self.num_table_rows = 0
         self.learned_ran = False
         self.learned_seconds = 0.0
         self.last_learned_accepted = 0
@@ -96,6 +103,9 @@ class HybridDrafter:
         for row, length in enumerate(batch.lengths.tolist()):
             start = max(0, length - self.window)
             found = context_match_drafts(batch.tokens[row, start:length].cpu().numpy(), k, self.max_n, self.min_n)
+            if not found and self.table is not None:
+                found = self.table.draft(batch.tokens[row, max(0, length - self.table.max_n):length].tolist(), k)
+                self.num_table_rows += bool(found)
             self._matched.append(bool(found))
             if found:
                 drafts[row, :len(found)] = torch.tensor(found, device=drafts.device)

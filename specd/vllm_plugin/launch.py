@@ -35,6 +35,7 @@ class PluginSettings:
     drafter_kind: str = "hybrid"       # SPECD_DRAFTER: hybrid (context matches first) or learned
     drafter_layers: int = 1            # SPECD_DRAFTER_LAYERS: shape of the drafter used before any version arrives
     drafter_head_vocab: int = 8192     # SPECD_DRAFTER_HEAD_VOCAB
+    traffic_table: bool = True         # SPECD_TRAFFIC_TABLE: 0 turns off continuations learned across requests
     report_seconds: float = 2.0        # SPECD_REPORT_SECONDS
     cache: str | None = None           # SPECD_CACHE_DIR: where fetched versions are kept (default: a temp folder)
 
@@ -61,12 +62,16 @@ class PluginSettings:
         if broker is not None:
             MqttSettings.from_url(broker)  # refuse a malformed URL now, not in a background thread
         version = env.get("SPECD_VERSION") or None
+        table = env.get("SPECD_TRAFFIC_TABLE", "1").strip().lower()
+        if table not in ("0", "1", "false", "true", "off", "on"):
+            raise ValueError(f"SPECD_TRAFFIC_TABLE={table!r}: use 1 or 0")
         return cls(broker=broker, deployment=env.get("SPECD_DEPLOYMENT", "default"),
                    learner_url=env.get("SPECD_LEARNER_URL") or None, store=env.get("SPECD_STORE") or None,
                    version=int(number("SPECD_VERSION", int, 0)) if version is not None else None,
                    server_id=env.get("SPECD_SERVER_ID", "vllm-0"), domain=env.get("SPECD_DOMAIN") or None,
                    drafter_kind=kind, drafter_layers=int(number("SPECD_DRAFTER_LAYERS", int, 1)) or 1,
                    drafter_head_vocab=int(number("SPECD_DRAFTER_HEAD_VOCAB", int, 8192)) or 8192,
+                   traffic_table=table in ("1", "true", "on"),
                    report_seconds=float(number("SPECD_REPORT_SECONDS", float, 2.0)) or 2.0,
                    cache=env.get("SPECD_CACHE_DIR") or None)
 
@@ -76,6 +81,7 @@ class PluginSettings:
                   "SPECD_VERSION": self.version, "SPECD_SERVER_ID": self.server_id, "SPECD_DOMAIN": self.domain,
                   "SPECD_DRAFTER": self.drafter_kind, "SPECD_DRAFTER_LAYERS": self.drafter_layers,
                   "SPECD_DRAFTER_HEAD_VOCAB": self.drafter_head_vocab, "SPECD_REPORT_SECONDS": self.report_seconds,
+                  "SPECD_TRAFFIC_TABLE": "1" if self.traffic_table else "0",
                   "SPECD_CACHE_DIR": self.cache}
         return {name: str(value) for name, value in values.items() if value is not None}
 

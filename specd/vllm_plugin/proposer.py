@@ -32,6 +32,7 @@ from specd.drafter.base import DraftBatch
 from specd.drafter.checkpoint import TargetFingerprint
 from specd.drafter.context_match import HybridDrafter, wrap_drafter
 from specd.drafter.token_drafter import DrafterShape, TargetHead, TokenDrafter, new_drafter_model
+from specd.drafter.traffic_table import TrafficTable
 from specd.hotswap.remote import RemoteSource
 from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
@@ -118,6 +119,7 @@ class SpecdProposer:
         self.swapper: Swapper | None = None
         self.source: PinnedSource | None = None
         self.publisher: MqttPublisher | None = None
+        self.table: TrafficTable | None = None
         self.tracker = StepTracker(self.settings.server_id, self.settings.domain)
         self.slots = SlotTable(self.max_rows, self.max_rows)
         self.recent: list[dict[str, Any]] = []        # the last finished records, for the control path
@@ -153,6 +155,8 @@ class SpecdProposer:
         model = new_drafter_model(TargetHead(config, embed, head), shape)
         learned = TokenDrafter(model, "0")  # until the live version is loaded, a moment after start
         self.drafter = wrap_drafter(learned, settings.drafter_kind)
+        if isinstance(self.drafter, HybridDrafter) and settings.traffic_table:
+            self.table = self.drafter.table = TrafficTable()
         self.drafter.bind(self.slots.capacity, self.max_model_len + self.k + 1, device)
         self.swapper = Swapper(self.source, self.drafter, fingerprint, target_embedding=embed)
         self.swapper.check_once()  # a local store's live version serves from the first step
@@ -250,6 +254,8 @@ class SpecdProposer:
             record = self._finished.get()
             if record is None:
                 return
+            if self.table is not None:  # learned the moment a request ends, off the decoding thread
+                self.table.add(record.prompt_ids + record.output_ids)
             payload = record.to_dict()
             self.recent = [*self.recent[-63:], payload]
             if self.publisher is not None:
@@ -277,6 +283,8 @@ class SpecdProposer:
                 "mean_propose_ms": 1000 * self.seconds_proposing / max(self.num_steps, 1),
                 "live_requests": live_requests, "learned_drafter_steps": self.learned_steps,
                 "learned_gain": self.gate.gain, "learned_cost": self.gate.cost,
+                "traffic_table_contexts": len(self.table) if self.table is not None else None,
+                "traffic_table_rows": getattr(self.drafter, "num_table_rows", 0),
                 "swaps": self.drafter.num_swaps if self.drafter else 0,
                 "refused_versions": dict(self.swapper.refused) if self.swapper else {},
                 "broker_connected": self.publisher.connected.is_set() if self.publisher else None,

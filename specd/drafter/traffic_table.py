@@ -1,0 +1,79 @@
+"""A continuation table learned from served traffic: what followed each short context, across requests.
+
+Contract: `TrafficTable.add(tokens)` counts, at every position of a finished sequence, the token
+that followed each context of min_n..max_n tokens (at most `max_candidates` continuations per
+context; beyond `max_contexts` the oldest contexts are dropped, so memory stays bounded).
+`draft(sequence, k)` chains up to k tokens: each is the most frequent continuation of the
+longest context the table knows that ends at it, and the chain stops where the table knows no
+context or its best continuation is uncertain (seen fewer than `min_count` times or less than
+`min_share` of the time). Unlike context matching, which looks only inside the request, this
+carries what earlier requests taught (templates, code idioms, stock phrases) to new ones; it
+learns the moment a request finishes, with no training step. One writer thread and one reader
+thread may share it: both take its lock, each for microseconds per call.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+
+class TrafficTable:
+    def __init__(self, min_n: int = 2, max_n: int = 4, max_contexts: int = 300_000, max_candidates: int = 4,
+                 min_count: int = 2, min_share: float = 0.5) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"traffic table needs 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.max_contexts, self.max_candidates = max_contexts, max_candidates
+        self.min_count, self.min_share = min_count, min_share
+        self._counts: dict[tuple[int, ...], dict[int, int]] = {}
+        self._lock = threading.Lock()
+        self.sequences_added = 0
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        tokens = [int(t) for t in tokens]
+        with self._lock:
+            counts = self._counts
+            for end in range(self.min_n, len(tokens)):
+                following = tokens[end]
+                for n in range(self.min_n, min(self.max_n, end) + 1):
+                    context = tuple(tokens[end - n:end])
+                    seen = counts.get(context)
+                    if seen is None:
+                        counts[context] = {following: 1}
+                    elif following in seen:
+                        seen[following] += 1
+                    elif len(seen) < self.max_candidates:
+                        seen[following] = 1
+                    else:  # full: the rarest candidate gives way, keeping counts of the frequent ones exact
+                        rarest = min(seen, key=seen.__getitem__)
+                        seen[following] = seen.pop(rarest)
+            while len(counts) > self.max_contexts:
+                del counts[next(iter(counts))]  # dicts keep insertion order: the oldest context goes
+            self.sequences_added += 1
+
+    def draft(self, sequence: Sequence[int], k: int) -> list[int]:
+        window = [int(t) for t in sequence[-self.max_n:]]
+        drafts: list[int] = []
+        with self._lock:
+            for _ in range(k):
+                token = self._next(window)
+                if token is None:
+                    break
+                drafts.append(token)
+                window = [*window[1:], token] if len(window) >= self.max_n else [*window, token]
+        return drafts
+
+    def _next(self, window: list[int]) -> int | None:
+        for n in range(min(self.max_n, len(window)), self.min_n - 1, -1):
+            seen = self._counts.get(tuple(window[len(window) - n:]))
+            if seen:  # the longest known context decides; a shorter one is only a fallback for unknown ones
+                token = max(seen, key=seen.__getitem__)
+                count = seen[token]
+                if count >= self.min_count and count >= self.min_share * sum(seen.values()):
+                    return token
+                return None
+        return None

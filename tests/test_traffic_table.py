@@ -1,0 +1,61 @@
+"""The traffic table: continuations learned across requests, chained into drafts, bounded in memory."""
+
+from __future__ import annotations
+
+import torch
+
+from specd.drafter.base import DraftBatch
+from specd.drafter.context_match import HybridDrafter
+from specd.drafter.traffic_table import TrafficTable
+from tests.conftest import tiny_drafter, tiny_target
+
+
+def test_a_continuation_seen_in_earlier_requests_is_drafted_for_a_new_one() -> None:
+    table = TrafficTable(min_count=2)
+    table.add([1, 2, 3, 4, 5, 6])
+    assert table.draft([9, 2, 3], 3) == []            # seen once: not trusted yet
+    table.add([7, 2, 3, 4, 5, 8])
+    assert table.draft([9, 2, 3], 3) == [4, 5]        # chained, and stops where requests disagreed (6 vs 8)
+
+
+def test_an_uncertain_continuation_is_not_drafted() -> None:
+    table = TrafficTable(min_count=1, min_share=0.6)
+    for following in (10, 11, 10, 11):
+        table.add([1, 2, following])
+    assert table.draft([1, 2], 4) == []               # 10 and 11 each half the time
+    table.add([1, 2, 10])
+    assert table.draft([1, 2], 1) == [10]             # 3 of 5 times
+
+
+def test_the_longest_known_context_decides() -> None:
+    table = TrafficTable(min_count=1)
+    table.add([5, 1, 2, 40])
+    table.add([6, 1, 2, 50])
+    table.add([6, 1, 2, 50])
+    assert table.draft([5, 1, 2], 1) == [40]          # the 3-token context knows better than "1 2"
+    assert table.draft([9, 1, 2], 1) == [50]          # unknown 3-token context: "1 2" decides
+
+
+def test_memory_is_bounded_by_dropping_the_oldest_contexts() -> None:
+    table = TrafficTable(max_contexts=50, min_count=1)
+    for start in range(0, 1000, 10):
+        table.add(list(range(start, start + 10)))
+    assert len(table) <= 50
+    assert table.draft([991, 992], 2) == [993, 994]   # recent traffic is still known
+
+
+def test_hybrid_drafter_asks_the_table_where_its_own_context_has_no_match() -> None:
+    target = tiny_target()
+    hybrid = HybridDrafter(tiny_drafter(target))
+    hybrid.bind(2, 64, torch.device("cpu"))
+    hybrid.table = TrafficTable(min_count=1)
+    hybrid.table.add([30, 31, 32, 33, 34])
+    tokens = torch.zeros(2, 64, dtype=torch.long)
+    tokens[0, :4] = torch.tensor([1, 2, 30, 31])      # no repeat inside the row; the table knows "30 31"
+    tokens[1, :4] = torch.tensor([5, 6, 7, 8])        # nobody knows anything
+    batch = DraftBatch(tokens, torch.tensor([4, 4]), [2, 2], ["a", "b"], torch.zeros(2), torch.ones(2), [])
+    hybrid.use_learned = False
+    proposal = hybrid.propose(batch, 3)
+    assert proposal.drafts[0].tolist() == [32, 33, 34] and proposal.limits is not None
+    assert proposal.limits.tolist() == [3, 0] and hybrid.num_table_rows == 1
+    hybrid.commit(torch.tensor([3, 0]))               # the learned part did not run: nothing to settle
