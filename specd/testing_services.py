@@ -184,19 +184,18 @@ class VllmServer:
     def start(self, timeout: float = 600.0) -> VllmServer:
         handle = self.log.open("a")
         self.process = subprocess.Popen(self.argv, stdout=handle, stderr=subprocess.STDOUT, env=self.env)
-
-        def ready() -> bool:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.process.returncode}; log:\n{self.log.read_text()[-4000:]}")
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
-                return response.status == 200
-
-        try:
-            wait_for(ready, timeout, interval=1.0, what="vLLM server")
-        except TimeoutError:
-            self.stop()
-            raise TimeoutError(f"vLLM did not start; log:\n{self.log.read_text()[-4000:]}") from None
-        return self
+        deadline = time.monotonic() + timeout
+        while True:  # not wait_for: a server that exits must fail at once, not at the deadline
+            if self.process.poll() is not None:
+                code, self.process = self.process.returncode, None
+                raise RuntimeError(f"vLLM exited with {code}; log:\n{self.log.read_text()[-4000:]}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return self
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"vLLM did not start in {timeout:.0f} s; log:\n{self.log.read_text()[-4000:]}")
+            time.sleep(1.0)
 
     def chat(self, content: str, max_tokens: int, **fields: Any) -> dict[str, Any]:
         """One greedy chat completion with token ids and vLLM's per-request metrics."""

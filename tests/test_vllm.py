@@ -147,6 +147,7 @@ def test_inferred_accepted_counts_equal_vllms_per_request_metrics(specd_vllm: Vl
         vllm_metrics = answer["metrics"]["speculative_decoding"]
         assert [s["num_accepted"] for s in record["steps"]] == vllm_metrics["per_step_accepted"]
         assert [len(s["drafts"]) for s in record["steps"]] == vllm_metrics["per_step_drafted"]
+    assert specd_vllm.rpc("specd_status")["traffic_table_contexts"] > 0, "finished requests feed the traffic table"
     # the records left the worker on the bus and reached the learner
     wait_for(lambda: get_json(learner.url + "/health")["records_in"] >= len(PROMPTS), 60, what="records at the learner")
 

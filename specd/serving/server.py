@@ -24,8 +24,9 @@ from aiohttp import web
 
 from specd.bus import InProcessBus, RecordSink
 from specd.drafter.checkpoint import load_drafter
-from specd.drafter.context_match import wrap_drafter
+from specd.drafter.context_match import HybridDrafter, wrap_drafter
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
+from specd.drafter.traffic_table import TrafficTable
 from specd.hotswap.control import ControlPlane, add_control_routes
 from specd.hotswap.remote import RemoteSource
 from specd.hotswap.store import WeightStore
@@ -60,6 +61,7 @@ class ServeOptions:
     report_seconds: float = 2.0
     drafter_kind: str = "hybrid"       # context matches first, the learned drafter elsewhere; or "learned"
     publish_records: bool = True       # off only to measure what the loop costs
+    traffic_table: bool = True         # hybrid drafter: continuations learned across requests
 
 
 def _reports(server_id: str, metrics: ServingMetrics) -> list[dict[str, Any]]:
@@ -104,6 +106,9 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
         learned = TokenDrafter(model, str(store.live_version() or "0"))
         counters = in_process.counters
     drafter = wrap_drafter(learned, options.drafter_kind)
+    table = TrafficTable() if isinstance(drafter, HybridDrafter) and options.traffic_table else None
+    if isinstance(drafter, HybridDrafter):
+        drafter.table = table
     swapper = Swapper(source, drafter, loaded.fingerprint, target_embedding=loaded.model.embed.weight)
     metrics.sources.update({"specd_records_shed": lambda: counters.shed,
                             "specd_drafter_swaps": lambda: drafter.num_swaps,
@@ -111,7 +116,7 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=options.max_batch, num_draft_tokens=options.k,
                                                         max_context=options.max_context,
                                                         eos_token_ids=loaded.eos_token_ids))
-    worker = EngineWorker(engine, bus if options.publish_records else None, options.server_id, metrics)
+    worker = EngineWorker(engine, bus if options.publish_records else None, options.server_id, metrics, table)
 
     def status() -> dict[str, Any]:
         return {"server_id": options.server_id, "live_version": source.live_version(),

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specd.bus import RecordSink
+from specd.drafter.traffic_table import TrafficTable
 from specd.learner.records import record_from_sequence
 from specd.serving.engine import Engine
 from specd.serving.metrics import ServingMetrics
@@ -43,8 +44,9 @@ class Submission:
 
 class EngineWorker:
     def __init__(self, engine: Engine, bus: RecordSink | None = None, server_id: str = "specd",
-                 metrics: ServingMetrics | None = None) -> None:
+                 metrics: ServingMetrics | None = None, table: TrafficTable | None = None) -> None:
         self.engine = engine
+        self.table = table  # learns each finished request (the drafter reads it on this same thread)
         self.bus = bus
         self.metrics = metrics
         self.server_id = server_id
@@ -118,6 +120,8 @@ class EngineWorker:
                     continue
                 sub = self._active.pop(seq.request_id)
                 sub.on_done(seq)
+                if self.table is not None and seq.finish_reason != "cancelled":
+                    self.table.add(seq.prompt_ids + seq.output_ids)
                 if self.bus is not None and seq.finish_reason != "cancelled":
                     record = record_from_sequence(seq, self.server_id, time.time(), sub.domain)
                     self.bus.publish(record.to_dict())
