@@ -6,11 +6,12 @@ ShareGPT prompts, greedy) at batch 1 (one request at a time) and batch 8 (eight 
 different prompts for batch 1, batch 8 and warm-up, so nothing is measured on a request seen before.
 specd adaptive runs beside Mosquitto and `specd learner`: it first serves warm-up traffic of
 the same domains (other prompts) while the learner trains and publishes, then the measured
-traffic while learning goes on. specd static serves the version that was live when adaptive's
-warm-up ended, frozen (SPECD_VERSION), with no learner. n-gram uses the same match lengths as
-specd's context matcher (2..4). Reports tokens/s, accept length (1 + accepted drafts per
-verification step, from vLLM's own per-request metrics) and whether each output equals plain
-vLLM's. Writes out/vllm_compare.json.
+traffic while learning goes on (the learner gets one thread, so that it leaves vLLM's core
+alone; vLLM on CPU binds its compute thread to one core). specd static serves the version that
+was live when adaptive's warm-up ended, frozen (SPECD_VERSION), with no learner and no traffic
+table (which learns too). n-gram uses the same match lengths as specd's context matcher (2..4).
+Reports tokens/s, accept length (1 + accepted drafts per verification step, from vLLM's own
+per-request metrics) and whether each output equals plain vLLM's. Writes out/vllm_compare.json.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=32, help="adaptive's warm-up requests")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--compiled", action="store_true", help="let vLLM compile (slower start) instead of eager")
+    parser.add_argument("--dtype", default="float32",
+                        help="vLLM's dtype (default float32: in bfloat16 even vLLM's own n-gram changes outputs)")
     parser.add_argument("--only", default=None, help="comma-separated subset of configurations")
     parser.add_argument("--out", default="out/vllm_compare.json")
     args = parser.parse_args()
@@ -91,7 +94,7 @@ def main() -> None:
     warm_half = args.warmup // 2
     warm = code[2 * half:2 * half + warm_half] + chat[2 * half:2 * half + warm_half]
     flags = ["--max-num-seqs", "8", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(2 * 2**30)]
-    flags += [] if args.compiled else ["--enforce-eager"]
+    flags += ["--dtype", args.dtype] + ([] if args.compiled else ["--enforce-eager"])
     folder = Path(tempfile.mkdtemp(prefix="specd-vllm-bench-"))
     results: dict[str, Any] = {"settings": {**vars(args), "k": K, "vllm_flags": flags}, "configs": {}}
     wanted = set(args.only.split(",")) if args.only else None
@@ -104,6 +107,8 @@ def main() -> None:
         try:
             server = make()
             results["configs"][name] = measure(server, measured, args.max_tokens)
+            if name.startswith("specd"):
+                results["configs"][name]["proposer"] = server.rpc("specd_status")
         except Exception as error:  # a proposer that does not run here is reported, not fatal
             results["configs"][name] = {"error": str(error)[-600:]}
         finally:
@@ -121,7 +126,7 @@ def main() -> None:
     broker = Broker(folder / "broker").start()
     learner = SpecdProcess(["learner", "--store", str(folder / "store"), "--broker", broker.url, "--target", target,
                             "--publish-every", "10", "--deployment", "bench"], free_port(),
-                           folder / "learner.log").start()
+                           folder / "learner.log", env={"OMP_NUM_THREADS": "1"}).start()
     frozen: dict[str, Any] = {}
     try:
         def adaptive() -> VllmServer:
@@ -144,7 +149,7 @@ def main() -> None:
             def static() -> VllmServer:
                 port = free_port()
                 settings = PluginSettings(store=str(folder / "store"), version=int(frozen["version"]),
-                                          server_id="vllm-static")
+                                          server_id="vllm-static", traffic_table=False)
                 env, argv = vllm_command(target, settings, K, port=port, extra=flags)
                 return VllmServer(target, port, folder / "static.log", argv=argv, env=env).start()
 

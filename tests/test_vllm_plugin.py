@@ -13,6 +13,7 @@ from specd.cli import main
 from specd.drafter.base import DraftBatch
 from specd.learner.records import validate_record
 from specd.testing import tiny_target
+from specd.vllm_plugin.budget import DraftBudget
 from specd.vllm_plugin.launch import PROPOSER_CLASS, WORKER_EXTENSION, PluginSettings, vllm_command
 from specd.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
 from tests.conftest import tiny_drafter
@@ -156,3 +157,30 @@ def test_vllm_command_runs_specds_proposer_extension_and_metrics(capsys) -> None
     assert "needs --broker" in capsys.readouterr().err
     assert main(["vllm", "--print", "--store", "/s", "-k", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
+
+
+def test_draft_budget_withholds_drafts_that_cost_more_verification_than_they_return() -> None:
+    budget = DraftBudget(k=4, explore_every=0)
+    assert budget.keep("table", 4) == 4                    # nothing measured yet: send everything
+    for step in range(200):                                # 10 ms per step plus 5 ms per verified token
+        verified = 8 + step % 5
+        budget.observe_step(0.010 + 0.005 * verified, verified, emitted_tokens=9)
+    assert budget.step_time.slope == pytest.approx(0.005, rel=1e-3)
+    assert 0.65 < budget.bar < 0.85                        # 5 ms x ~150 tokens/s
+    for _ in range(100):
+        budget.observe_drafts("context", drafted=4, accepted=4)   # context matches: always right
+        budget.observe_drafts("table", drafted=4, accepted=0)     # the table: always wrong
+    assert budget.keep("context", 4) == 4 and budget.keep("table", 4) == 0
+    assert budget.alpha("table")[0] < 0.05 and budget.alpha("table")[1] == pytest.approx(0.5)  # never reached
+
+
+def test_draft_budget_explores_so_an_estimate_can_recover() -> None:
+    budget = DraftBudget(k=2, explore_every=4)
+    for step in range(40):
+        budget.observe_step(0.01 + 0.01 * (1 + step % 3), 1 + step % 3, emitted_tokens=1)
+        budget.observe_drafts("learned", drafted=2, accepted=0)
+    decisions = []
+    for _ in range(4):
+        budget.observe_step(0.02, 2, 1)
+        decisions.append(budget.keep("learned", 2))
+    assert sorted(decisions) == [0, 0, 0, 2]               # one step in four sends them anyway

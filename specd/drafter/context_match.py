@@ -55,6 +55,7 @@ class HybridDrafter:
         # continuations learned across requests (see traffic_table), asked where the row has no match
         self.table: TrafficTable | None = None
         self.num_table_rows = 0
+        self.row_sources: list[str] = []
         self.learned_ran = False
         self.learned_seconds = 0.0
         self.last_learned_accepted = 0
@@ -100,13 +101,19 @@ class HybridDrafter:
             drafts = torch.zeros(batch.num_rows, k, dtype=torch.long, device=batch.lengths.device)
             limits = torch.zeros_like(batch.lengths)
         self._matched = []
+        self.row_sources = []  # per row: "context", "table", "learned" or "none"
         for row, length in enumerate(batch.lengths.tolist()):
             start = max(0, length - self.window)
             found = context_match_drafts(batch.tokens[row, start:length].cpu().numpy(), k, self.max_n, self.min_n)
+            source = "context"
             if not found and self.table is not None:
                 found = self.table.draft(batch.tokens[row, max(0, length - self.table.max_n):length].tolist(), k)
+                source = "table"
                 self.num_table_rows += bool(found)
+            if not found:
+                source = "learned" if self.learned_ran and int(limits[row]) > 0 else "none"
             self._matched.append(bool(found))
+            self.row_sources.append(source)
             if found:
                 drafts[row, :len(found)] = torch.tensor(found, device=drafts.device)
                 limits[row] = len(found)

@@ -39,6 +39,7 @@ from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
 from specd.learner.records import TrajectoryRecord
 from specd.mqtt import MqttPublisher
 from specd.serving.checkpoint import CheckpointError, read_target_head
+from specd.vllm_plugin.budget import SOURCES, DraftBudget
 from specd.vllm_plugin.launch import PluginSettings
 from specd.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
 
@@ -64,15 +65,14 @@ class LearnedGate:
 
     gain = learned drafts accepted per step / tokens emitted per step (the extra throughput),
     cost = the learned drafter's seconds per step / seconds per step; both smoothed. While
-    gain < cost it stays off, with a probe every `probe_every` steps, so that a better version
-    (or easier traffic) switches it back on. Context matches are always proposed.
+    gain < cost it stays off except on the draft budget's exploration steps, so that a better
+    version (or easier traffic) switches it back on. Context matches are always proposed.
     """
 
-    def __init__(self, probe_every: int = 16, smoothing: float = 0.2) -> None:
-        self.probe_every, self.smoothing = probe_every, smoothing
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self.smoothing = smoothing
         self.gain: float | None = None
         self.cost: float | None = None
-        self._off_for = 0
 
     def observe(self, learned_accepted: int, tokens_emitted: int, learned_seconds: float, step_seconds: float) -> None:
         if tokens_emitted <= 0 or step_seconds <= 0:
@@ -82,15 +82,8 @@ class LearnedGate:
         self.gain = gain if self.gain is None else (1 - a) * self.gain + a * gain
         self.cost = cost if self.cost is None else (1 - a) * self.cost + a * cost
 
-    def decide(self) -> bool:
-        if self.gain is None or self.cost is None or self.gain >= self.cost:
-            self._off_for = 0
-            return True
-        self._off_for += 1
-        if self._off_for >= self.probe_every:
-            self._off_for = 0
-            return True
-        return False
+    def decide(self, explore: bool) -> bool:
+        return explore or self.gain is None or self.cost is None or self.gain >= self.cost
 
 
 def find_model_runner() -> Any:
@@ -126,6 +119,9 @@ class SpecdProposer:
         self.num_steps = 0
         self.seconds_proposing = 0.0
         self.gate = LearnedGate()
+        self.budget = DraftBudget(self.k)
+        self._sent: dict[str, str] = {}               # request id -> source of the drafts sent last step
+        self.drafts_sent = self.drafts_withheld = 0
         self.learned_steps = 0
         self._last_call: float | None = None
         self._finished: queue.SimpleQueue[TrajectoryRecord | None] = queue.SimpleQueue()
@@ -190,7 +186,7 @@ class SpecdProposer:
             if isinstance(self.drafter, HybridDrafter) and self.drafter.learned_ran and self._last_call is not None:
                 self.gate.observe(self.drafter.last_learned_accepted, sum(len(s) for s in sampled_token_ids),
                                   self.drafter.learned_seconds, begin - self._last_call)
-        self._last_call = begin
+        self._observe_costs(request_ids, sampled_token_ids, begin)
         if rows == 0:
             self.tracker.previous_rows = []
             self._close_finished(request_ids, sampled_token_ids)
@@ -203,22 +199,44 @@ class SpecdProposer:
                            temperature=torch.zeros(rows, device=device), top_p=torch.ones(rows, device=device),
                            generators=[])
         if isinstance(self.drafter, HybridDrafter):
-            self.drafter.use_learned = self.gate.decide()
+            self.drafter.use_learned = self.gate.decide(self.budget.exploring)
             self.learned_steps += self.drafter.use_learned
         proposal = self.drafter.propose(batch, self.k)
         drafts_table = proposal.drafts.tolist()
         limits = proposal.limits.tolist() if proposal.limits is not None else [self.k] * rows
+        sources = getattr(self.drafter, "row_sources", None) or ["learned"] * rows
         drafts = []
+        self._sent = {}
         for row in range(rows):
             room = self.max_model_len - 1 - int(lengths[row])  # vLLM never verifies past max_model_len
-            usable = min(int(limits[row]), room) if sampled_token_ids[row] else 0
-            drafts.append(drafts_table[row][:max(usable, 0)])
+            usable = max(min(int(limits[row]), room), 0) if sampled_token_ids[row] else 0
+            worth = self.budget.keep(sources[row], usable)
+            self.drafts_sent += worth
+            self.drafts_withheld += usable - worth
+            drafts.append(drafts_table[row][:worth])
+            if worth:
+                self._sent[request_ids[row]] = sources[row]
         with self._lock:
             self.tracker.remember(request_ids, drafts, lengths, self.drafter.version)
         self._close_finished(request_ids, sampled_token_ids)
         self.num_steps += 1
         self.seconds_proposing += time.perf_counter() - begin
         return drafts
+
+    def _observe_costs(self, request_ids: list[str], sampled: list[list[int]], begin: float) -> None:
+        """Feed the draft budget: each verified row's outcome, and this step's time against its size."""
+        verified_drafts = {}
+        for request_id, drafted, accepted in self.tracker.last_verified:
+            verified_drafts[request_id] = drafted
+            source = self._sent.get(request_id)
+            if source is not None:
+                self.budget.observe_drafts(source, drafted, accepted)
+        previous, self._last_call = self._last_call, begin
+        # a step that also prefilled a prompt is not a decode step: its time says nothing about drafts
+        steady = previous is not None and all(sampled) and set(request_ids) <= set(self.tracker.previous_rows)
+        if steady and previous is not None:
+            verified = sum(1 + verified_drafts.get(request_id, 0) for request_id in request_ids)
+            self.budget.observe_step(begin - previous, verified, sum(len(s) for s in sampled))
 
     def _close_finished(self, request_ids: list[str], sampled: list[list[int]]) -> None:
         """Hand finished requests to the record thread: stopped this step, or gone from vLLM."""
@@ -283,6 +301,9 @@ class SpecdProposer:
                 "mean_propose_ms": 1000 * self.seconds_proposing / max(self.num_steps, 1),
                 "live_requests": live_requests, "learned_drafter_steps": self.learned_steps,
                 "learned_gain": self.gate.gain, "learned_cost": self.gate.cost,
+                "draft_bar": self.budget.bar, "drafts_sent": self.drafts_sent,
+                "drafts_withheld": self.drafts_withheld,
+                "acceptance_by_source": {src: [round(a, 3) for a in self.budget.alpha(src)] for src in SOURCES},
                 "traffic_table_contexts": len(self.table) if self.table is not None else None,
                 "traffic_table_rows": getattr(self.drafter, "num_table_rows", 0),
                 "swaps": self.drafter.num_swaps if self.drafter else 0,

@@ -157,6 +157,7 @@ class StepTracker:
         self.live: dict[str, Trajectory] = {}
         self.totals: dict[str, VersionTotals] = {}
         self.previous_rows: list[str] = []
+        self.last_verified: list[tuple[str, int, int]] = []  # (request id, drafts, accepted) at the last observe
         self._finished: OrderedDict[str, None] = OrderedDict()   # ids already turned into records
         self._keep_finished = keep_finished
 
@@ -166,6 +167,7 @@ class StepTracker:
         row_of = {request_id: row for row, request_id in enumerate(request_ids)}
         accepted_by_previous_row = []
         verified_by: dict[str, str] = {}   # request id -> version whose drafts this step verified
+        self.last_verified = []
         for request_id in self.previous_rows:
             trajectory, row = self.live.get(request_id), row_of.get(request_id)
             accepted = 0
@@ -177,6 +179,7 @@ class StepTracker:
                 totals.drafts += len(trajectory.drafts)
                 totals.accepted += accepted
                 verified_by[request_id] = trajectory.version
+                self.last_verified.append((request_id, len(trajectory.drafts), accepted))
             if trajectory is not None:
                 trajectory.drafts = []  # verified, or voided
             accepted_by_previous_row.append(accepted)
