@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from specd.serving.bundled import bundled_target_dir
-from specd.testing_services import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
+from specd.testing_services import Broker, SpecdProcess, VllmServer, free_port, get_json, post_json, wait_for
 from specd.traffic import TrafficItem, load_humaneval, load_sharegpt
 from specd.vllm_plugin.launch import PluginSettings, vllm_command
 
@@ -139,6 +139,7 @@ def main() -> None:
             wait_for(lambda: get_json(learner.url + "/health")["published"] >= 1, 180, interval=1,
                      what="a version published by the learner")
             live = get_json(learner.url + "/v1/status")["live"]
+            post_json(learner.url + "/v1/pin", {"version": live})  # so that the store keeps it for specd static
             wait_for(lambda: server.rpc("specd_status")["prepared_version"] == str(live), 60, what="live version")
             frozen.update(version=live, warmup_tokens_per_s=warmup["tokens_per_s"],
                           warmup_accept_length=warmup["accept_length"])

@@ -13,7 +13,7 @@ from specd.cli import main
 from specd.drafter.base import DraftBatch
 from specd.learner.records import validate_record
 from specd.testing import tiny_target
-from specd.vllm_plugin.budget import DraftBudget
+from specd.vllm_plugin.budget import DraftBudget, LearnedGate, ShadowBook
 from specd.vllm_plugin.launch import PROPOSER_CLASS, WORKER_EXTENSION, PluginSettings, vllm_command
 from specd.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
 from tests.conftest import tiny_drafter
@@ -184,3 +184,31 @@ def test_draft_budget_explores_so_an_estimate_can_recover() -> None:
         budget.observe_step(0.02, 2, 1)
         decisions.append(budget.keep("learned", 2))
     assert sorted(decisions) == [0, 0, 0, 2]               # one step in four sends them anyway
+
+
+def test_stop_index_skips_tokens_already_checked() -> None:
+    assert stop_index([2, 5, 6], max_tokens=10, stop_ids={2}, room=100, checked=1) is None
+    assert stop_index([2, 5, 2], max_tokens=10, stop_ids={2}, room=100, checked=1) == 3
+
+
+def test_shadow_book_scores_held_back_drafts_against_what_the_target_produced() -> None:
+    book = ShadowBook()
+    book.add("a", "learned", position=3, drafts=[7, 8, 9])
+    book.add("a", "table", position=4, drafts=[1])             # one pending score per request
+    assert book.score("a", [0, 1, 2, 7]) is None               # right so far, the rest not produced yet
+    assert book.score("a", [0, 1, 2, 7, 8, 5]) == ("learned", 3, 2)
+    assert book.score("a", [0, 1, 2, 7, 8, 5]) is None         # scored once
+    book.add("b", "context", position=2, drafts=[4, 4])
+    assert book.score("b", [0, 1, 3]) == ("context", 2, 0)
+
+
+def test_learned_gate_switches_off_a_drafter_not_worth_its_time_and_probes_it_rarely() -> None:
+    gate = LearnedGate(probe_share=0.01, min_period=16)
+    assert gate.decide()                                       # unmeasured: it runs
+    gate.observe(expected_tokens=0.1, tokens_emitted=8, learned_seconds=0.01, step_seconds=0.05)
+    assert gate.probe_period == 20                             # 20% of a step: a probe every 20 steps is 1%
+    runs = sum(gate.decide() for _ in range(100))
+    assert runs == 5
+    gate.observe(expected_tokens=8.0, tokens_emitted=8, learned_seconds=0.01, step_seconds=0.05)
+    gate.observe(expected_tokens=8.0, tokens_emitted=8, learned_seconds=0.01, step_seconds=0.05)
+    assert gate.decide() and gate.decide()                     # a version that pays runs every step

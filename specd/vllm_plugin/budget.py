@@ -8,8 +8,13 @@ Contract: `DraftBudget` learns online, from the steps it is shown,
 `keep(source, n)` then says how many leading drafts to send: a draft whose chance of being
 accepted (the product of alphas up to it) is below marginal_seconds * tokens_per_second costs
 more verification time than it returns. On a CPU at batch 8 verification is compute-bound and
-the bar is high; at batch 1 it is nearly free and the bar is low. Every `explore_every`-th
-step sends everything, so no source's estimate can freeze below the bar.
+the bar is high; at batch 1 it is nearly free and the bar is low. Drafts held back are not lost
+for learning: `ShadowBook` scores them against the tokens the target then produced, so an
+estimate below the bar keeps being measured at no verification cost (and every
+`explore_every`-th step sends everything anyway, to keep the step-time fit honest).
+`LearnedGate` decides whether the learned drafter runs at all: only while the tokens it is
+expected to add are worth more than its own time, probing otherwise at a rate that keeps probes
+near 1% of the time.
 """
 
 from __future__ import annotations
@@ -88,6 +93,14 @@ class DraftBudget:
     def exploring(self) -> bool:
         return self.explore_every > 0 and self.steps % self.explore_every == 0
 
+    def expected_accepted(self, source: str, sent: int) -> float:
+        """Expected accepted tokens among `sent` leading drafts from `source`."""
+        chance, total = 1.0, 0.0
+        for alpha in self.alpha(source)[:sent]:
+            chance *= alpha
+            total += chance
+        return total
+
     def keep(self, source: str, drafted: int) -> int:
         """How many of a row's `drafted` leading drafts from `source` are worth verifying."""
         if drafted <= 0 or source not in self.reached or self.exploring:
@@ -99,3 +112,77 @@ class DraftBudget:
                 break
             kept += 1
         return kept
+
+
+class ShadowBook:
+    """Drafts held back, scored later against what the target produced at their positions."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[str, int, list[int]]] = {}   # request id -> (source, position, drafts)
+
+    def add(self, request_id: str, source: str, position: int, drafts: list[int]) -> None:
+        if drafts and request_id not in self._pending:
+            self._pending[request_id] = (source, position, list(drafts))
+
+    def score(self, request_id: str, tokens: list[int]) -> tuple[str, int, int] | None:
+        """(source, drafted, accepted) once the sequence settles the drafts' fate, else None."""
+        pending = self._pending.get(request_id)
+        if pending is None:
+            return None
+        source, position, drafts = pending
+        accepted = 0
+        while accepted < len(drafts) and position + accepted < len(tokens):
+            if tokens[position + accepted] != drafts[accepted]:
+                break
+            accepted += 1
+        # settled: all drafts matched, or the target produced a different token at the next position
+        if accepted < len(drafts) and position + accepted >= len(tokens):
+            return None  # every draft so far was right, and the target has not gone further yet
+        del self._pending[request_id]
+        return source, len(drafts), accepted
+
+    def drop(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+
+class LearnedGate:
+    """Run the learned drafter only while the tokens it adds are worth more than its time.
+
+    gain = tokens the learned drafter's sent drafts are expected to add per step / tokens emitted
+    per step, cost = its seconds per step / seconds per step; both smoothed over the steps it
+    ran. While gain < cost it stays off, probing every `cost / probe_share` steps (at least
+    `min_period`), so that a better version or easier traffic switches it back on.
+    """
+
+    def __init__(self, smoothing: float = 0.2, probe_share: float = 0.01, min_period: int = 16,
+                 max_period: int = 512) -> None:
+        self.smoothing, self.probe_share = smoothing, probe_share
+        self.min_period, self.max_period = min_period, max_period
+        self.gain: float | None = None
+        self.cost: float | None = None
+        self._off_for = 0
+
+    def observe(self, expected_tokens: float, tokens_emitted: int, learned_seconds: float,
+                step_seconds: float) -> None:
+        if tokens_emitted <= 0 or step_seconds <= 0:
+            return
+        gain, cost = expected_tokens / tokens_emitted, learned_seconds / step_seconds
+        a = self.smoothing
+        self.gain = gain if self.gain is None else (1 - a) * self.gain + a * gain
+        self.cost = cost if self.cost is None else (1 - a) * self.cost + a * cost
+
+    @property
+    def probe_period(self) -> int:
+        if self.cost is None:
+            return self.min_period
+        return round(min(self.max_period, max(self.min_period, self.cost / self.probe_share)))
+
+    def decide(self) -> bool:
+        if self.gain is None or self.cost is None or self.gain >= self.cost:
+            self._off_for = 0
+            return True
+        self._off_for += 1
+        if self._off_for >= self.probe_period:
+            self._off_for = 0
+            return True
+        return False

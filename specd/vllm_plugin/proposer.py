@@ -39,7 +39,7 @@ from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
 from specd.learner.records import TrajectoryRecord
 from specd.mqtt import MqttPublisher
 from specd.serving.checkpoint import CheckpointError, read_target_head
-from specd.vllm_plugin.budget import SOURCES, DraftBudget
+from specd.vllm_plugin.budget import SOURCES, DraftBudget, LearnedGate, ShadowBook
 from specd.vllm_plugin.launch import PluginSettings
 from specd.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
 
@@ -58,32 +58,6 @@ class PinnedSource:
 
     def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
         return self.inner.fetch(version)
-
-
-class LearnedGate:
-    """Run the learned drafter only while its accepted drafts are worth more than its time.
-
-    gain = learned drafts accepted per step / tokens emitted per step (the extra throughput),
-    cost = the learned drafter's seconds per step / seconds per step; both smoothed. While
-    gain < cost it stays off except on the draft budget's exploration steps, so that a better
-    version (or easier traffic) switches it back on. Context matches are always proposed.
-    """
-
-    def __init__(self, smoothing: float = 0.2) -> None:
-        self.smoothing = smoothing
-        self.gain: float | None = None
-        self.cost: float | None = None
-
-    def observe(self, learned_accepted: int, tokens_emitted: int, learned_seconds: float, step_seconds: float) -> None:
-        if tokens_emitted <= 0 or step_seconds <= 0:
-            return
-        gain, cost = learned_accepted / tokens_emitted, learned_seconds / step_seconds
-        a = self.smoothing
-        self.gain = gain if self.gain is None else (1 - a) * self.gain + a * gain
-        self.cost = cost if self.cost is None else (1 - a) * self.cost + a * cost
-
-    def decide(self, explore: bool) -> bool:
-        return explore or self.gain is None or self.cost is None or self.gain >= self.cost
 
 
 def find_model_runner() -> Any:
@@ -120,6 +94,8 @@ class SpecdProposer:
         self.seconds_proposing = 0.0
         self.gate = LearnedGate()
         self.budget = DraftBudget(self.k)
+        self.shadow = ShadowBook()
+        self._step_seconds, self._emitted = 0.0, 0      # the last decode step's time and output
         self._sent: dict[str, str] = {}               # request id -> source of the drafts sent last step
         self.drafts_sent = self.drafts_withheld = 0
         self.learned_steps = 0
@@ -183,9 +159,6 @@ class SpecdProposer:
                                             token_ids_cpu, self.drafter.version)
         if accepted:  # the previous proposal's rows are still in their slots: settle them first
             self.drafter.commit(torch.tensor(accepted))
-            if isinstance(self.drafter, HybridDrafter) and self.drafter.learned_ran and self._last_call is not None:
-                self.gate.observe(self.drafter.last_learned_accepted, sum(len(s) for s in sampled_token_ids),
-                                  self.drafter.learned_seconds, begin - self._last_call)
         self._observe_costs(request_ids, sampled_token_ids, begin)
         if rows == 0:
             self.tracker.previous_rows = []
@@ -199,7 +172,7 @@ class SpecdProposer:
                            temperature=torch.zeros(rows, device=device), top_p=torch.ones(rows, device=device),
                            generators=[])
         if isinstance(self.drafter, HybridDrafter):
-            self.drafter.use_learned = self.gate.decide(self.budget.exploring)
+            self.drafter.use_learned = self.gate.decide()
             self.learned_steps += self.drafter.use_learned
         proposal = self.drafter.propose(batch, self.k)
         drafts_table = proposal.drafts.tolist()
@@ -207,6 +180,7 @@ class SpecdProposer:
         sources = getattr(self.drafter, "row_sources", None) or ["learned"] * rows
         drafts = []
         self._sent = {}
+        learned_expected = 0.0
         for row in range(rows):
             room = self.max_model_len - 1 - int(lengths[row])  # vLLM never verifies past max_model_len
             usable = max(min(int(limits[row]), room), 0) if sampled_token_ids[row] else 0
@@ -214,8 +188,14 @@ class SpecdProposer:
             self.drafts_sent += worth
             self.drafts_withheld += usable - worth
             drafts.append(drafts_table[row][:worth])
-            if worth:
+            if worth == usable > 0:  # verification will tell how they fared
                 self._sent[request_ids[row]] = sources[row]
+            elif worth < usable:     # held back (some or all): scored against what the target produces
+                self.shadow.add(request_ids[row], sources[row], int(lengths[row]), drafts_table[row][:usable])
+            if sources[row] == "learned":
+                learned_expected += self.budget.expected_accepted("learned", worth)
+        if isinstance(self.drafter, HybridDrafter) and self.drafter.learned_ran:
+            self.gate.observe(learned_expected, self._emitted, self.drafter.learned_seconds, self._step_seconds)
         with self._lock:
             self.tracker.remember(request_ids, drafts, lengths, self.drafter.version)
         self._close_finished(request_ids, sampled_token_ids)
@@ -225,6 +205,11 @@ class SpecdProposer:
 
     def _observe_costs(self, request_ids: list[str], sampled: list[list[int]], begin: float) -> None:
         """Feed the draft budget: each verified row's outcome, and this step's time against its size."""
+        for request_id in request_ids:
+            trajectory = self.tracker.live.get(request_id)
+            scored = self.shadow.score(request_id, trajectory.tokens) if trajectory is not None else None
+            if scored is not None:
+                self.budget.observe_drafts(*scored)
         verified_drafts = {}
         for request_id, drafted, accepted in self.tracker.last_verified:
             verified_drafts[request_id] = drafted
@@ -236,7 +221,8 @@ class SpecdProposer:
         steady = previous is not None and all(sampled) and set(request_ids) <= set(self.tracker.previous_rows)
         if steady and previous is not None:
             verified = sum(1 + verified_drafts.get(request_id, 0) for request_id in request_ids)
-            self.budget.observe_step(begin - previous, verified, sum(len(s) for s in sampled))
+            self._step_seconds, self._emitted = begin - previous, sum(len(s) for s in sampled)
+            self.budget.observe_step(self._step_seconds, verified, self._emitted)
 
     def _close_finished(self, request_ids: list[str], sampled: list[list[int]]) -> None:
         """Hand finished requests to the record thread: stopped this step, or gone from vLLM."""
@@ -251,7 +237,9 @@ class SpecdProposer:
             if getattr(params, "eos_token_id", None) is not None:
                 stop_ids.add(int(params.eos_token_id))
             output = trajectory.tokens[len(trajectory.prompt_ids):]
-            keep = stop_index(output, params.max_tokens, stop_ids, self.max_model_len - len(trajectory.prompt_ids))
+            keep = stop_index(output, params.max_tokens, stop_ids, self.max_model_len - len(trajectory.prompt_ids),
+                              trajectory.stop_checked)
+            trajectory.stop_checked = len(output)
             if keep is not None:
                 self._finish(request_id, keep, params)
         gone = [request_id for request_id in self.tracker.live if request_id not in requests]
@@ -263,6 +251,7 @@ class SpecdProposer:
         with self._lock:
             record = self.tracker.finish(request_id, keep, sampling)
         self.slots.release(request_id)
+        self.shadow.drop(request_id)
         if record is not None:
             self._finished.put(record)
 

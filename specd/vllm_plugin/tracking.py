@@ -124,6 +124,7 @@ class Trajectory:
     drafts: list[int] = field(default_factory=list)   # proposed at the last step, not yet verified
     drafted_at: int = 0                # sequence length when they were proposed
     version: str = ""
+    stop_checked: int = 0              # output tokens already known not to be stop tokens
 
 
 @dataclass
@@ -137,14 +138,16 @@ class VersionTotals:
         return {"drafts": self.drafts, "accepted": self.accepted, "passes": self.passes, "emitted": self.emitted}
 
 
-def stop_index(output: Sequence[int], max_tokens: int | None, stop_ids: set[int], room: int) -> int | None:
+def stop_index(output: Sequence[int], max_tokens: int | None, stop_ids: set[int], room: int,
+               checked: int = 0) -> int | None:
     """How many output tokens a finished request keeps, or None while it is still running.
 
     Mirrors vLLM's stop check per token: a stop token (kept), max_tokens, or no room left in
-    the context (`room`: the output length at which the sequence fills max_model_len).
+    the context (`room`: the output length at which the sequence fills max_model_len). Tokens
+    before `checked` are known not to be stop tokens.
     """
-    for index, token in enumerate(output):
-        if token in stop_ids:
+    for index in range(checked, len(output)):
+        if output[index] in stop_ids:
             return index + 1
     limit = min(max_tokens if max_tokens is not None else room, room)
     return limit if len(output) >= limit else None
