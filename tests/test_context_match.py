@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import fixed_k, tiny_drafter, tiny_target
 
-from specd.drafter.context_match import HybridDrafter, context_match_drafts
+from specd.drafter.context_match import HybridDrafter, context_match, context_match_drafts
 from specd.serving.engine import Engine, EngineConfig
 from specd.serving.request import SamplingParams
 
@@ -15,6 +15,7 @@ def test_longest_recent_suffix_match_proposes_what_followed() -> None:
     assert context_match_drafts([4, 5, 6, 4, 5], k=3) == [6, 4, 5]
     assert context_match_drafts([1, 2, 3, 4], k=3) == []  # nothing repeats
     assert context_match_drafts([8, 9, 8, 9], k=5, min_n=2) == [8, 9]  # what followed, up to the end
+    assert context_match([7, 1, 2, 3, 9, 5, 1, 2, 3], k=1) == ([9], 3)  # and how long the match was
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])

@@ -16,6 +16,7 @@ def test_a_continuation_seen_in_earlier_requests_is_drafted_for_a_new_one() -> N
     assert table.draft([9, 2, 3], 3) == []            # seen once: not trusted yet
     table.add([7, 2, 3, 4, 5, 8])
     assert table.draft([9, 2, 3], 3) == [4, 5]        # chained, and stops where requests disagreed (6 vs 8)
+    assert table.draft_with_order([9, 2, 3], 3) == ([4, 5], 2)
 
 
 def test_an_uncertain_continuation_is_not_drafted() -> None:
@@ -58,4 +59,5 @@ def test_hybrid_drafter_asks_the_table_where_its_own_context_has_no_match() -> N
     proposal = hybrid.propose(batch, 3)
     assert proposal.drafts[0].tolist() == [32, 33, 34] and proposal.limits is not None
     assert proposal.limits.tolist() == [3, 0] and hybrid.num_table_rows == 1
+    assert hybrid.row_sources == ["table2", "none"]   # sources name the context length that matched
     hybrid.commit(torch.tensor([3, 0]))               # the learned part did not run: nothing to settle

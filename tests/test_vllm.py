@@ -9,6 +9,7 @@ what the proposer sends.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -154,21 +155,39 @@ def test_inferred_accepted_counts_equal_vllms_per_request_metrics(specd_vllm: Vl
 
 def test_versions_swap_in_flight_without_failed_requests_or_changed_outputs(specd_vllm: VllmServer, learner,
                                                                              expected) -> None:
-    prompts = PROMPTS * 3
-    answers: list[Any] = []
-    traffic = threading.Thread(target=lambda: answers.extend(ask_all(specd_vllm, prompts)))
-    traffic.start()
-    wait_for(lambda: specd_vllm.rpc("specd_status")["live_requests"] > 0, 60, interval=0.05, what="requests in flight")
-    post_json(learner.url + "/v1/rollback", {"version": 1}, token="secret")  # operator's rollback: announced
-    wait_for(lambda: specd_vllm.rpc("specd_status")["version"] == "1", 60, interval=0.1, what="version 1 in vLLM")
-    wait_for(lambda: specd_vllm.rpc("specd_status")["live_requests"] > 0, 60, interval=0.05, what="requests in flight")
-    forced = specd_vllm.rpc("specd_force_version", "2")  # the manual control path, by collective_rpc
-    assert forced["forced_version"] == 2
-    wait_for(lambda: specd_vllm.rpc("specd_status")["version"] == "2", 60, interval=0.1, what="forced version 2")
-    specd_vllm.rpc("specd_force_version", "none")
-    traffic.join()
-    assert len(answers) == len(prompts)
-    for prompt, answer in zip(prompts, answers, strict=True):
+    answers: list[tuple[str, Any]] = []
+    stop = threading.Event()
+
+    def traffic(offset: int) -> None:  # keeps requests in flight until both swaps happened
+        i = offset
+        while not stop.is_set():
+            prompt = PROMPTS[i % len(PROMPTS)]
+            try:
+                answers.append((prompt, specd_vllm.chat(prompt, MAX_TOKENS)))
+            except Exception as error:
+                answers.append((prompt, error))
+            i += 1
+
+    clients = [threading.Thread(target=traffic, args=(offset,)) for offset in range(4)]
+    for client in clients:
+        client.start()
+    try:
+        wait_for(lambda: specd_vllm.rpc("specd_status")["live_requests"] > 0, 60, interval=0.05,
+                 what="requests in flight")
+        post_json(learner.url + "/v1/rollback", {"version": 1}, token="secret")  # operator's rollback: announced
+        wait_for(lambda: specd_vllm.rpc("specd_status")["version"] == "1", 60, interval=0.1, what="version 1 in vLLM")
+        forced = specd_vllm.rpc("specd_force_version", "2")  # the manual control path, by collective_rpc
+        assert forced["forced_version"] == 2
+        wait_for(lambda: specd_vllm.rpc("specd_status")["version"] == "2", 60, interval=0.1, what="forced version 2")
+        specd_vllm.rpc("specd_force_version", "none")
+        time.sleep(2)  # the requests that saw a swap finish and become records
+    finally:
+        stop.set()
+        for client in clients:
+            client.join()
+    failed = [(prompt, answer) for prompt, answer in answers if isinstance(answer, Exception)]
+    assert not failed, f"requests failed during swaps: {failed}"
+    for prompt, answer in answers:
         assert token_ids(answer) == expected[prompt], prompt
     status = specd_vllm.rpc("specd_status")
     assert status["swaps"] >= 2 and not status["refused_versions"]

@@ -27,7 +27,9 @@ from specd.drafter.traffic_table import TrafficTable
 from specd.serving.model import Transformer
 
 
-def context_match_drafts(sequence: Sequence[int] | np.ndarray, k: int, max_n: int = 4, min_n: int = 2) -> list[int]:
+def context_match(sequence: Sequence[int] | np.ndarray, k: int, max_n: int = 4, min_n: int = 2
+                  ) -> tuple[list[int], int]:
+    """(drafts, n): what followed the latest earlier occurrence of the longest matching n-token suffix."""
     tokens = np.asarray(sequence)
     length = len(tokens)
     # an earlier occurrence of the n-token suffix ends at some j <= length - 2 with tokens[j] == the
@@ -39,8 +41,12 @@ def context_match_drafts(sequence: Sequence[int] | np.ndarray, k: int, max_n: in
             matching = matching[tokens[matching - back] == tokens[length - 1 - back]]
         if len(matching):
             end = int(matching[-1])  # the most recent earlier occurrence predicts best
-            return [int(t) for t in tokens[end + 1:end + 1 + k]]
-    return []
+            return [int(t) for t in tokens[end + 1:end + 1 + k]], n
+    return [], 0
+
+
+def context_match_drafts(sequence: Sequence[int] | np.ndarray, k: int, max_n: int = 4, min_n: int = 2) -> list[int]:
+    return context_match(sequence, k, max_n, min_n)[0]
 
 
 class HybridDrafter:
@@ -101,14 +107,16 @@ class HybridDrafter:
             drafts = torch.zeros(batch.num_rows, k, dtype=torch.long, device=batch.lengths.device)
             limits = torch.zeros_like(batch.lengths)
         self._matched = []
-        self.row_sources = []  # per row: "context", "table", "learned" or "none"
+        self.row_sources = []  # per row: "context<n>", "table<n>", "learned" or "none"
         for row, length in enumerate(batch.lengths.tolist()):
             start = max(0, length - self.window)
-            found = context_match_drafts(batch.tokens[row, start:length].cpu().numpy(), k, self.max_n, self.min_n)
-            source = "context"
+            # the source names the match length too: a 4-token match is right far more often than a 2-token one
+            found, order = context_match(batch.tokens[row, start:length].cpu().numpy(), k, self.max_n, self.min_n)
+            source = f"context{order}"
             if not found and self.table is not None:
-                found = self.table.draft(batch.tokens[row, max(0, length - self.table.max_n):length].tolist(), k)
-                source = "table"
+                recent = batch.tokens[row, max(0, length - self.table.max_n):length].tolist()
+                found, order = self.table.draft_with_order(recent, k)
+                source = f"table{order}"
                 self.num_table_rows += bool(found)
             if not found:
                 source = "learned" if self.learned_ran and int(limits[row]) > 0 else "none"

@@ -56,24 +56,30 @@ class TrafficTable:
             self.sequences_added += 1
 
     def draft(self, sequence: Sequence[int], k: int) -> list[int]:
+        return self.draft_with_order(sequence, k)[0]
+
+    def draft_with_order(self, sequence: Sequence[int], k: int) -> tuple[list[int], int]:
+        """(drafts, n): n is the length of the context that chose the first draft (0: none)."""
         window = [int(t) for t in sequence[-self.max_n:]]
         drafts: list[int] = []
+        first_order = 0
         with self._lock:
             for _ in range(k):
-                token = self._next(window)
+                token, order = self._next(window)
                 if token is None:
                     break
+                first_order = first_order or order
                 drafts.append(token)
                 window = [*window[1:], token] if len(window) >= self.max_n else [*window, token]
-        return drafts
+        return drafts, first_order
 
-    def _next(self, window: list[int]) -> int | None:
+    def _next(self, window: list[int]) -> tuple[int | None, int]:
         for n in range(min(self.max_n, len(window)), self.min_n - 1, -1):
             seen = self._counts.get(tuple(window[len(window) - n:]))
             if seen:  # the longest known context decides; a shorter one is only a fallback for unknown ones
                 token = max(seen, key=seen.__getitem__)
                 count = seen[token]
                 if count >= self.min_count and count >= self.min_share * sum(seen.values()):
-                    return token
-                return None
-        return None
+                    return token, n
+                return None, n
+        return None, 0

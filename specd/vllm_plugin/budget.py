@@ -1,8 +1,9 @@
 """Which drafts are worth verifying: measured acceptance per draft source against the measured price of a token.
 
 Contract: `DraftBudget` learns online, from the steps it is shown,
-- the conditional acceptance alpha[source][j] of the j-th draft from each source (context match,
-  traffic table, learned drafter) given that the drafts before it were accepted, and
+- the conditional acceptance alpha[source][j] of the j-th draft from each source given that the
+  drafts before it were accepted (sources are named by the proposer: context matches and table
+  continuations by their match length, e.g. "context4", "table2", and "learned"), and
 - the marginal seconds one more verified token adds to a step (a running least-squares fit of
   step time against tokens verified) and the current output rate in tokens/s.
 `keep(source, n)` then says how many leading drafts to send: a draft whose chance of being
@@ -18,8 +19,6 @@ near 1% of the time.
 """
 
 from __future__ import annotations
-
-SOURCES = ("context", "table", "learned")
 
 
 class RunningFit:
@@ -53,14 +52,22 @@ class DraftBudget:
                  max_bar: float = 0.95) -> None:
         self.k, self.decay, self.explore_every, self.max_bar = k, decay, explore_every, max_bar
         # per source and position: decayed counts of drafts that reached verification and were accepted
-        self.reached = {source: [2.0] * k for source in SOURCES}
-        self.accepted = {source: [2.0 * prior] * k for source in SOURCES}
+        self.prior = prior
+        self.reached: dict[str, list[float]] = {}
+        self.accepted: dict[str, list[float]] = {}
         self.step_time = RunningFit(decay)
         self.tokens_per_second: float | None = None
         self.steps = 0
 
+    def _counts(self, source: str) -> tuple[list[float], list[float]]:
+        if source not in self.reached:  # a new source starts from the prior, worth two observations
+            self.reached[source] = [2.0] * self.k
+            self.accepted[source] = [2.0 * self.prior] * self.k
+        return self.reached[source], self.accepted[source]
+
     def alpha(self, source: str) -> list[float]:
-        return [a / r for a, r in zip(self.accepted[source], self.reached[source], strict=True)]
+        reached, accepted = self._counts(source)
+        return [a / r for a, r in zip(accepted, reached, strict=True)]
 
     def observe_step(self, seconds: float, verified_tokens: int, emitted_tokens: int) -> None:
         """One engine step: its wall time, tokens it verified (rows + drafts) and tokens it emitted."""
@@ -74,9 +81,7 @@ class DraftBudget:
 
     def observe_drafts(self, source: str, drafted: int, accepted: int) -> None:
         """A row's verified drafts: the first `accepted` were accepted, the next one (if any) rejected."""
-        if source not in self.reached:
-            return
-        reached, hits = self.reached[source], self.accepted[source]
+        reached, hits = self._counts(source)
         for position in range(min(drafted, accepted + 1, self.k)):
             reached[position] = (1 - self.decay) * reached[position] + 1
             hits[position] = (1 - self.decay) * hits[position] + (position < accepted)
@@ -103,7 +108,7 @@ class DraftBudget:
 
     def keep(self, source: str, drafted: int) -> int:
         """How many of a row's `drafted` leading drafts from `source` are worth verifying."""
-        if drafted <= 0 or source not in self.reached or self.exploring:
+        if drafted <= 0 or self.exploring:
             return max(drafted, 0)
         bar, chance, kept = self.bar, 1.0, 0
         for alpha in self.alpha(source)[:drafted]:

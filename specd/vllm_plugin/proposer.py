@@ -39,7 +39,7 @@ from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
 from specd.learner.records import TrajectoryRecord
 from specd.mqtt import MqttPublisher
 from specd.serving.checkpoint import CheckpointError, read_target_head
-from specd.vllm_plugin.budget import SOURCES, DraftBudget, LearnedGate, ShadowBook
+from specd.vllm_plugin.budget import DraftBudget, LearnedGate, ShadowBook
 from specd.vllm_plugin.launch import PluginSettings
 from specd.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
 
@@ -292,7 +292,8 @@ class SpecdProposer:
                 "learned_gain": self.gate.gain, "learned_cost": self.gate.cost,
                 "draft_bar": self.budget.bar, "drafts_sent": self.drafts_sent,
                 "drafts_withheld": self.drafts_withheld,
-                "acceptance_by_source": {src: [round(a, 3) for a in self.budget.alpha(src)] for src in SOURCES},
+                "acceptance_by_source": {src: [round(a, 3) for a in self.budget.alpha(src)]
+                                         for src in sorted(self.budget.reached)},
                 "traffic_table_contexts": len(self.table) if self.table is not None else None,
                 "traffic_table_rows": getattr(self.drafter, "num_table_rows", 0),
                 "swaps": self.drafter.num_swaps if self.drafter else 0,
