@@ -25,11 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from specd.serving.bundled import bundled_target_dir
+from specd.serving.vllm_plugin.launch import PluginSettings, vllm_command
 from specd.testing_services import Broker, SpecdProcess, VllmServer, free_port, get_json, post_json, wait_for
 from specd.traffic import TrafficItem, load_humaneval, load_sharegpt
-from specd.vllm_plugin.launch import PluginSettings, vllm_command
-
-K = 4
 
 
 def content(item: TrafficItem) -> str:
@@ -77,6 +75,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12, help="measured requests (half code, half chat)")
     parser.add_argument("--warmup", type=int, default=32, help="adaptive's warm-up requests")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens for every drafter (default 4)")
     parser.add_argument("--compiled", action="store_true", help="let vLLM compile (slower start) instead of eager")
     parser.add_argument("--dtype", default="float32",
                         help="vLLM's dtype (default float32: in bfloat16 even vLLM's own n-gram changes outputs)")
@@ -96,7 +95,7 @@ def main() -> None:
     flags = ["--max-num-seqs", "8", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(2 * 2**30)]
     flags += ["--dtype", args.dtype] + ([] if args.compiled else ["--enforce-eager"])
     folder = Path(tempfile.mkdtemp(prefix="specd-vllm-bench-"))
-    results: dict[str, Any] = {"settings": {**vars(args), "k": K, "vllm_flags": flags}, "configs": {}}
+    results: dict[str, Any] = {"settings": {**vars(args), "vllm_flags": flags}, "configs": {}}
     wanted = set(args.only.split(",")) if args.only else None
 
     def run(name: str, make: Any) -> None:
@@ -119,9 +118,9 @@ def main() -> None:
         return VllmServer(target, free_port(), folder / f"{name}.log", speculative=speculative, extra=flags).start()
 
     run("plain", lambda: plain_like("plain", None))
-    run("ngram", lambda: plain_like("ngram", {"method": "ngram", "num_speculative_tokens": K,
+    run("ngram", lambda: plain_like("ngram", {"method": "ngram", "num_speculative_tokens": args.k,
                                               "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
-    run("suffix", lambda: plain_like("suffix", {"method": "suffix", "num_speculative_tokens": K}))
+    run("suffix", lambda: plain_like("suffix", {"method": "suffix", "num_speculative_tokens": args.k}))
 
     broker = Broker(folder / "broker").start()
     learner = SpecdProcess(["learner", "--store", str(folder / "store"), "--broker", broker.url, "--target", target,
@@ -133,7 +132,7 @@ def main() -> None:
             port = free_port()
             settings = PluginSettings(broker=broker.url, deployment="bench", learner_url=learner.url,
                                       server_id="vllm-adaptive")
-            env, argv = vllm_command(target, settings, K, port=port, extra=flags)
+            env, argv = vllm_command(target, settings, args.k, port=port, extra=flags)
             server = VllmServer(target, port, folder / "adaptive.log", argv=argv, env=env).start()
             warmup = run_traffic(server, warm, 8, args.max_tokens)
             wait_for(lambda: get_json(learner.url + "/health")["published"] >= 1, 180, interval=1,
@@ -151,7 +150,7 @@ def main() -> None:
                 port = free_port()
                 settings = PluginSettings(store=str(folder / "store"), version=int(frozen["version"]),
                                           server_id="vllm-static", traffic_table=False)
-                env, argv = vllm_command(target, settings, K, port=port, extra=flags)
+                env, argv = vllm_command(target, settings, args.k, port=port, extra=flags)
                 return VllmServer(target, port, folder / "static.log", argv=argv, env=env).start()
 
             run("specd_static", static)

@@ -24,8 +24,8 @@ from specd.serving.checkpoint import CheckpointError
 from specd.serving.engine import Engine, EngineConfig
 from specd.serving.request import RequestRefused, SamplingParams
 from specd.serving.target import DTYPES, LoadedTarget
+from specd.serving.vllm_plugin.command import add_vllm_parser
 from specd.traffic import TrafficError
-from specd.vllm_plugin.command import add_vllm_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

@@ -159,7 +159,7 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 300.0, token: str
 class VllmServer:
     """vLLM's OpenAI server as a process: plain (`speculative` None), n-gram, or specd's proposer.
 
-    `argv` and `env` come from `specd.vllm_plugin.launch.vllm_command` for specd, or are built
+    `argv` and `env` come from `specd.serving.vllm_plugin.launch.vllm_command` for specd, or are built
     here for the others; the model is served under its folder path, as vLLM names it.
     """
 

@@ -20,6 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by `bash scripts/setup --v
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.hotswap.store import WeightStore
 from specd.serving.target import LoadedTarget
+from specd.serving.vllm_plugin.launch import PluginSettings, vllm_command
 from specd.testing_services import (
     Broker,
     SpecdProcess,
@@ -29,7 +30,6 @@ from specd.testing_services import (
     post_json,
     wait_for,
 )
-from specd.vllm_plugin.launch import PluginSettings, vllm_command
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mqtt, pytest.mark.slow]
 

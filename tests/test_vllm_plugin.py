@@ -12,10 +12,10 @@ import torch
 from specd.cli import main
 from specd.drafter.base import DraftBatch
 from specd.learner.records import validate_record
+from specd.serving.vllm_plugin.budget import DraftBudget, LearnedGate, ShadowBook
+from specd.serving.vllm_plugin.launch import PROPOSER_CLASS, WORKER_EXTENSION, PluginSettings, vllm_command
+from specd.serving.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
 from specd.testing import tiny_target
-from specd.vllm_plugin.budget import DraftBudget, LearnedGate, ShadowBook
-from specd.vllm_plugin.launch import PROPOSER_CLASS, WORKER_EXTENSION, PluginSettings, vllm_command
-from specd.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
 from tests.conftest import tiny_drafter
 
 

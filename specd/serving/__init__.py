@@ -1,1 +1,1 @@
-"""Serving: target models and loading, the speculative-decoding engine, sampling maths."""
+"""Serving: target models and loading, the speculative-decoding engine, sampling maths, the vLLM plugin."""

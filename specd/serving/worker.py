@@ -5,8 +5,9 @@ request between two decoding steps, reports newly emitted tokens after every ste
 request's `on_tokens` callback and the end through `on_done` (or a refusal through `on_error`).
 Callbacks run on the worker thread and must only hand data over (e.g. `call_soon_threadsafe`).
 Finished requests are turned into trajectory records and published on the bus, which never
-blocks, and added to the traffic table when there is one. `cancel` ends a request at the next step boundary (a client that went away, a stop
-string). Nothing here waits on disk or network inside a step.
+blocks, and added to the traffic table when there is one. `cancel` ends a request at the next
+step boundary (a client that went away, a stop string). Nothing here waits on disk or network
+inside a step.
 """
 
 from __future__ import annotations

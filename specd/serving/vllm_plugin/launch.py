@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from specd.mqtt import MqttSettings
 
-PROPOSER_CLASS = "specd.vllm_plugin.proposer.SpecdProposer"
-WORKER_EXTENSION = "specd.vllm_plugin.extension.SpecdWorkerExtension"
+PROPOSER_CLASS = "specd.serving.vllm_plugin.proposer.SpecdProposer"
+WORKER_EXTENSION = "specd.serving.vllm_plugin.extension.SpecdWorkerExtension"
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,9 @@ from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
 from specd.learner.records import TrajectoryRecord
 from specd.mqtt import MqttPublisher
 from specd.serving.checkpoint import CheckpointError, read_target_head
-from specd.vllm_plugin.budget import DraftBudget, LearnedGate, ShadowBook
-from specd.vllm_plugin.launch import PluginSettings
-from specd.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
+from specd.serving.vllm_plugin.budget import DraftBudget, LearnedGate, ShadowBook
+from specd.serving.vllm_plugin.launch import PluginSettings
+from specd.serving.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
 
 log = logging.getLogger(__name__)
 
