@@ -150,6 +150,9 @@ class SpecdProposer:
         assert self.drafter is not None, "vLLM called propose before load_model"
         if self.runner is None:
             self.runner = find_model_runner()
+            if self.runner is None:
+                raise RuntimeError("specd's proposer cannot find vLLM's model runner (its row -> request id map); "
+                                   "it is tested with vLLM 0.32")
         rows = len(sampled_token_ids)
         request_ids = [str(r) for r in self.runner.input_batch.req_ids[:rows]]
         lengths = np.asarray(num_tokens_no_spec[:rows])
