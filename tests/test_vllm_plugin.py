@@ -212,3 +212,14 @@ def test_learned_gate_switches_off_a_drafter_not_worth_its_time_and_probes_it_ra
     gate.observe(expected_tokens=8.0, tokens_emitted=8, learned_seconds=0.01, step_seconds=0.05)
     gate.observe(expected_tokens=8.0, tokens_emitted=8, learned_seconds=0.01, step_seconds=0.05)
     assert gate.decide() and gate.decide()                     # a version that pays runs every step
+
+
+def test_draft_budget_prices_a_token_per_batch_size() -> None:
+    budget = DraftBudget(k=2, explore_every=0)
+    for step in range(100):  # batch 1: a verified token costs 1 ms; batch 8: 8 ms (compute-bound)
+        budget.observe_step(0.040 + 0.001 * (step % 3), 1 + step % 3, emitted_tokens=1, rows=1)
+        budget.observe_step(0.060 + 0.008 * (step % 3), 8 + step % 3, emitted_tokens=8, rows=8)
+    budget.rows = 1
+    cheap = budget.bar
+    budget.rows = 8
+    assert cheap < 0.05 and budget.bar > 0.5

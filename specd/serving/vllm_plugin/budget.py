@@ -5,7 +5,7 @@ Contract: `DraftBudget` learns online, from the steps it is shown,
   drafts before it were accepted (sources are named by the proposer: context matches and table
   continuations by their match length, e.g. "context4", "table2", and "learned"), and
 - the marginal seconds one more verified token adds to a step (a running least-squares fit of
-  step time against tokens verified) and the current output rate in tokens/s.
+  step time against tokens verified) and the output rate in tokens/s, both per batch size.
 `keep(source, n)` then says how many leading drafts to send: a draft whose chance of being
 accepted (the product of alphas up to it) is below marginal_seconds * tokens_per_second costs
 more verification time than it returns. On a CPU at batch 8 verification is compute-bound and
@@ -55,8 +55,10 @@ class DraftBudget:
         self.prior = prior
         self.reached: dict[str, list[float]] = {}
         self.accepted: dict[str, list[float]] = {}
-        self.step_time = RunningFit(decay)
-        self.tokens_per_second: float | None = None
+        # the price of a token depends on how many rows share the step: one fit per batch size
+        self._fits: dict[int, RunningFit] = {}
+        self._rates: dict[int, float] = {}
+        self.rows = 1                     # the batch size now (set by the caller each step)
         self.steps = 0
 
     def _counts(self, source: str) -> tuple[list[float], list[float]]:
@@ -69,15 +71,23 @@ class DraftBudget:
         reached, accepted = self._counts(source)
         return [a / r for a, r in zip(accepted, reached, strict=True)]
 
-    def observe_step(self, seconds: float, verified_tokens: int, emitted_tokens: int) -> None:
-        """One engine step: its wall time, tokens it verified (rows + drafts) and tokens it emitted."""
+    @property
+    def step_time(self) -> RunningFit:
+        return self._fits.setdefault(self.rows, RunningFit(self.decay))
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self._rates.get(self.rows)
+
+    def observe_step(self, seconds: float, verified_tokens: int, emitted_tokens: int, rows: int = 1) -> None:
+        """One engine step of `rows` rows: its wall time, tokens it verified (rows + drafts) and emitted."""
         if seconds <= 0 or verified_tokens <= 0:
             return
         self.steps += 1
+        self.rows = rows
         self.step_time.add(verified_tokens, seconds)
-        rate = emitted_tokens / seconds
-        self.tokens_per_second = rate if self.tokens_per_second is None else \
-            (1 - self.decay) * self.tokens_per_second + self.decay * rate
+        rate, previous = emitted_tokens / seconds, self._rates.get(rows)
+        self._rates[rows] = rate if previous is None else (1 - self.decay) * previous + self.decay * rate
 
     def observe_drafts(self, source: str, drafted: int, accepted: int) -> None:
         """A row's verified drafts: the first `accepted` were accepted, the next one (if any) rejected."""

@@ -183,6 +183,7 @@ class SpecdProposer:
         sources = getattr(self.drafter, "row_sources", None) or ["learned"] * rows
         drafts = []
         self._sent = {}
+        self.budget.rows = rows
         learned_expected = 0.0
         for row in range(rows):
             room = self.max_model_len - 1 - int(lengths[row])  # vLLM never verifies past max_model_len
@@ -225,7 +226,7 @@ class SpecdProposer:
         if steady and previous is not None:
             verified = sum(1 + verified_drafts.get(request_id, 0) for request_id in request_ids)
             self._step_seconds, self._emitted = begin - previous, sum(len(s) for s in sampled)
-            self.budget.observe_step(self._step_seconds, verified, self._emitted)
+            self.budget.observe_step(self._step_seconds, verified, self._emitted, len(request_ids))
 
     def _close_finished(self, request_ids: list[str], sampled: list[list[int]]) -> None:
         """Hand finished requests to the record thread: stopped this step, or gone from vLLM."""
