@@ -22,7 +22,7 @@ from __future__ import annotations
 
 
 class RunningFit:
-    """Exponentially weighted least squares of y on x: slope and the weighted mean of y."""
+    """Exponentially weighted least squares of y on x (recent points count most): its slope."""
 
     def __init__(self, decay: float = 0.02) -> None:
         self.decay = decay
