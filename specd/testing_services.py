@@ -47,6 +47,18 @@ def get_json(url: str, timeout: float = 10.0) -> Any:
         return json.loads(response.read())
 
 
+def terminate(process: subprocess.Popen | None, grace_seconds: float) -> None:
+    """SIGTERM, then SIGKILL if it is still there after `grace_seconds`."""
+    if process is None:
+        return
+    process.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(grace_seconds)
+    if process.poll() is None:
+        process.kill()
+        process.wait(10)
+
+
 class Broker:
     """Mosquitto on a free loopback port, with persistence so sessions survive a restart."""
 
@@ -115,13 +127,8 @@ class SpecdProcess:
             self.process = None
 
     def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(20)
-            if self.process.poll() is None:
-                self.process.kill()
-            self.process = None
+        terminate(self.process, 20)
+        self.process = None
 
 
 def tiny_checkpoint(folder: Path) -> Path:
@@ -208,10 +215,5 @@ class VllmServer:
         return post_json(self.url + "/collective_rpc", {"method": method, "args": list(args)})["results"][0]
 
     def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(30)
-            if self.process.poll() is None:
-                self.process.kill()
-            self.process = None
+        terminate(self.process, 30)
+        self.process = None

@@ -53,7 +53,6 @@ class HybridDrafter:
     def __init__(self, learned: TokenDrafter, max_n: int = 4, min_n: int = 2, window: int = 1024) -> None:
         self.learned = learned
         self.max_n, self.min_n, self.window = max_n, min_n, window
-        self._matched: list[bool] = []
         self.num_matched_rows = 0
         # a caller may switch the learned part off while it does not pay for itself (the vLLM
         # proposer's gate); these say what it cost and earned at the last step it ran
@@ -106,7 +105,6 @@ class HybridDrafter:
         else:  # rows without a context match draft nothing this step
             drafts = torch.zeros(batch.num_rows, k, dtype=torch.long, device=batch.lengths.device)
             limits = torch.zeros_like(batch.lengths)
-        self._matched = []
         self.row_sources = []  # per row: "context<n>", "table<n>", "learned" or "none"
         for row, length in enumerate(batch.lengths.tolist()):
             start = max(0, length - self.window)
@@ -120,17 +118,22 @@ class HybridDrafter:
                 self.num_table_rows += bool(found)
             if not found:
                 source = "learned" if self.learned_ran and int(limits[row]) > 0 else "none"
-            self._matched.append(bool(found))
             self.row_sources.append(source)
             if found:
                 drafts[row, :len(found)] = torch.tensor(found, device=drafts.device)
                 limits[row] = len(found)
-        self.num_matched_rows += sum(self._matched)
-        if q is not None and any(self._matched):  # matched rows' drafts are deterministic: q one-hot
-            matched = torch.tensor(self._matched, device=q.device)
+        matched_rows = self._matched
+        self.num_matched_rows += sum(matched_rows)
+        if q is not None and any(matched_rows):  # matched rows' drafts are deterministic: q one-hot
+            matched = torch.tensor(matched_rows, device=q.device)
             one_hot = torch.zeros_like(q).scatter_(-1, drafts[..., None], 1.0)
             q = torch.where(matched[:, None, None], one_hot, q)
         return Proposal(drafts, q, limits)
+
+    @property
+    def _matched(self) -> list[bool]:
+        """Per row of the last proposal: were its drafts a context match or table continuation (not learned)?"""
+        return [source not in ("learned", "none") for source in self.row_sources]
 
     def commit(self, num_accepted: torch.Tensor) -> None:
         if not self.learned_ran:

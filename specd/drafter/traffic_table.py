@@ -9,7 +9,8 @@ context or its best continuation is uncertain (seen fewer than `min_count` times
 `min_share` of the time). Unlike context matching, which looks only inside the request, this
 carries what earlier requests taught (templates, code idioms, stock phrases) to new ones; it
 learns the moment a request finishes, with no training step. One writer thread and one reader
-thread may share it: both take its lock, each for microseconds per call.
+thread may share it: both take its lock, the writer per chunk of positions, so a read never
+waits long.
 """
 
 from __future__ import annotations
@@ -33,27 +34,34 @@ class TrafficTable:
     def __len__(self) -> int:
         return len(self._counts)
 
-    def add(self, tokens: Sequence[int]) -> None:
+    def add(self, tokens: Sequence[int], chunk: int = 256) -> None:
         tokens = [int(t) for t in tokens]
+        # the lock is taken per chunk of positions, so a reader (a decoding step) never waits for a
+        # whole long sequence to be counted
+        for begin in range(self.min_n, len(tokens), chunk):
+            with self._lock:
+                self._count(tokens, begin, min(begin + chunk, len(tokens)))
         with self._lock:
-            counts = self._counts
-            for end in range(self.min_n, len(tokens)):
-                following = tokens[end]
-                for n in range(self.min_n, min(self.max_n, end) + 1):
-                    context = tuple(tokens[end - n:end])
-                    seen = counts.get(context)
-                    if seen is None:
-                        counts[context] = {following: 1}
-                    elif following in seen:
-                        seen[following] += 1
-                    elif len(seen) < self.max_candidates:
-                        seen[following] = 1
-                    else:  # full: the rarest candidate gives way, keeping counts of the frequent ones exact
-                        rarest = min(seen, key=seen.__getitem__)
-                        seen[following] = seen.pop(rarest)
-            while len(counts) > self.max_contexts:
-                del counts[next(iter(counts))]  # dicts keep insertion order: the oldest context goes
+            while len(self._counts) > self.max_contexts:
+                del self._counts[next(iter(self._counts))]  # dicts keep insertion order: the oldest goes
             self.sequences_added += 1
+
+    def _count(self, tokens: list[int], begin: int, end: int) -> None:
+        counts = self._counts
+        for position in range(begin, end):
+            following = tokens[position]
+            for n in range(self.min_n, min(self.max_n, position) + 1):
+                context = tuple(tokens[position - n:position])
+                seen = counts.get(context)
+                if seen is None:
+                    counts[context] = {following: 1}
+                elif following in seen:
+                    seen[following] += 1
+                elif len(seen) < self.max_candidates:
+                    seen[following] = 1
+                else:  # full: the rarest candidate gives way, keeping counts of the frequent ones exact
+                    rarest = min(seen, key=seen.__getitem__)
+                    seen[following] = seen.pop(rarest)
 
     def draft(self, sequence: Sequence[int], k: int) -> list[int]:
         return self.draft_with_order(sequence, k)[0]

@@ -41,4 +41,5 @@ class SpecdWorkerExtension:
 
     def specd_recent_records(self, count: int = 64) -> list[dict[str, Any]]:
         """The last finished trajectory records (at most 64), newest last."""
-        return list(self._specd_proposer().recent[-max(0, int(count)):])
+        recent = list(self._specd_proposer().recent)
+        return recent[len(recent) - max(0, min(int(count), len(recent))):]

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,7 @@ class SpecdProposer:
         self.table: TrafficTable | None = None
         self.tracker = StepTracker(self.settings.server_id, self.settings.domain)
         self.slots = SlotTable(self.max_rows, self.max_rows)
-        self.recent: list[dict[str, Any]] = []        # the last finished records, for the control path
+        self.recent: deque[dict[str, Any]] = deque(maxlen=64)  # the last finished records, for the control path
         self.num_steps = 0
         self.seconds_proposing = 0.0
         self.gate = LearnedGate()
@@ -100,10 +101,8 @@ class SpecdProposer:
         self.drafts_sent = self.drafts_withheld = 0
         self.learned_steps = 0
         self._last_call: float | None = None
-        self._finished: queue.SimpleQueue[TrajectoryRecord | None] = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue[TrajectoryRecord] = queue.SimpleQueue()
         self._lock = threading.Lock()                  # tracker totals are read by the reporter thread
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
 
     # ---- set-up ---------------------------------------------------------------------------
     def load_model(self, target_model: Any) -> None:
@@ -133,15 +132,11 @@ class SpecdProposer:
         self.swapper = Swapper(self.source, self.drafter, fingerprint, target_embedding=embed)
         self.swapper.check_once()  # a local store's live version serves from the first step
         self.swapper.start()
-        self._spawn(self._publish_records, "specd-vllm-records")
-        self._spawn(self._report_loop, "specd-vllm-reports")
+        # both live as long as vLLM's worker process (daemon threads, nothing to shut down)
+        for target, name in ((self._publish_records, "specd-vllm-records"), (self._report_loop, "specd-vllm-reports")):
+            threading.Thread(target=target, name=name, daemon=True).start()
         log.info("specd proposer ready: k=%d, %d rows, drafter %s, version source %s", self.k, self.max_rows,
                  settings.drafter_kind, type(inner).__name__)
-
-    def _spawn(self, target: Any, name: str) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        thread.start()
-        self._threads.append(thread)
 
     # ---- the decoding thread ----------------------------------------------------------------
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
@@ -263,17 +258,16 @@ class SpecdProposer:
     def _publish_records(self) -> None:
         while True:
             record = self._finished.get()
-            if record is None:
-                return
             if self.table is not None:  # learned the moment a request ends, off the decoding thread
                 self.table.add(record.prompt_ids + record.output_ids)
             payload = record.to_dict()
-            self.recent = [*self.recent[-63:], payload]
+            self.recent.append(payload)
             if self.publisher is not None:
                 self.publisher.publish(payload)  # bounded buffer: never blocks
 
     def _report_loop(self) -> None:
-        while not self._stop.wait(self.settings.report_seconds):
+        while True:
+            time.sleep(self.settings.report_seconds)
             if self.publisher is None:
                 continue
             with self._lock:
@@ -313,11 +307,3 @@ class SpecdProposer:
         self.source.forced = version
         self.swapper.check_once()
         return self.status()
-
-    def shutdown(self) -> None:
-        self._stop.set()
-        self._finished.put(None)
-        if self.swapper is not None:
-            self.swapper.stop()
-        if self.publisher is not None:
-            self.publisher.stop()
