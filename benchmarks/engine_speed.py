@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from specd.drafter.replay import record_greedy
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
-from specd.serving.engine import Engine, EngineConfig
-from specd.serving.model import Transformer
-from specd.serving.request import SamplingParams
-from specd.serving.target import LoadedTarget
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.replay import record_greedy
+from specd.engine.request import SamplingParams
+from specd.model.target import LoadedTarget
+from specd.model.transformer import Transformer
 
 CHATS = [
     "Write a short story about a robot who learns to paint.",

@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 
 from specd.bus import InProcessBus
-from specd.drafter.checkpoint import TargetFingerprint
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.request import SamplingParams, record_from_sequence
 from specd.hotswap.store import WeightStore
 from specd.learner.learner import Learner, LearnerConfig
-from specd.learner.records import record_from_sequence, validate_record
 from specd.learner.signal import simulated_accept_length
-from specd.serving.engine import Engine, EngineConfig
-from specd.serving.request import SamplingParams
+from specd.model.fingerprint import TargetFingerprint
+from specd.records import validate_record
 from specd.testing import learnable_target
 
 SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -51,7 +51,7 @@ def tiny_setup():
 
 def smollm2_setup(requests: int):
     from specd.demo import encode
-    from specd.serving.target import LoadedTarget
+    from specd.model.target import LoadedTarget
     from specd.traffic import default_shift_traffic
 
     loaded = LoadedTarget.load(None)

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,8 +26,10 @@ import aiohttp
 
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.hotswap.store import WeightStore
-from specd.serving.target import LoadedTarget
-from specd.testing_services import SpecdProcess, free_port
+from specd.model.target import LoadedTarget
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the process harness lives with the tests
+from harness import SpecdProcess, free_port
 
 PROMPTS = ["Write a haiku about the sea.", "What is recursion?", "List three fruits.", "Explain DNS briefly.",
            "Describe a cat.", "How do planes fly?", "Give me a pasta recipe.", "What is entropy?"]

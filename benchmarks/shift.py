@@ -15,8 +15,9 @@ import json
 from pathlib import Path
 
 from specd.demo import DemoConfig, plot, run_demo
+from specd.drafter.factory import DrafterSpec
 from specd.learner.learner import LearnerConfig
-from specd.serving.target import LoadedTarget
+from specd.model.target import LoadedTarget
 from specd.traffic import default_shift_traffic
 
 
@@ -42,8 +43,8 @@ def main() -> None:
     args = parser.parse_args()
     loaded = LoadedTarget.load(None)
     items = default_shift_traffic(args.requests)
-    config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, drafter_layers=args.drafter_layers,
-                        adaptive_lookahead=args.adaptive_k, drafter_kind=args.drafter_kind,
+    config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, adaptive_lookahead=args.adaptive_k,
+                        drafter=DrafterSpec(kind=args.drafter_kind, layers=args.drafter_layers),
                         learner=LearnerConfig(duty_cycle=args.duty_cycle))
     result = run_demo(loaded, items, config)
     first, second = result["domains"][0], result["domains"][-1]

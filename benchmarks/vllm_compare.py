@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from specd.serving.bundled import bundled_target_dir
-from specd.serving.vllm_plugin.launch import PluginSettings, vllm_command
-from specd.testing_services import Broker, SpecdProcess, VllmServer, free_port, get_json, post_json, wait_for
+from specd.model.bundled import bundled_target_dir
 from specd.traffic import TrafficItem, load_humaneval, load_sharegpt
+from specd.vllm.launch import PluginSettings, vllm_command
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the process harness lives with the tests
+from harness import Broker, SpecdProcess, VllmServer, free_port, get_json, post_json, wait_for
 
 
 def content(item: TrafficItem) -> str:

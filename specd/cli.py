@@ -16,16 +16,16 @@ from pathlib import Path
 
 from specd.drafter.base import Drafter
 from specd.drafter.checkpoint import load_drafter
-from specd.drafter.replay import record_greedy
+from specd.drafter.factory import DrafterSpec
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
-from specd.hotswap.store import StoreError, WeightStore
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.replay import record_greedy
+from specd.engine.request import SamplingParams
+from specd.errors import ConfigurationError, SpecdError, StoreError, TransportError, VersionNotFound
+from specd.hotswap.store import WeightStore
 from specd.learner.learner import LearnerConfig
-from specd.serving.checkpoint import CheckpointError
-from specd.serving.engine import Engine, EngineConfig
-from specd.serving.request import RequestRefused, SamplingParams
-from specd.serving.target import DTYPES, LoadedTarget
-from specd.serving.vllm_plugin.command import add_vllm_parser
-from specd.traffic import TrafficError
+from specd.model.target import DTYPES, LoadedTarget
+from specd.vllm.command import add_vllm_parser
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -57,7 +57,7 @@ def _build_drafter(choice: str, loaded: LoadedTarget, prompt_ids: list[int], par
         return record_greedy(loaded.model, [prompt_ids], params.max_tokens, loaded.eos_token_ids, max_batch=1)
     path = Path(choice)
     if not path.is_file():
-        raise CheckpointError(f"--drafter {choice!r}: not a file, and not one of random, replay, none")
+        raise ConfigurationError(f"--drafter {choice!r}: not a file, and not one of random, replay, none")
     model = load_drafter(path, loaded.fingerprint, DTYPES[dtype], device, target_embedding=loaded.model.embed.weight)
     return TokenDrafter(model, version=path.stem)
 
@@ -123,14 +123,14 @@ def run_demo_command(args: argparse.Namespace) -> int:
     from specd.traffic import default_shift_traffic, load_jsonl
 
     if args.requests < 2:
-        raise RequestRefused("--requests must be at least 2 (one per domain)")
+        raise ConfigurationError("--requests must be at least 2 (one per domain)")
     if args.traffic:
         items = load_jsonl(args.traffic)[:args.requests]
     else:
         items = default_shift_traffic(args.requests, args.seed)
     loaded = LoadedTarget.load(args.target)
     config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, k=args.k, seed=args.seed,
-                        adaptive_lookahead=args.adaptive_k, drafter_kind=args.drafter_kind,
+                        adaptive_lookahead=args.adaptive_k, drafter=DrafterSpec(kind=args.drafter_kind),
                         learner=LearnerConfig(duty_cycle=args.duty_cycle, k=args.k, seed=args.seed))
     result = run_demo(loaded, items, config, Path(args.store) if args.store else None)
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +184,11 @@ def _open_store(path: str) -> WeightStore:
 
 
 def _http(args: argparse.Namespace, path: str, body: dict | None = None) -> dict:
-    """GET (or POST with a JSON body) against a learner's control plane; errors become StoreError."""
+    """GET (or POST with a JSON body) against a learner's control plane.
+
+    An error answer becomes the SpecdError of its status (404: VersionNotFound, other 4xx: StoreError,
+    401: ConfigurationError, a missing token); no answer at all is a TransportError.
+    """
     import os
     import urllib.error
     import urllib.request
@@ -203,9 +207,12 @@ def _http(args: argparse.Namespace, path: str, body: dict | None = None) -> dict
             message = json.loads(error.read())["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = error.reason
-        raise StoreError(f"{args.url}{path}: {error.code} {message}") from None
+        kind: type[SpecdError] = {401: ConfigurationError, 404: VersionNotFound}.get(error.code, StoreError)
+        if error.code >= 500:
+            kind = TransportError
+        raise kind(f"{args.url}{path}: {error.code} {message}") from None
     except (urllib.error.URLError, OSError) as error:
-        raise StoreError(f"{args.url}: unreachable ({error})") from None
+        raise TransportError(f"{args.url}: unreachable ({error})") from None
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -298,7 +305,7 @@ def _mqtt_settings(args: argparse.Namespace):
         return MqttSettings.from_url(args.broker, args.deployment, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                                      tls_key=args.tls_key)
     except ValueError as error:
-        raise StoreError(str(error)) from None
+        raise ConfigurationError(str(error)) from None
 
 
 def _add_learner(sub: argparse._SubParsersAction) -> None:
@@ -323,11 +330,11 @@ def run_learner(args: argparse.Namespace) -> int:
 
     from aiohttp import web
 
-    from specd.learner.sidecar import SidecarOptions, build_sidecar
+    from specd.server.sidecar import SidecarOptions, build_sidecar
 
     settings = _mqtt_settings(args)
     if settings is None:
-        raise StoreError("specd learner needs --broker mqtt://host:port")
+        raise ConfigurationError("specd learner needs --broker mqtt://host:port")
     options = SidecarOptions(store=args.store, mqtt=settings, client_id=args.client_id,
                              public_url=args.public_url or f"http://{args.host}:{args.port}",
                              token=args.token or os.environ.get("SPECD_TOKEN"),
@@ -341,14 +348,14 @@ def run_learner(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from specd.serving.server import ServeOptions, build_server
+    from specd.server.serve import ServeOptions, build_server
 
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
                            max_context=args.max_context,
                            learner=not args.no_learner, duty_cycle=args.duty_cycle, server_id=args.server_id,
                            model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,
                            token=args.token, publish_records=not args.no_records,
-                           traffic_table=not args.no_traffic_table)
+                           drafter=DrafterSpec(traffic_table=not args.no_traffic_table))
     web.run_app(build_server(options), host=args.host, port=args.port, print=lambda line: print(line, flush=True))
     return 0
 
@@ -370,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args))
-    except (CheckpointError, RequestRefused, FileNotFoundError, StoreError, TrafficError) as error:
+    except SpecdError as error:  # every failure a person can fix; anything else is a bug and shows as one
         print(f"specd: error: {error}", file=sys.stderr)
         return 2
 

@@ -29,15 +29,13 @@ from tqdm import tqdm
 
 from specd.bus import InProcessBus
 from specd.drafter.checkpoint import load_drafter
-from specd.drafter.context_match import HybridDrafter, wrap_drafter
-from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
+from specd.drafter.factory import DrafterSpec, ServingDrafter, build_drafter, initial_model
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.request import SamplingParams, Sequence, record_from_sequence
 from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import Swapper
 from specd.learner.learner import Learner, LearnerConfig
-from specd.learner.records import record_from_sequence
-from specd.serving.engine import Engine, EngineConfig
-from specd.serving.request import SamplingParams, Sequence
-from specd.serving.target import LoadedTarget
+from specd.model.target import LoadedTarget
 from specd.traffic import TrafficItem
 
 log = logging.getLogger(__name__)
@@ -49,9 +47,8 @@ class DemoConfig:
     max_tokens: int = 64
     max_batch: int = 4
     k: int = 4
-    drafter_layers: int = 1
-    drafter_head_vocab: int = 8192
-    drafter_kind: str = "hybrid"   # "hybrid": context matches first, the learned drafter elsewhere; "learned"
+    # the same kind (context matching, a traffic table of its own) for the adaptive and the static run
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)
     # fixed k by default: accept length then measures the drafter, not the lookahead controller's choices
     adaptive_lookahead: bool = False
     seed: int = 0
@@ -85,12 +82,13 @@ def segments(items: list[TrafficItem]) -> list[tuple[str, list[int]]]:
 
 
 def run_mode(mode: str, loaded: LoadedTarget, items: list[TrafficItem], prompts: list[list[int]],
-             config: DemoConfig, drafter: TokenDrafter | HybridDrafter | None, bus: InProcessBus | None,
+             config: DemoConfig, drafter: ServingDrafter | None, bus: InProcessBus | None,
              on_segment_end=None) -> ModeRun:
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=config.max_batch, num_draft_tokens=config.k,
                                                         eos_token_ids=loaded.eos_token_ids,
                                                         adaptive_lookahead=config.adaptive_lookahead))
     run = ModeRun(mode)
+    table = getattr(drafter, "table", None)  # each mode's traffic table learns from its own finished requests
     results: dict[int, Sequence] = {}
     bar = tqdm(total=len(items), desc=f"{mode:>8}", unit="req", leave=True)
     for number, (domain, indices) in enumerate(segments(items)):
@@ -102,6 +100,8 @@ def run_mode(mode: str, loaded: LoadedTarget, items: list[TrafficItem], prompts:
         while engine.has_work:
             for seq in engine.step():
                 results[waiting[seq.request_id]] = seq
+                if table is not None:
+                    table.add(seq.prompt_ids + seq.output_ids)
                 if bus is not None:
                     bus.publish(record_from_sequence(seq, f"demo-{mode}", time.time(), domain).to_dict())
                 bar.update(1)
@@ -168,13 +168,11 @@ def _run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig
     prompts = [encode(loaded, item) for item in items]
     domains = list(dict.fromkeys(item.domain for item in items))
     store = WeightStore(store_dir, keep_last=5)
-    shape = DrafterShape.like(loaded.model.config, config.drafter_layers,
-                              min(config.drafter_head_vocab, loaded.model.config.vocab_size))
-    initial = new_drafter_model(loaded.model, shape, copy_from_target=True, seed=config.seed)
+    initial = initial_model(loaded.model, config.drafter, seed=config.seed)
     bus = InProcessBus()
     learner = Learner(config.learner, bus, store, initial, loaded.fingerprint, loaded.model.embed.weight.dtype,
                       loaded.model.embed.weight)
-    drafter = wrap_drafter(TokenDrafter(initial, version=str(store.live_version())), config.drafter_kind)
+    drafter = build_drafter(config.drafter, initial, str(store.live_version()))
     swapper = Swapper(store, drafter, loaded.fingerprint, target_embedding=loaded.model.embed.weight)
     frozen: dict[str, int | None] = {}
     learner.start()
@@ -190,7 +188,7 @@ def _run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig
     embedding = loaded.model.embed.weight
     static_model = load_drafter(store.weights_path(static_version), loaded.fingerprint, embedding.dtype,
                                 target_embedding=embedding)
-    static_drafter = wrap_drafter(TokenDrafter(static_model, str(static_version)), config.drafter_kind)
+    static_drafter = build_drafter(config.drafter, static_model, str(static_version))
     static = run_mode("static", loaded, items, prompts, config, static_drafter, None)
     plain = run_mode("none", loaded, items, prompts, config, None, None)
     runs = {"adaptive": adaptive, "static": static, "none": plain}

@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 import aiomqtt
 
 from specd.bus import BusCounters
+from specd.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class MqttSettings:
         """mqtt://[user:password@]host[:port] or mqtts://... (TLS with the system's CAs unless tls_ca)."""
         parsed = urlparse(url)
         if parsed.scheme not in ("mqtt", "mqtts") or not parsed.hostname:
-            raise ValueError(f"broker URL {url!r}: expected mqtt://host[:port] or mqtts://host[:port]")
+            raise ConfigurationError(f"broker URL {url!r}: expected mqtt://host[:port] or mqtts://host[:port]")
         tls = parsed.scheme == "mqtts"
         return cls(host=parsed.hostname, port=parsed.port or (8883 if tls else 1883), deployment=deployment,
                    username=parsed.username, password=parsed.password,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specd.serving.model import ModelConfig, Transformer
+from specd.model.transformer import ModelConfig, Transformer
 
 TINY = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=8, max_position=256, rope_theta=10000.0)
@@ -65,7 +65,7 @@ def tiny_loaded_target(folder: str = "tiny-llama", seed: int = 0):
     """A LoadedTarget over a tiny random model and the byte tokenizer (vocab 258)."""
     from pathlib import Path
 
-    from specd.serving.target import LoadedTarget
+    from specd.model.target import LoadedTarget
 
     config = ModelConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, max_position=512)

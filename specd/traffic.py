@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-class TrafficError(ValueError):
-    """Traffic that cannot be read, with the file and line."""
+from specd.errors import ConfigurationError, TrafficError
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,7 @@ class TrafficItem:
 def _package_file(package: str, *parts: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise TrafficError(f"the `{package.replace('_', '-')}` package is not installed (run bash scripts/setup)")
+        raise ConfigurationError(f"the `{package.replace('_', '-')}` package is not installed (run bash scripts/setup)")
     return Path(next(iter(spec.submodule_search_locations)), *parts)
 
 

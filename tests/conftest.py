@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
-from specd.serving.engine import EngineConfig
-from specd.serving.model import Transformer
+from specd.engine.engine import EngineConfig
+from specd.model.transformer import Transformer
 from specd.testing import TINY, learnable_target, tiny_target
 
 __all__ = ["TINY", "learnable_target", "tiny_target"]

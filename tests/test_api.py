@@ -9,7 +9,8 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from specd.serving.server import ServeOptions, build_server
+from specd.drafter.factory import DrafterSpec
+from specd.server.serve import ServeOptions, build_server
 from specd.testing import tiny_loaded_target
 
 pytestmark = pytest.mark.asyncio
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.asyncio
 async def client(tmp_path):
     loaded = tiny_loaded_target()
     app = build_server(ServeOptions(store=str(tmp_path / "store"), learner=False, model_name="tiny",
-                                    drafter_head_vocab=200, report_seconds=0.1), loaded)
+                                    drafter=DrafterSpec(head_vocab=200), report_seconds=0.1), loaded)
     async with TestClient(TestServer(app)) as client:
         yield client
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from conftest import tiny_target
 
-from specd.drafter.checkpoint import TargetFingerprint
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+from specd.hotswap.canary import AcceptanceLog, CanaryConfig, apply_canary
 from specd.hotswap.store import WeightStore
-from specd.learner.canary import AcceptanceLog, CanaryConfig, apply_canary
+from specd.model.fingerprint import TargetFingerprint
 
 SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
 
@@ -38,7 +38,7 @@ def test_reports_become_deltas_per_server_and_survive_a_counter_reset() -> None:
     log.add(report("a", 2, v1=(300, 120)))
     log.add(report("b", 2, v1=(40, 10)))
     log.add(report("a", 3, v1=(20, 5)))  # server a restarted: its counters began again
-    assert log.totals["1"]["drafts"] == 100 + 200 + 40 + 20
+    assert log.totals["1"].drafts == 100 + 200 + 40 + 20
     assert log.acceptance("1") == ((50 + 70 + 10 + 5) / 360, 360)
     with pytest.raises(ValueError):
         log.add({"server_id": "a", "versions": {"1": {"drafts": "many"}}})

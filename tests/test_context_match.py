@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from conftest import fixed_k, tiny_drafter, tiny_target
 
-from specd.drafter.context_match import HybridDrafter, context_match, context_match_drafts
-from specd.serving.engine import Engine, EngineConfig
-from specd.serving.request import SamplingParams
+from specd.drafter.context_match import context_match, context_match_drafts
+from specd.drafter.hybrid import HybridDrafter
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.request import SamplingParams
 
 
 def test_longest_recent_suffix_match_proposes_what_followed() -> None:

@@ -8,11 +8,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from harness import SpecdProcess, free_port, get_json, tiny_checkpoint, wait_for
 
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.hotswap.store import WeightStore
-from specd.serving.target import LoadedTarget
-from specd.testing_services import SpecdProcess, free_port, get_json, tiny_checkpoint, wait_for
+from specd.model.target import LoadedTarget
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from specd.demo import MODES, DemoConfig, plot, run_demo
+from specd.drafter.factory import DrafterSpec
 from specd.learner.learner import LearnerConfig
 from specd.testing import tiny_loaded_target
 from specd.traffic import TrafficItem, load_jsonl
@@ -19,7 +20,7 @@ def test_demo_replays_traffic_in_three_modes_losslessly(tmp_path: Path) -> None:
     traffic.write_text("\n".join(json.dumps(line) for line in lines))
     items = load_jsonl(traffic)
     assert [i.domain for i in items] == ["chat"] * 3 + ["code"] * 3 and isinstance(items[3], TrafficItem)
-    config = DemoConfig(max_tokens=10, max_batch=2, drafter_head_vocab=200,
+    config = DemoConfig(max_tokens=10, max_batch=2, drafter=DrafterSpec(head_vocab=200),
                         learner=LearnerConfig(duty_cycle=1.0, publish_every_steps=1, min_records=1, window=16))
     result = run_demo(tiny_loaded_target(), items, config, tmp_path / "store")
     assert list(result["summary"]) == list(MODES)

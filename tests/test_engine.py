@@ -8,11 +8,13 @@ from conftest import TINY, fixed_k, tiny_drafter, tiny_target
 from test_sampling import chi_square_p_value
 
 from specd.drafter.base import DraftBatch, Proposal
-from specd.drafter.replay import ReplayDrafter, record_greedy
+from specd.drafter.replay import ReplayDrafter
 from specd.drafter.token_drafter import TokenDrafter
-from specd.serving.engine import Engine, EngineConfig
-from specd.serving.model import ModelConfig
-from specd.serving.request import RequestRefused, SamplingParams
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.replay import record_greedy
+from specd.engine.request import SamplingParams
+from specd.errors import RequestRefused
+from specd.model.transformer import ModelConfig
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [12, 13], [20, 30, 40, 50], [7] * 9]
 GREEDY = SamplingParams(max_tokens=40)
@@ -221,7 +223,7 @@ def test_sampled_engine_output_follows_the_target_distribution() -> None:
 
 
 def test_lookahead_controller_stops_drafting_for_a_useless_drafter_but_keeps_probing() -> None:
-    from specd.serving.lookahead import LookaheadConfig, LookaheadController
+    from specd.engine.lookahead import LookaheadConfig, LookaheadController
 
     controller = LookaheadController(LookaheadConfig(max_k=4, probe_every=4))
     assert controller.choose("v1") == 4  # nothing measured yet
@@ -234,7 +236,7 @@ def test_lookahead_controller_stops_drafting_for_a_useless_drafter_but_keeps_pro
 
 
 def test_lookahead_controller_drafts_fully_for_a_good_drafter() -> None:
-    from specd.serving.lookahead import LookaheadConfig, LookaheadController
+    from specd.engine.lookahead import LookaheadConfig, LookaheadController
 
     controller = LookaheadController(LookaheadConfig(max_k=4))
     for _ in range(30):

@@ -12,15 +12,16 @@ from conftest import TINY, fixed_k, learnable_target, tiny_target
 
 from specd.bus import InProcessBus
 from specd.cli import main
-from specd.drafter.checkpoint import TargetFingerprint
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
-from specd.hotswap.store import StoreError, WeightStore
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.request import SamplingParams, record_from_sequence
+from specd.errors import RecordRefused, StoreError
+from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import Swapper
 from specd.learner.learner import Learner, LearnerConfig
-from specd.learner.records import RecordRefused, record_from_sequence, validate_record
 from specd.learner.signal import simulated_accept_length
-from specd.serving.engine import Engine, EngineConfig
-from specd.serving.request import SamplingParams
+from specd.model.fingerprint import TargetFingerprint
+from specd.records import validate_record
 
 FINGERPRINT = TargetFingerprint(TINY.vocab_size, "none")
 SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -255,7 +256,7 @@ def test_learner_holds_publishing_after_an_operator_rollback(tmp_path: Path) -> 
 
 def test_versions_reference_a_frozen_target_embedding_instead_of_copying_it(tmp_path: Path) -> None:
     from specd.drafter.checkpoint import load_drafter
-    from specd.serving.checkpoint import CheckpointError
+    from specd.errors import CheckpointError
 
     target = tiny_target()
     store = WeightStore(tmp_path)

@@ -10,7 +10,8 @@ import torch
 from conftest import TINY, tiny_target
 from safetensors.torch import load_file, save_file
 
-from specd.serving.checkpoint import CheckpointError, load_target
+from specd.errors import CheckpointError
+from specd.model.checkpoint import load_target
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),

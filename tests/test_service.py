@@ -15,11 +15,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from harness import Broker, SpecdProcess, free_port, get_json, tiny_checkpoint, wait_for
 
-from specd.serving.engine import Engine, EngineConfig
-from specd.serving.request import SamplingParams
-from specd.serving.target import LoadedTarget
-from specd.testing_services import Broker, SpecdProcess, free_port, get_json, tiny_checkpoint, wait_for
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.request import SamplingParams
+from specd.model.target import LoadedTarget
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.slow]
 

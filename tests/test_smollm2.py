@@ -6,11 +6,11 @@ import pytest
 import torch
 from conftest import fixed_k
 
-from specd.drafter.replay import record_greedy
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
-from specd.serving.engine import Engine, EngineConfig
-from specd.serving.request import SamplingParams
-from specd.serving.target import LoadedTarget
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.replay import record_greedy
+from specd.engine.request import SamplingParams
+from specd.model.target import LoadedTarget
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specd.drafter.base import DraftBatch
-from specd.drafter.context_match import HybridDrafter
+from specd.drafter.hybrid import HybridDrafter
 from specd.drafter.traffic_table import TrafficTable
 from tests.conftest import tiny_drafter, tiny_target
 
@@ -47,10 +47,10 @@ def test_memory_is_bounded_by_dropping_the_oldest_contexts() -> None:
 
 def test_hybrid_drafter_asks_the_table_where_its_own_context_has_no_match() -> None:
     target = tiny_target()
-    hybrid = HybridDrafter(tiny_drafter(target))
+    table = TrafficTable(min_count=1)
+    hybrid = HybridDrafter(tiny_drafter(target), table)
     hybrid.bind(2, 64, torch.device("cpu"))
-    hybrid.table = TrafficTable(min_count=1)
-    hybrid.table.add([30, 31, 32, 33, 34])
+    table.add([30, 31, 32, 33, 34])
     tokens = torch.zeros(2, 64, dtype=torch.long)
     tokens[0, :4] = torch.tensor([1, 2, 30, 31])      # no repeat inside the row; the table knows "30 31"
     tokens[1, :4] = torch.tensor([5, 6, 7, 8])        # nobody knows anything

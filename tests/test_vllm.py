@@ -17,11 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is installed by `bash scripts/setup --vllm` (CI does)")
 
-from specd.drafter.token_drafter import DrafterShape, new_drafter_model
-from specd.hotswap.store import WeightStore
-from specd.serving.target import LoadedTarget
-from specd.serving.vllm_plugin.launch import PluginSettings, vllm_command
-from specd.testing_services import (
+from harness import (
     Broker,
     SpecdProcess,
     VllmServer,
@@ -30,6 +26,11 @@ from specd.testing_services import (
     post_json,
     wait_for,
 )
+
+from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+from specd.hotswap.store import WeightStore
+from specd.model.target import LoadedTarget
+from specd.vllm.launch import PluginSettings, vllm_command
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mqtt, pytest.mark.slow]
 

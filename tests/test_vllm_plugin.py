@@ -11,11 +11,11 @@ import torch
 
 from specd.cli import main
 from specd.drafter.base import DraftBatch
-from specd.learner.records import validate_record
-from specd.serving.vllm_plugin.budget import DraftBudget, LearnedGate, ShadowBook
-from specd.serving.vllm_plugin.launch import PROPOSER_CLASS, WORKER_EXTENSION, PluginSettings, vllm_command
-from specd.serving.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
+from specd.records import validate_record
 from specd.testing import tiny_target
+from specd.vllm.budget import DraftBudget, LearnedGate, ShadowBook
+from specd.vllm.launch import PROPOSER_CLASS, WORKER_EXTENSION, PluginSettings, vllm_command
+from specd.vllm.tracking import SlotTable, StepTracker, stop_index
 from tests.conftest import tiny_drafter
 
 
@@ -119,9 +119,9 @@ def test_step_tracker_infers_accepted_counts_and_voids_drafts_that_were_never_ve
     assert record is not None and record.prompt_ids == prompt_a and record.output_ids == [10, 11, 12, 99]
     assert [(s.position, s.drafts, s.num_accepted, s.version) for s in record.steps] == [(4, [11, 12, 13], 2, "1")]
     validate_record(json.loads(json.dumps(record.to_dict())), vocab_size=100)
-    assert tracker.report()["versions"]["1"] == {"drafts": 3, "accepted": 2, "passes": 3, "emitted": 5}
+    assert tracker.report().to_dict()["versions"]["1"] == {"drafts": 3, "accepted": 2, "passes": 3, "emitted": 5}
     # a pass that verified no drafts counts for the version serving at that step
-    assert tracker.report()["versions"]["2"] == {"drafts": 1, "accepted": 0, "passes": 2, "emitted": 2}
+    assert tracker.report().to_dict()["versions"]["2"] == {"drafts": 1, "accepted": 0, "passes": 2, "emitted": 2}
     assert tracker.finish("a") is None and tracker.is_finished("a")
 
 

@@ -12,7 +12,6 @@ was made for another target, has missing or wrongly shaped tensors, or holds non
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
@@ -20,22 +19,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from specd.serving.checkpoint import CheckpointError, load_state_into
-from specd.serving.model import ModelConfig, Transformer
-
-
-@dataclasses.dataclass(frozen=True)
-class TargetFingerprint:
-    vocab_size: int
-    tokenizer_hash: str  # sha256 of the target's tokenizer.json, or "none" for tokenizer-less tests
-
-    @classmethod
-    def of(cls, config: ModelConfig, target_dir: str | Path | None = None) -> TargetFingerprint:
-        tokenizer_file = Path(target_dir) / "tokenizer.json" if target_dir is not None else None
-        digest = "none"
-        if tokenizer_file is not None and tokenizer_file.is_file():
-            digest = hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()
-        return cls(config.vocab_size, digest)
+from specd.errors import CheckpointError
+from specd.model.checkpoint import load_state_into
+from specd.model.fingerprint import TargetFingerprint
+from specd.model.transformer import ModelConfig, Transformer
 
 
 def save_drafter(model: Transformer, path: str | Path, fingerprint: TargetFingerprint,

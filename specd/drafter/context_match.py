@@ -4,27 +4,14 @@ Contract: `context_match_drafts(sequence, k, max_n, min_n)` looks for the longes
 row's tokens (max_n down to min_n tokens) that occurred earlier in the same row, most recent
 occurrence first, and returns up to k tokens that followed it; an empty list when nothing
 matches. Deterministic and free of training: code and chat answers repeat their prompt often.
-`HybridDrafter` puts it in front of a learned `TokenDrafter`: a row with a context match gets
-the match's drafts, every other row the learned drafter's. The learned drafter still runs for
-all rows (its cache must follow every row) unless a caller switches it off (`use_learned`); rows
-whose drafts were replaced commit as "none of your drafts were used", so its cache stays exact.
-With a `table` (a `TrafficTable`), a row without a match in its own context asks what earlier
-requests continued its last tokens with, before the learned drafter's guess is used. Swaps and
-versions belong to the learned part.
+`specd.drafter.hybrid.HybridDrafter` puts it in front of the learned drafter.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import numpy as np
-import torch
-
-from specd.drafter.base import DraftBatch, Proposal
-from specd.drafter.token_drafter import TokenDrafter
-from specd.drafter.traffic_table import TrafficTable
-from specd.serving.model import Transformer
 
 
 def context_match(sequence: Sequence[int] | np.ndarray, k: int, max_n: int = 4, min_n: int = 2
@@ -47,105 +34,3 @@ def context_match(sequence: Sequence[int] | np.ndarray, k: int, max_n: int = 4, 
 
 def context_match_drafts(sequence: Sequence[int] | np.ndarray, k: int, max_n: int = 4, min_n: int = 2) -> list[int]:
     return context_match(sequence, k, max_n, min_n)[0]
-
-
-class HybridDrafter:
-    def __init__(self, learned: TokenDrafter, max_n: int = 4, min_n: int = 2, window: int = 1024) -> None:
-        self.learned = learned
-        self.max_n, self.min_n, self.window = max_n, min_n, window
-        self.num_matched_rows = 0
-        # a caller may switch the learned part off while it does not pay for itself (the vLLM
-        # proposer's gate); these say what it cost and earned at the last step it ran
-        self.use_learned = True
-        # continuations learned across requests (see traffic_table), asked where the row has no match
-        self.table: TrafficTable | None = None
-        self.num_table_rows = 0
-        self.row_sources: list[str] = []
-        self.learned_ran = False
-        self.learned_seconds = 0.0
-        self.last_learned_accepted = 0
-
-    # the learned part owns versions, swaps and caches
-    @property
-    def version(self) -> str:
-        return self.learned.version
-
-    @property
-    def model(self) -> Transformer:
-        return self.learned.model
-
-    @property
-    def num_swaps(self) -> int:
-        return self.learned.num_swaps
-
-    def offer(self, model: Transformer, version: str) -> None:
-        self.learned.offer(model, version)
-
-    def apply_pending(self) -> None:
-        self.learned.apply_pending()
-
-    def bind(self, max_batch: int, max_seq: int, device: torch.device) -> None:
-        self.learned.bind(max_batch, max_seq, device)
-
-    def start(self, slot: int) -> None:
-        self.learned.start(slot)
-
-    def move(self, src: int, dst: int) -> None:
-        self.learned.move(src, dst)
-
-    def propose(self, batch: DraftBatch, k: int) -> Proposal:
-        self.learned_ran = self.use_learned
-        q: torch.Tensor | None = None
-        if self.learned_ran:
-            begin = time.perf_counter()
-            proposal = self.learned.propose(batch, k)
-            self.learned_seconds = time.perf_counter() - begin
-            drafts, q = proposal.drafts.clone(), proposal.q
-            limits = proposal.limits.clone() if proposal.limits is not None else torch.full_like(batch.lengths, k)
-        else:  # rows without a context match draft nothing this step
-            drafts = torch.zeros(batch.num_rows, k, dtype=torch.long, device=batch.lengths.device)
-            limits = torch.zeros_like(batch.lengths)
-        self.row_sources = []  # per row: "context<n>", "table<n>", "learned" or "none"
-        for row, length in enumerate(batch.lengths.tolist()):
-            start = max(0, length - self.window)
-            # the source names the match length too: a 4-token match is right far more often than a 2-token one
-            found, order = context_match(batch.tokens[row, start:length].cpu().numpy(), k, self.max_n, self.min_n)
-            source = f"context{order}"
-            if not found and self.table is not None:
-                recent = batch.tokens[row, max(0, length - self.table.max_n):length].tolist()
-                found, order = self.table.draft_with_order(recent, k)
-                source = f"table{order}"
-                self.num_table_rows += bool(found)
-            if not found:
-                source = "learned" if self.learned_ran and int(limits[row]) > 0 else "none"
-            self.row_sources.append(source)
-            if found:
-                drafts[row, :len(found)] = torch.tensor(found, device=drafts.device)
-                limits[row] = len(found)
-        matched_rows = self._matched
-        self.num_matched_rows += sum(matched_rows)
-        if q is not None and any(matched_rows):  # matched rows' drafts are deterministic: q one-hot
-            matched = torch.tensor(matched_rows, device=q.device)
-            one_hot = torch.zeros_like(q).scatter_(-1, drafts[..., None], 1.0)
-            q = torch.where(matched[:, None, None], one_hot, q)
-        return Proposal(drafts, q, limits)
-
-    @property
-    def _matched(self) -> list[bool]:
-        """Per row of the last proposal: were its drafts a context match or table continuation (not learned)?"""
-        return [source not in ("learned", "none") for source in self.row_sources]
-
-    def commit(self, num_accepted: torch.Tensor) -> None:
-        if not self.learned_ran:
-            return
-        used = torch.tensor([not m for m in self._matched], device=num_accepted.device)
-        learned_accepted = torch.where(used, num_accepted, torch.zeros_like(num_accepted))
-        self.last_learned_accepted = int(learned_accepted.sum())
-        self.learned.commit(learned_accepted)
-
-
-def wrap_drafter(learned: TokenDrafter, kind: str) -> TokenDrafter | HybridDrafter:
-    """The drafter a server runs: "hybrid" (context matches first) or "learned" alone."""
-    if kind not in ("hybrid", "learned"):
-        raise ValueError(f"drafter kind {kind!r}: choose hybrid or learned")
-    return HybridDrafter(learned) if kind == "hybrid" else learned

@@ -5,7 +5,7 @@ For a row whose prompt was recorded it proposes the next k recorded tokens after
 emitted so far (deterministic, q one-hot); past the recording's end, or for an unknown prompt, it
 proposes token 0, which the target rejects like any wrong guess. Under greedy decoding every
 recorded draft is accepted, so it measures how much of an accept length the engine turns into
-speed, with drafting cost zero.
+speed, with drafting cost zero. `specd.engine.replay.record_greedy` makes the recordings.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import torch
 
 from specd.drafter.base import DraftBatch, Proposal
-from specd.serving.model import Transformer
-from specd.serving.request import SamplingParams
 
 
 class ReplayDrafter:
@@ -48,13 +46,3 @@ class ReplayDrafter:
 
     def commit(self, num_accepted: torch.Tensor) -> None:
         pass
-
-
-def record_greedy(target: Transformer, prompts: list[list[int]], max_tokens: int,
-                  eos_token_ids: tuple[int, ...] = (), max_batch: int = 8) -> ReplayDrafter:
-    """Decode the prompts target-only (greedy) and return a drafter that replays the outputs."""
-    from specd.serving.engine import Engine, EngineConfig
-
-    engine = Engine(target, None, EngineConfig(max_batch=max_batch, eos_token_ids=eos_token_ids))
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
-    return ReplayDrafter({tuple(p): seq.output_ids for p, seq in zip(prompts, outputs, strict=True)})

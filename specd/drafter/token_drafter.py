@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from specd.drafter.base import DraftBatch, Proposal
-from specd.serving.model import KVCache, ModelConfig, Transformer
-from specd.serving.sampling import sample_from, target_probs
+from specd.model.sampling import sample_from, target_probs
+from specd.model.transformer import KVCache, ModelConfig, Transformer
 
 
 @dataclass(frozen=True)

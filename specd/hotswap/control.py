@@ -12,7 +12,8 @@ embedded `specd serve`:
   POST /v1/pin       {"version": n, "pinned": true|false}
   GET  /  and /dashboard            the dashboard page
 POST routes need `Authorization: Bearer <token>` when a token is configured. Store errors become
-4xx JSON errors with the reason.
+JSON errors with the reason and their kind's status (404 for a version that does not exist, 409
+for an operation the store refuses, 400 for a malformed body).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from typing import Any
 
 from aiohttp import web
 
-from specd.hotswap.store import StoreError, WeightStore
-from specd.learner.canary import AcceptanceLog
+from specd.errors import BadRequest, StoreError
+from specd.hotswap.canary import AcceptanceLog
+from specd.hotswap.store import WeightStore
 
 
 @dataclass
@@ -41,8 +43,12 @@ class ControlPlane:
 PLANE = web.AppKey("control_plane", ControlPlane)
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+
+def _store_error(error: StoreError) -> web.Response:
+    return _error(error.http_status, str(error), error.kind)
 
 
 def _version(request: web.Request) -> int:
@@ -70,7 +76,7 @@ def _optional_int(body: dict[str, Any], name: str, required: bool) -> int | None
     if value is None and not required:
         return None
     if not isinstance(value, int) or isinstance(value, bool):
-        raise StoreError(f"'{name}' must be an integer version number")
+        raise BadRequest(f"'{name}' must be an integer version number")
     return value
 
 
@@ -83,7 +89,7 @@ async def manifest(request: web.Request) -> web.Response:
     try:
         return web.json_response(request.app[PLANE].store.manifest(_version(request)))
     except StoreError as error:
-        return _error(404, str(error))
+        return _store_error(error)
 
 
 async def weights(request: web.Request) -> web.StreamResponse:
@@ -95,7 +101,7 @@ async def weights(request: web.Request) -> web.StreamResponse:
 
 async def acceptance(request: web.Request) -> web.Response:
     log = request.app[PLANE].acceptance
-    return web.json_response({"series": list(log.series), "totals": log.totals})
+    return web.json_response({"series": list(log.series), "totals": log.totals_as_dict()})
 
 
 async def status(request: web.Request) -> web.Response:
@@ -110,8 +116,10 @@ async def _operate(request: web.Request, operation: Callable[[ControlPlane, dict
     plane = request.app[PLANE]
     try:
         operation(plane, body)
+    except BadRequest as error:
+        return _error(error.http_status, str(error))
     except StoreError as error:
-        return _error(400, str(error))
+        return _store_error(error)
     plane.on_change()
     return web.json_response({"live": plane.store.live_version()})
 

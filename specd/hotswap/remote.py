@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from specd.hotswap.store import StoreError
+from specd.errors import ConfigurationError, TransportError
 
 
 class RemoteSource:
@@ -44,19 +44,19 @@ class RemoteSource:
 
     def _get(self, path: str) -> bytes:
         if not self.learner_url:
-            raise StoreError("no learner URL to fetch drafter weights from")
+            raise ConfigurationError("no learner URL to fetch drafter weights from")
         url = self.learner_url.rstrip("/") + path
         try:
             with urllib.request.urlopen(url, timeout=self.timeout) as response:
                 return bytes(response.read())
         except (urllib.error.URLError, TimeoutError) as error:
-            raise StoreError(f"cannot fetch {url}: {error}") from None
+            raise TransportError(f"cannot fetch {url}: {error}") from None
 
     def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
         try:
             manifest = json.loads(self._get(f"/v1/versions/{version}"))
         except ValueError:
-            raise StoreError(f"version {version}: the learner's manifest is not JSON") from None
+            raise TransportError(f"version {version}: the learner's manifest is not JSON") from None
         target = self.cache / f"{version:06d}.safetensors"
         if not target.is_file():
             fd, tmp = tempfile.mkstemp(dir=self.cache, prefix=target.name + ".")

@@ -24,14 +24,12 @@ from typing import Any
 
 import torch
 
-from specd.drafter.checkpoint import TargetFingerprint, save_drafter
-from specd.serving.model import Transformer
+from specd.drafter.checkpoint import save_drafter
+from specd.errors import StoreError, VersionNotFound
+from specd.model.fingerprint import TargetFingerprint
+from specd.model.transformer import Transformer
 
 STATUSES = ("candidate", "live", "retired", "rejected", "rolled-back")
-
-
-class StoreError(ValueError):
-    """An operation the store refuses, with the reason."""
 
 
 def sha256_file(path: Path) -> str:
@@ -71,7 +69,7 @@ class WeightStore:
     def manifest(self, version: int) -> dict[str, Any]:
         path = self.version_dir(version) / "manifest.json"
         if not path.is_file():
-            raise StoreError(f"version {version} does not exist in {self.root}")
+            raise VersionNotFound(f"version {version} does not exist in {self.root}")
         return dict(json.loads(path.read_text()))
 
     def live_state(self) -> dict[str, Any]:
@@ -135,7 +133,7 @@ class WeightStore:
                 raise StoreError(f"version {current} has no earlier live version to roll back to")
             to = history[-1]
         elif to not in self.versions():
-            raise StoreError(f"version {to} does not exist in {self.root}")
+            raise VersionNotFound(f"version {to} does not exist in {self.root}")
         if to == current:
             raise StoreError(f"version {to} is already live")
         self.update(current, status="rolled-back", rollback_evidence=evidence or {"by": "operator"})

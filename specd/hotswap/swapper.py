@@ -12,9 +12,7 @@ kept in `refused`, and the drafter keeps the version it has.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,23 +21,15 @@ from typing import Any, Protocol
 
 import torch
 
-from specd.drafter.checkpoint import TargetFingerprint, load_drafter
-from specd.drafter.context_match import HybridDrafter
-from specd.drafter.token_drafter import TokenDrafter
-from specd.hotswap.store import StoreError, WeightStore, sha256_file
-from specd.serving.checkpoint import CheckpointError
-from specd.serving.model import Transformer
+from specd.drafter.checkpoint import load_drafter
+from specd.drafter.factory import ServingDrafter
+from specd.errors import CheckpointError, SpecdError
+from specd.hotswap.store import WeightStore, sha256_file
+from specd.model.fingerprint import TargetFingerprint
+from specd.model.transformer import Transformer
+from specd.threads import lower_thread_priority
 
 log = logging.getLogger(__name__)
-
-
-def lower_thread_priority(niceness: int = 10) -> None:
-    """Make the calling thread (and threads it starts, e.g. its OpenMP team) yield to decoding.
-
-    Linux keeps a nice value per thread; elsewhere this quietly does nothing.
-    """
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
 
 
 @dataclass
@@ -72,7 +62,7 @@ class LocalStore:
 
 
 class Swapper:
-    def __init__(self, source: WeightStore | VersionSource, drafter: TokenDrafter | HybridDrafter,
+    def __init__(self, source: WeightStore | VersionSource, drafter: ServingDrafter,
                  fingerprint: TargetFingerprint, poll_seconds: float = 0.2,
                  target_embedding: torch.Tensor | None = None) -> None:
         self.source: VersionSource = LocalStore(source) if isinstance(source, WeightStore) else source
@@ -103,7 +93,7 @@ class Swapper:
         begin = time.perf_counter()
         try:
             model = self._load_checked(live)
-        except (CheckpointError, StoreError, OSError) as error:
+        except (SpecdError, OSError) as error:  # bad weights, a refusing store, an unreachable learner
             self.refused[live] = str(error)
             log.error("refused drafter version %s, keeping %s: %s", live, self.drafter.version, error)
             return False

@@ -25,12 +25,14 @@ from typing import Any
 import torch
 
 from specd.bus import Bus
-from specd.drafter.checkpoint import TargetFingerprint, load_drafter
+from specd.drafter.checkpoint import load_drafter
+from specd.errors import RecordRefused
 from specd.hotswap.store import WeightStore
-from specd.hotswap.swapper import lower_thread_priority
-from specd.learner.records import RecordRefused, TrajectoryRecord, validate_record
 from specd.learner.signal import build_batch, drafter_loss, simulated_accept_length
-from specd.serving.model import Transformer
+from specd.model.fingerprint import TargetFingerprint
+from specd.model.transformer import Transformer
+from specd.records import TrajectoryRecord, validate_record
+from specd.threads import lower_thread_priority
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specd.learner.records import TrajectoryRecord
-from specd.serving.model import Transformer
+from specd.model.transformer import Transformer
+from specd.records import TrajectoryRecord
 
 
 @dataclass

@@ -3,6 +3,8 @@
 Contract: `ServingMetrics` owns its own registry (tests make their own), is updated from the
 engine thread with plain counter increments (`observe_verification`, `observe_request`), and
 derives acceptance rate and accept length per drafter version at scrape time from the counters.
+It keeps `AcceptanceCounts` per (version, domain), from which `reports` builds what the learner's
+canary reads.
 Names (the `specd_` twins of vLLM's `vllm:spec_decode_*`):
   specd_spec_decode_num_draft_tokens_total{version}       drafts proposed
   specd_spec_decode_num_accepted_tokens_total{version}    drafts accepted
@@ -17,11 +19,14 @@ Names (the `specd_` twins of vLLM's `vllm:spec_decode_*`):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from specd.records import AcceptanceCounts, AcceptanceReport
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
@@ -36,16 +41,14 @@ class _DerivedRates(Collector):
                                  labels=["version"])
         length = GaugeMetricFamily("specd_spec_decode_accept_length", "tokens emitted per target pass",
                                    labels=["version"])
-        by_version: dict[str, list[int]] = {}
-        for (version, _), counts in self.metrics.totals.items():
-            summed = by_version.setdefault(version, [0, 0, 0, 0])
-            for i, count in enumerate(counts):
-                summed[i] += count
-        for version, (proposed, accepted, passes, emitted) in by_version.items():
-            if proposed:
-                rate.add_metric([version], accepted / proposed)
-            if passes:
-                length.add_metric([version], emitted / passes)
+        by_version: dict[str, AcceptanceCounts] = {}
+        for (version, _), counts in list(self.metrics.totals.items()):
+            by_version.setdefault(version, AcceptanceCounts()).add(counts)
+        for version, summed in by_version.items():
+            if summed.acceptance_rate is not None:
+                rate.add_metric([version], summed.acceptance_rate)
+            if summed.accept_length is not None:
+                length.add_metric([version], summed.accept_length)
         yield rate
         yield length
         for name, help_text in (("specd_drafter_swaps", "drafter versions taken over"),
@@ -75,8 +78,8 @@ class ServingMetrics:
                                          buckets=LATENCY_BUCKETS)
         self.inter_token_latency = Histogram("specd_inter_token_latency_seconds",
                                              "time between streamed tokens", registry=r, buckets=ITL_BUCKETS)
-        # (version, domain) -> [proposed, accepted, passes, emitted]: what reports to the learner carry
-        self.totals: dict[tuple[str, str], list[int]] = {}
+        # (version, domain) -> counts: what reports to the learner carry
+        self.totals: dict[tuple[str, str], AcceptanceCounts] = {}
         r.register(_DerivedRates(self))
 
     def observe_verification(self, version: str, drafts: int, accepted: int, emitted: int,
@@ -87,11 +90,19 @@ class ServingMetrics:
         self.emitted.labels(version).inc(emitted)
         for position in range(accepted):
             self.accepted_per_pos.labels(str(position)).inc()
-        totals = self.totals.setdefault((version, domain), [0, 0, 0, 0])
-        totals[0] += drafts
-        totals[1] += accepted
-        totals[2] += 1
-        totals[3] += emitted
+        self.totals.setdefault((version, domain), AcceptanceCounts()).add(
+            AcceptanceCounts(drafts, accepted, 1, emitted))
+
+    def record_published(self) -> None:
+        self.records_published.inc()
+
+    def reports(self, server_id: str) -> list[AcceptanceReport]:
+        """One cumulative report per traffic domain: counts per drafter version."""
+        by_domain: dict[str, dict[str, AcceptanceCounts]] = {}
+        for (version, domain), counts in list(self.totals.items()):
+            by_domain.setdefault(domain, {})[version] = AcceptanceCounts(**counts.as_dict())
+        now = time.time()
+        return [AcceptanceReport(server_id, now, domain, versions) for domain, versions in by_domain.items()]
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,19 +3,20 @@
 Contract: `SamplingParams` is validated on construction, so a bad setting is refused before it
 reaches the engine. A `Sequence` carries one request's prompt, output and the log of its
 verification steps (position, drafts, how many were accepted, drafter version): that log is the
-raw material of the learner's trajectory records, and its counts are the request's statistics.
+raw material of the learner's trajectory records (`record_from_sequence`), and its counts are
+the request's statistics.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
 
-
-class RequestRefused(ValueError):
-    """A request the engine will not serve, with the reason in words a client can act on."""
+from specd.errors import RequestRefused
+from specd.records import StepRecord, TrajectoryRecord
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,12 @@ class Sequence:
         self.steps.append(VerifyStep(position, tuple(drafts), num_accepted, drafter_version))
         self.num_drafts_proposed += len(drafts)
         self.num_drafts_accepted += num_kept
+
+
+def record_from_sequence(seq: Sequence, server_id: str, finished: float, domain: str | None = None) -> TrajectoryRecord:
+    """The trajectory record of a finished request."""
+    # the engine's step position is the sequence length before the step, which is exactly the
+    # index of the first token that step emitted
+    steps = [StepRecord(s.position, list(s.drafts), s.num_accepted, s.drafter_version) for s in seq.steps]
+    return TrajectoryRecord(uuid.uuid4().hex, server_id, list(seq.prompt_ids), list(seq.output_ids), steps,
+                            seq.params.temperature, seq.params.top_p, seq.created, finished, domain)

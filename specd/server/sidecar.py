@@ -24,13 +24,13 @@ from pathlib import Path
 from aiohttp import web
 
 from specd.bus import InProcessBus
-from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+from specd.drafter.factory import DrafterSpec, initial_model
+from specd.hotswap.canary import AcceptanceLog, CanaryConfig, apply_canary
 from specd.hotswap.control import ControlPlane, add_control_routes
 from specd.hotswap.store import WeightStore
-from specd.learner.canary import AcceptanceLog, CanaryConfig, apply_canary
 from specd.learner.learner import Learner, LearnerConfig
+from specd.model.target import LoadedTarget
 from specd.mqtt import MqttSettings, announce, subscribe_forever
-from specd.serving.target import LoadedTarget
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,7 @@ class SidecarOptions:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)
     client_id: str = "specd-learner"
-    drafter_layers: int = 1
-    drafter_head_vocab: int = 8192
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)   # the day-0 drafter's shape
 
 
 class Sidecar:
@@ -57,10 +56,8 @@ class Sidecar:
         self.spool = Path(options.store) / "received.jsonl"
         self.seen: set[str] = set()
         self.refused_messages = 0
-        config = loaded.model.config
-        shape = DrafterShape.like(config, options.drafter_layers, min(options.drafter_head_vocab, config.vocab_size))
         embedding = loaded.model.embed.weight
-        self.learner = Learner(options.learner, self.bus, self.store, new_drafter_model(loaded.model, shape),
+        self.learner = Learner(options.learner, self.bus, self.store, initial_model(loaded.model, options.drafter),
                                loaded.fingerprint, embedding.dtype, embedding)
         self._replay_spool()
         self._announced: int | None = None

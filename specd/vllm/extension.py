@@ -1,6 +1,6 @@
 """`SpecdWorkerExtension`: the manual control path into specd's proposer inside a running vLLM.
 
-Contract: passed to vLLM as `--worker-extension-cls specd.serving.vllm_plugin.extension.SpecdWorkerExtension`
+Contract: passed to vLLM as `--worker-extension-cls specd.vllm.extension.SpecdWorkerExtension`
 (or `worker_extension_cls=` offline), its methods join vLLM's worker and are reached with
 `llm.collective_rpc("specd_status")` offline or `POST /collective_rpc` (server started with
 `VLLM_SERVER_DEV_MODE=1`) with `{"method": "specd_status"}`. Each returns plain JSON-able data,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specd.serving.vllm_plugin.proposer import SpecdProposer
+from specd.vllm.proposer import SpecdProposer
 
 
 class SpecdWorkerExtension:

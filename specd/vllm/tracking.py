@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from specd.learner.records import StepRecord, TrajectoryRecord
+from specd.records import AcceptanceCounts, AcceptanceReport, StepRecord, TrajectoryRecord
 
 
 class SlotDrafter(Protocol):
@@ -127,17 +127,6 @@ class Trajectory:
     stop_checked: int = 0              # output tokens already known not to be stop tokens
 
 
-@dataclass
-class VersionTotals:
-    drafts: int = 0
-    accepted: int = 0
-    passes: int = 0
-    emitted: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {"drafts": self.drafts, "accepted": self.accepted, "passes": self.passes, "emitted": self.emitted}
-
-
 def stop_index(output: Sequence[int], max_tokens: int | None, stop_ids: set[int], room: int,
                checked: int = 0) -> int | None:
     """How many output tokens a finished request keeps, or None while it is still running.
@@ -158,7 +147,7 @@ class StepTracker:
         self.server_id = server_id
         self.domain = domain
         self.live: dict[str, Trajectory] = {}
-        self.totals: dict[str, VersionTotals] = {}
+        self.totals: dict[str, AcceptanceCounts] = {}
         self.previous_rows: list[str] = []
         self.last_verified: list[tuple[str, int, int]] = []  # (request id, drafts, accepted) at the last observe
         self._finished: OrderedDict[str, None] = OrderedDict()   # ids already turned into records
@@ -178,7 +167,7 @@ class StepTracker:
                 accepted = min(len(sampled[row]) - 1, len(trajectory.drafts))
                 trajectory.steps.append(StepRecord(trajectory.drafted_at, trajectory.drafts, accepted,
                                                    trajectory.version))
-                totals = self.totals.setdefault(trajectory.version, VersionTotals())
+                totals = self.totals.setdefault(trajectory.version, AcceptanceCounts())
                 totals.drafts += len(trajectory.drafts)
                 totals.accepted += accepted
                 verified_by[request_id] = trajectory.version
@@ -197,7 +186,7 @@ class StepTracker:
             if length > len(trajectory.tokens):
                 trajectory.tokens.extend(token_rows[row, len(trajectory.tokens):length].tolist())
             if sampled[row]:
-                totals = self.totals.setdefault(verified_by.get(request_id, version), VersionTotals())
+                totals = self.totals.setdefault(verified_by.get(request_id, version), AcceptanceCounts())
                 totals.passes += 1
                 totals.emitted += len(sampled[row])
         return accepted_by_previous_row
@@ -237,8 +226,7 @@ class StepTracker:
                                 trajectory.created, time.time(), self.domain,
                                 extra={"vllm_request_id": request_id})
 
-    def report(self) -> dict[str, Any]:
-        """A cumulative acceptance report in the shape specd's servers send (one domain)."""
-        versions = {version: totals.as_dict() for version, totals in list(self.totals.items())}
-        return {"server_id": self.server_id, "time": time.time(), "domain": self.domain or "default",
-                "versions": versions}
+    def report(self) -> AcceptanceReport:
+        """A cumulative acceptance report, as specd's own servers send (one domain)."""
+        versions = {version: AcceptanceCounts(**totals.as_dict()) for version, totals in list(self.totals.items())}
+        return AcceptanceReport(self.server_id, time.time(), self.domain or "default", versions)

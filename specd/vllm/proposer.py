@@ -30,19 +30,21 @@ import numpy as np
 import torch
 
 from specd.drafter.base import DraftBatch
-from specd.drafter.checkpoint import TargetFingerprint
-from specd.drafter.context_match import HybridDrafter, wrap_drafter
-from specd.drafter.token_drafter import DrafterShape, TargetHead, TokenDrafter, new_drafter_model
+from specd.drafter.factory import DrafterSpec, ServingDrafter, build_drafter, initial_model
+from specd.drafter.hybrid import HybridDrafter
+from specd.drafter.token_drafter import TargetHead
 from specd.drafter.traffic_table import TrafficTable
+from specd.errors import CheckpointError
 from specd.hotswap.remote import RemoteSource
 from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
-from specd.learner.records import TrajectoryRecord
+from specd.model.checkpoint import read_target_head
+from specd.model.fingerprint import TargetFingerprint
 from specd.mqtt import MqttPublisher
-from specd.serving.checkpoint import CheckpointError, read_target_head
-from specd.serving.vllm_plugin.budget import DraftBudget, LearnedGate, ShadowBook
-from specd.serving.vllm_plugin.launch import PluginSettings
-from specd.serving.vllm_plugin.tracking import SlotTable, StepTracker, stop_index
+from specd.records import TrajectoryRecord
+from specd.vllm.budget import DraftBudget, LearnedGate, ShadowBook
+from specd.vllm.launch import PluginSettings
+from specd.vllm.tracking import SlotTable, StepTracker, stop_index
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class SpecdProposer:
             raise CheckpointError(f"specd's proposer needs the target as a local checkpoint folder; "
                                   f"{self.target_dir} has no config.json")
         self.runner: Any = None
-        self.drafter: TokenDrafter | HybridDrafter | None = None
+        self.drafter: ServingDrafter | None = None
         self.swapper: Swapper | None = None
         self.source: PinnedSource | None = None
         self.publisher: MqttPublisher | None = None
@@ -122,12 +124,11 @@ class SpecdProposer:
             announce = inner.announce if isinstance(inner, RemoteSource) else None
             self.publisher = MqttPublisher(settings.mqtt, settings.server_id, on_announcement=announce).start()
         self.source = PinnedSource(inner, settings.version)
-        shape = DrafterShape.like(config, settings.drafter_layers, min(settings.drafter_head_vocab, config.vocab_size))
-        model = new_drafter_model(TargetHead(config, embed, head), shape)
-        learned = TokenDrafter(model, "0")  # until the live version is loaded, a moment after start
-        self.drafter = wrap_drafter(learned, settings.drafter_kind)
-        if isinstance(self.drafter, HybridDrafter) and settings.traffic_table:
-            self.table = self.drafter.table = TrafficTable()
+        spec = DrafterSpec(settings.drafter_kind, settings.drafter_layers, settings.drafter_head_vocab,
+                           settings.traffic_table)
+        # version "0" serves until the live version is loaded, a moment after start
+        self.drafter = build_drafter(spec, initial_model(TargetHead(config, embed, head), spec), "0")
+        self.table = getattr(self.drafter, "table", None)
         self.drafter.bind(self.slots.capacity, self.max_model_len + self.k + 1, device)
         self.swapper = Swapper(self.source, self.drafter, fingerprint, target_embedding=embed)
         self.swapper.check_once()  # a local store's live version serves from the first step
@@ -272,8 +273,8 @@ class SpecdProposer:
                 continue
             with self._lock:
                 report = self.tracker.report()
-            if report["versions"]:
-                self.publisher.report(report)
+            if report.versions:
+                self.publisher.report(report.to_dict())
 
     def status(self) -> dict[str, Any]:
         """What the control path (`collective_rpc`) shows an operator."""
@@ -298,7 +299,7 @@ class SpecdProposer:
                 "refused_versions": dict(self.swapper.refused) if self.swapper else {},
                 "broker_connected": self.publisher.connected.is_set() if self.publisher else None,
                 "records_published": self.publisher.counters.published if self.publisher else 0,
-                "totals": report["versions"]}
+                "totals": report.to_dict()["versions"]}
 
     def force_version(self, version: int | None) -> dict[str, Any]:
         """Serve `version` regardless of announcements (None: follow them again); it takes over within a poll."""

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specd.hotswap.store import WeightStore
-
-COUNTERS = ("drafts", "accepted", "passes", "emitted")
+from specd.records import AcceptanceCounts, AcceptanceReport, validate_report
 
 
 @dataclass(frozen=True)
@@ -31,35 +30,34 @@ class CanaryConfig:
 class AcceptanceLog:
     def __init__(self, max_points: int = 5000) -> None:
         self.series: deque[dict[str, Any]] = deque(maxlen=max_points)
-        self.totals: dict[str, dict[str, int]] = {}
-        self._last: dict[tuple[str, str, str], dict[str, int]] = {}
+        self.totals: dict[str, AcceptanceCounts] = {}
+        self._last: dict[tuple[str, str, str], AcceptanceCounts] = {}
 
-    def add(self, report: dict[str, Any]) -> None:
-        server = str(report.get("server_id", "?"))
-        domain = str(report.get("domain") or "default")
-        at = float(report.get("time", time.time()))
-        versions = report.get("versions")
-        if not isinstance(versions, dict):
-            raise ValueError("a report needs a `versions` object")
-        for version, counts in versions.items():
-            if not isinstance(counts, dict) or not all(isinstance(counts.get(c, 0), int) for c in COUNTERS):
-                raise ValueError(f"report for version {version!r} has malformed counters")
-            previous = self._last.get((server, domain, version), dict.fromkeys(COUNTERS, 0))
-            reset = any(counts.get(c, 0) < previous[c] for c in COUNTERS)
-            delta = {c: counts.get(c, 0) - (0 if reset else previous[c]) for c in COUNTERS}
-            self._last[(server, domain, version)] = {c: counts.get(c, 0) for c in COUNTERS}
-            if not any(delta.values()):
+    def add(self, report: AcceptanceReport | dict[str, Any]) -> None:
+        """Take one cumulative report (an untrusted dict is validated first: RecordRefused if malformed)."""
+        if not isinstance(report, AcceptanceReport):
+            report = validate_report(report)
+        at = report.time or time.time()
+        for version, counts in report.versions.items():
+            key = (report.server_id, report.domain, version)
+            previous = self._last.get(key, AcceptanceCounts())
+            # a restarted server's counters start again at zero: then the whole count is new
+            delta = counts.minus(previous) if counts.covers(previous) else counts
+            self._last[key] = counts
+            if delta.is_empty:
                 continue
-            total = self.totals.setdefault(str(version), dict.fromkeys(COUNTERS, 0))
-            for c in COUNTERS:
-                total[c] += delta[c]
-            self.series.append({"time": at, "server": server, "version": str(version), "domain": domain, **delta})
+            self.totals.setdefault(version, AcceptanceCounts()).add(delta)
+            self.series.append({"time": at, "server": report.server_id, "version": version,
+                                "domain": report.domain, **delta.as_dict()})
 
     def acceptance(self, version: str) -> tuple[float | None, int]:
         total = self.totals.get(version)
-        if not total or not total["drafts"]:
+        if total is None:
             return None, 0
-        return total["accepted"] / total["drafts"], total["drafts"]
+        return total.acceptance_rate, total.drafts
+
+    def totals_as_dict(self) -> dict[str, dict[str, int]]:
+        return {version: counts.as_dict() for version, counts in self.totals.items()}
 
 
 def canary_verdict(log: AcceptanceLog, live: int, predecessor: int | None, live_pinned: bool,

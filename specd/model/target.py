@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from specd.drafter.checkpoint import TargetFingerprint
-from specd.serving.bundled import bundled_target_dir
-from specd.serving.checkpoint import CheckpointError, load_target
-from specd.serving.model import Transformer
-from specd.serving.request import RequestRefused
+from specd.errors import CheckpointError, ConfigurationError, RequestRefused
+from specd.model.bundled import bundled_target_dir
+from specd.model.checkpoint import load_target
+from specd.model.fingerprint import TargetFingerprint
+from specd.model.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,9 +32,9 @@ class LoadedTarget:
     @classmethod
     def load(cls, path: str | Path | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedTarget:
         if dtype not in DTYPES:
-            raise CheckpointError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
+            raise ConfigurationError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise CheckpointError("--device cuda was asked for, but torch sees no CUDA device here")
+            raise ConfigurationError("--device cuda was asked for, but torch sees no CUDA device here")
         folder = Path(path) if path is not None else bundled_target_dir()
         model = load_target(folder, DTYPES[dtype], device)
         from transformers import AutoTokenizer

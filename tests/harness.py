@@ -1,4 +1,5 @@
-"""Real processes on loopback for the service tests and benchmarks: Mosquitto, `specd learner`, `specd serve`.
+"""Real processes on loopback for the service tests and benchmarks: Mosquitto, `specd learner`,
+`specd serve`, vLLM. Test support: it lives with the tests, not in the installed package.
 
 Each helper starts a process, waits until it answers, and stops it on exit. Ports are free
 ports chosen by the OS; every test gets its own MQTT deployment name (its own topics).
@@ -135,7 +136,7 @@ def tiny_checkpoint(folder: Path) -> Path:
     """A small random Llama checkpoint that uses SmolLM2's real tokenizer and chat template."""
     import transformers
 
-    from specd.serving.bundled import bundled_target_dir
+    from specd.model.bundled import bundled_target_dir
 
     if (folder / "config.json").is_file():
         return folder
@@ -166,7 +167,7 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 300.0, token: str
 class VllmServer:
     """vLLM's OpenAI server as a process: plain (`speculative` None), n-gram, or specd's proposer.
 
-    `argv` and `env` come from `specd.serving.vllm_plugin.launch.vllm_command` for specd, or are built
+    `argv` and `env` come from `specd.vllm.launch.vllm_command` for specd, or are built
     here for the others; the model is served under its folder path, as vLLM names it.
     """
 

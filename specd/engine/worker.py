@@ -18,15 +18,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specd.bus import RecordSink
 from specd.drafter.traffic_table import TrafficTable
-from specd.learner.records import record_from_sequence
-from specd.serving.engine import Engine
-from specd.serving.metrics import ServingMetrics
-from specd.serving.request import RequestRefused, SamplingParams, Sequence
+from specd.engine.engine import Engine
+from specd.engine.request import SamplingParams, Sequence, record_from_sequence
+from specd.errors import RequestRefused
 
 log = logging.getLogger(__name__)
+
+
+class WorkerMetrics(Protocol):
+    """What the worker reports per verification step and per published record (the server's metrics)."""
+
+    def observe_verification(self, version: str, drafts: int, accepted: int, emitted: int,
+                             domain: str = "default") -> None: ...
+
+    def record_published(self) -> None: ...
 
 
 @dataclass
@@ -45,7 +54,7 @@ class Submission:
 
 class EngineWorker:
     def __init__(self, engine: Engine, bus: RecordSink | None = None, server_id: str = "specd",
-                 metrics: ServingMetrics | None = None, table: TrafficTable | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, table: TrafficTable | None = None) -> None:
         self.engine = engine
         self.table = table  # learns each finished request (the drafter reads it on this same thread)
         self.bus = bus
@@ -128,7 +137,7 @@ class EngineWorker:
                     self.bus.publish(record.to_dict())
                     self.num_records_published += 1
                     if self.metrics is not None:
-                        self.metrics.records_published.inc()
+                        self.metrics.record_published()
 
     def _count_steps(self, sub: Submission) -> None:
         assert sub.seq is not None

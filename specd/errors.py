@@ -1,0 +1,73 @@
+"""specd's one error hierarchy: every failure a user can cause or fix is a `SpecdError` of one kind.
+
+Contract: code raises the most specific kind it knows; the edges translate, in one place each:
+the CLI prints `specd: error: <message>` and exits 2, the HTTP layers answer JSON errors with the
+kind's `http_status`. Anything that is not a `SpecdError` is a bug and is reported as one.
+  BadRequest          input a client or operator sent that cannot be served (400)
+    RequestRefused      a generation request the engine will not serve
+    RecordRefused       a trajectory record or report that fails validation
+    TrafficError        a traffic file that cannot be read
+  BadWeights          a checkpoint or drafter version that does not fit (422)
+    CheckpointError     a checkpoint folder or drafter file that cannot be loaded
+  StoreError          an operation the weight store refuses (409; 404 for what does not exist)
+    VersionNotFound     a version number the store does not hold
+  TransportError      a peer (broker, learner, HTTP endpoint) that cannot be reached or answered badly (502)
+  ConfigurationError  settings that cannot work: a bad broker URL, a missing optional dependency (400)
+The subclasses of ValueError keep working where callers catch ValueError.
+"""
+
+from __future__ import annotations
+
+
+class SpecdError(Exception):
+    """Base of every error specd reports to a person; `kind` names it in JSON answers."""
+
+    kind = "specd_error"
+    http_status = 500
+
+
+class BadRequest(SpecdError, ValueError):
+    kind = "invalid_request_error"
+    http_status = 400
+
+
+class RequestRefused(BadRequest):
+    """A request the engine will not serve, with the reason in words a client can act on."""
+
+
+class RecordRefused(BadRequest):
+    """A record (or acceptance report) that fails validation; the message says which field and why."""
+
+
+class TrafficError(BadRequest):
+    """Traffic that cannot be read, with the file and line."""
+
+
+class BadWeights(SpecdError, ValueError):
+    kind = "bad_weights"
+    http_status = 422
+
+
+class CheckpointError(BadWeights):
+    """A checkpoint folder or drafter file that cannot be loaded, with the reason."""
+
+
+class StoreError(SpecdError, ValueError):
+    """An operation the weight store refuses, with the reason."""
+
+    kind = "store_error"
+    http_status = 409
+
+
+class VersionNotFound(StoreError):
+    http_status = 404
+
+
+class TransportError(SpecdError):
+    kind = "transport_error"
+    http_status = 502
+
+
+class ConfigurationError(SpecdError, ValueError):
+    kind = "configuration_error"
+    http_status = 400

@@ -1,1 +1,0 @@
-"""Serving: target models and loading, the speculative-decoding engine, sampling maths, the vLLM plugin."""
