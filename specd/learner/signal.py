@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from specd.model.transformer import Transformer
-from specd.records import TrajectoryRecord
+from specd.records import AcceptanceCounts, TrajectoryRecord
 
 
 @dataclass
@@ -87,9 +87,11 @@ def drafter_loss(logits: torch.Tensor, batch: TrainingBatch, negative_coef: floa
 
 
 @torch.no_grad()
-def simulated_accept_length(model: Transformer, records: list[TrajectoryRecord], k: int, window: int = 512) -> float:
-    """Tokens per target pass the drafter would reach on these outputs (greedy, teacher-forced)."""
-    emitted = passes = 0
+def simulated_counts(model: Transformer, records: list[TrajectoryRecord], k: int,
+                     window: int = 512) -> AcceptanceCounts:
+    """Drafts, accepted drafts, target passes and tokens the drafter would reach on these outputs
+    (greedy, teacher-forced): each pass drafts up to k, accepts the run of correct predictions."""
+    counts = AcceptanceCounts()
     for record in records:
         ids = (record.prompt_ids + record.output_ids)[-(window + 1):]
         num_output = min(len(record.output_ids), len(ids) - 1)
@@ -100,7 +102,11 @@ def simulated_accept_length(model: Transformer, records: list[TrajectoryRecord],
             run = 0
             while run < k and j + run < num_output - 1 and correct[j + run]:
                 run += 1
+            counts.add(AcceptanceCounts(drafts=min(k, num_output - 1 - j), accepted=run, passes=1, emitted=run + 1))
             j += run + 1
-            emitted += run + 1
-            passes += 1
-    return emitted / max(passes, 1)
+    return counts
+
+
+def simulated_accept_length(model: Transformer, records: list[TrajectoryRecord], k: int, window: int = 512) -> float:
+    """Tokens per target pass the drafter would reach on these outputs (greedy, teacher-forced)."""
+    return simulated_counts(model, records, k, window).accept_length or 0.0
