@@ -1,20 +1,25 @@
-"""The vLLM plugin's bookkeeping, settings and command, without vLLM: slots, acceptance, records."""
+"""The vLLM plugin's parts, without vLLM: slots, acceptance, records, the draft policy, telemetry, settings."""
 
 from __future__ import annotations
 
 import json
 import random
+import threading
 
 import numpy as np
 import pytest
 import torch
 
+from specd.bus import BusCounters
 from specd.cli import main
 from specd.drafter.base import DraftBatch
-from specd.records import validate_record
+from specd.drafter.traffic_table import TrafficTable
+from specd.records import TrajectoryRecord, validate_record
 from specd.testing import tiny_target
 from specd.vllm.budget import DraftBudget, LearnedGate, ShadowBook
 from specd.vllm.launch import PROPOSER_CLASS, WORKER_EXTENSION, PluginSettings, vllm_command
+from specd.vllm.policy import Candidates, DraftPolicy
+from specd.vllm.telemetry import Telemetry
 from specd.vllm.tracking import SlotTable, StepTracker, stop_index
 from tests.conftest import tiny_drafter
 
@@ -223,3 +228,146 @@ def test_draft_budget_prices_a_token_per_batch_size() -> None:
     cheap = budget.bar
     budget.rows = 8
     assert cheap < 0.05 and budget.bar > 0.5
+
+
+def priced(budget: DraftBudget, rows: int) -> DraftBudget:
+    """A budget that has measured the price of a token at this batch size: a bar near 0.75."""
+    for step in range(200):  # 10 ms per step plus 5 ms per verified token, about 150 tokens/s
+        verified = 8 + step % 5
+        budget.observe_step(0.010 + 0.005 * verified, verified, emitted_tokens=9, rows=rows)
+    return budget
+
+
+def test_draft_policy_holds_back_drafts_below_the_bar_and_scores_them_later_from_the_targets_tokens() -> None:
+    budget = priced(DraftBudget(k=3, explore_every=0), rows=2)
+    for _ in range(100):
+        budget.observe_drafts("table2", drafted=3, accepted=0)     # the table has been wrong
+        budget.observe_drafts("context4", drafted=3, accepted=3)   # context matches have been right
+    policy, tracker = DraftPolicy(budget, max_model_len=64), StepTracker("vllm-test")
+    sequences = {"a": [1, 2, 3], "b": [4, 5]}
+    offers = Candidates([[11, 12, 13], [21, 22, 23]], [3, 3], ["table2", "context4"])
+    # per step, what vLLM sampled for a and b: the prefill's token, then b's three drafts and a bonus
+    steps = [([10], [20]), ([11], [21, 22, 23, 30]), ([12], [31]), ([99], [32])]
+    table_alpha = []
+    for now, sampled in enumerate(steps):
+        sequences["a"] += sampled[0]
+        sequences["b"] += sampled[1]
+        tokens, lengths = rows_of([sequences["a"], sequences["b"]])
+        tracker.observe(["a", "b"], list(sampled), lengths, np.array([3, 2]), tokens, "1")
+        policy.observe(["a", "b"], list(sampled), tracker, now=0.06 * now)
+        table_alpha.append(budget.alpha("table2")[0])
+        drafts = policy.choose(["a", "b"], offers, lengths, list(sampled))
+        assert drafts[0] == [], "the table's drafts cost more verification than they return"
+        if now == 0:
+            assert drafts[1] == [21, 22, 23], "context matches have paid: sent in full"
+        tracker.remember(["a", "b"], drafts, lengths, "1")
+    # a's first held-back drafts [11, 12, 13] at position 4 settle when the target writes 99 for 13
+    assert table_alpha[0] == table_alpha[1] == table_alpha[2], "unsettled while the target agrees so far"
+    assert table_alpha[3] > table_alpha[2], "two of three held-back drafts were right: the estimate rises"
+    assert policy.drafts_withheld == 4 * 3                          # a's three drafts, every step
+    assert policy.status()["acceptance_by_source"]["table2"][0] == round(table_alpha[3], 3)
+
+
+def test_draft_policy_sends_every_draft_on_exploring_steps() -> None:
+    budget = priced(DraftBudget(k=3, explore_every=4), rows=1)
+    for _ in range(100):
+        budget.observe_drafts("learned", drafted=3, accepted=0)
+    policy = DraftPolicy(budget, max_model_len=64)
+    sent = []
+    for _ in range(8):
+        budget.observe_step(0.060, 10, emitted_tokens=9, rows=1)
+        sent.append(len(policy.choose(["a"], Candidates([[7, 8, 9]], [3], ["learned"]), np.array([5]), [[1]])[0]))
+    assert sorted(sent) == [0, 0, 0, 0, 0, 0, 3, 3]     # one step in four sends them to keep the fit honest
+    assert policy.drafts_sent == 6 and policy.drafts_withheld == 18
+
+
+def test_draft_policy_caps_drafts_at_the_room_left_before_max_model_len() -> None:
+    policy = DraftPolicy(DraftBudget(k=3), max_model_len=10)    # unmeasured: no bar, everything usable goes
+    offers = Candidates([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [3, 3, 2], ["learned"] * 3)
+    drafts = policy.choose(["a", "b", "c"], offers, np.array([7, 9, 4]), [[1], [1], [1]])
+    assert drafts == [[1, 2], [], [7, 8]]               # room 2, none, and the drafter's own limit of 2
+    assert policy.drafts_sent == 4 and policy.drafts_withheld == 0
+
+
+def test_draft_policy_gives_no_drafts_to_rows_that_just_prefilled() -> None:
+    policy = DraftPolicy(DraftBudget(k=2), max_model_len=64)
+    offers = Candidates([[1, 2], [3, 4]], [2, 2], ["context3", "context3"])
+    assert policy.choose(["a", "b"], offers, np.array([5, 7]), [[9], []]) == [[1, 2], []]
+    assert policy.drafts_sent == 2 and policy.drafts_withheld == 0   # nothing to verify against yet
+
+
+def test_draft_policy_switches_off_a_learned_drafter_that_costs_more_than_it_adds() -> None:
+    policy, tracker = DraftPolicy(DraftBudget(k=3, explore_every=0), max_model_len=64), StepTracker("vllm-test")
+    sequence = [1, 2, 3]
+    decisions = []
+    for now in range(6):
+        sequence.append(40 + now)                       # every draft rejected: one new token per step
+        tokens, lengths = rows_of([sequence])
+        tracker.observe(["a"], [[sequence[-1]]], lengths, np.array([3]), tokens, "1")
+        policy.observe(["a"], [[sequence[-1]]], tracker, now=0.05 * now)
+        decisions.append(policy.use_learned())
+        if decisions[-1]:  # the learned drafter takes 98% of each 50 ms step
+            offers = Candidates([[7, 8, 9]], [3], ["learned"], learned_seconds=0.049)
+        else:              # switched off, it offers nothing (a hybrid drafter's "none" rows)
+            offers = Candidates([[0, 0, 0]], [0], ["none"])
+        tracker.remember(["a"], policy.choose(["a"], offers, lengths, [[sequence[-1]]]), lengths, "1")
+    assert decisions == [True, True, False, False, False, False]
+    assert policy.learned_steps == 2
+    status = policy.status()
+    assert status["learned_cost"] == pytest.approx(0.98) and status["learned_gain"] < status["learned_cost"]
+
+
+class RecordingPublisher:
+    """A publisher stand-in: keeps what it was handed and on which thread, and signals arrivals."""
+
+    def __init__(self) -> None:
+        self.connected = threading.Event()
+        self.counters = BusCounters()
+        self.records: list[tuple[str, dict]] = []
+        self.last_report: dict | None = None
+        self.record_arrived, self.report_arrived = threading.Event(), threading.Event()
+
+    def publish(self, record: dict) -> None:
+        self.records.append((threading.current_thread().name, record))
+        self.counters.published += 1
+        self.record_arrived.set()
+
+    def report(self, report: dict) -> None:
+        self.last_report = report
+        self.report_arrived.set()
+
+
+def finished_record(tracker: StepTracker) -> TrajectoryRecord:
+    prompt = [1, 2, 3]
+    tokens, lengths = rows_of([[*prompt, 10]])
+    tracker.observe(["a"], [[10]], lengths, np.array([3]), tokens, "1")
+    tracker.remember(["a"], [[11, 12]], lengths, "1")
+    tokens, lengths = rows_of([[*prompt, 10, 11, 12, 13]])
+    tracker.observe(["a"], [[11, 12, 13]], lengths, np.array([3]), tokens, "1")
+    record = tracker.finish("a")
+    assert record is not None
+    return record
+
+
+def test_telemetry_hands_a_finished_record_to_the_publisher_the_recent_records_and_the_table_off_thread() -> None:
+    tracker, publisher = StepTracker("vllm-test"), RecordingPublisher()
+    table = TrafficTable(min_n=2, max_n=2, min_count=1)
+    telemetry = Telemetry(tracker, report_seconds=3600).start(publisher, table)
+    record = finished_record(tracker)
+    telemetry.finish(record)
+    assert publisher.record_arrived.wait(timeout=10), "the record thread never published the record"
+    assert publisher.records == [("specd-vllm-records", record.to_dict())]
+    assert list(telemetry.recent) == [record.to_dict()]
+    assert len(table) > 0 and table.draft([1, 2, 3, 10], 2) == [11, 12]   # the table learned its tokens
+    status = telemetry.status()
+    assert status["records_published"] == 1 and status["live_requests"] == 0
+    assert status["totals"]["1"] == {"drafts": 2, "accepted": 2, "passes": 2, "emitted": 4}
+
+
+def test_telemetry_reports_acceptance_totals_on_its_own_thread() -> None:
+    tracker, publisher = StepTracker("vllm-test"), RecordingPublisher()
+    Telemetry(tracker, report_seconds=0.1).start(publisher, None)
+    finished_record(tracker)
+    assert publisher.report_arrived.wait(timeout=10), "the report thread never sent a report"
+    assert publisher.last_report is not None
+    assert publisher.last_report["versions"] == {"1": {"drafts": 2, "accepted": 2, "passes": 2, "emitted": 4}}

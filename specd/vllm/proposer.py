@@ -5,22 +5,24 @@ Contract: vLLM (0.32) builds it as `SpecdProposer(vllm_config)` in each worker, 
 `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)` and takes
 back 0..k greedy drafts per row (vLLM's rejection sampler treats drafts without probabilities
 as deterministic, which keeps sampled decoding exact and greedy decoding identical to vLLM
-alone). Inside `propose` it only reads vLLM's buffers and the runner's row -> request id map,
-infers the previous step's accepted drafts, moves drafter slots to follow vLLM's rows, and
-drafts; records, acceptance reports, MQTT and weight fetches all run on background threads.
-New drafter versions arrive as specd's servers get them (retained MQTT announcements plus HTTP
-from the learner, or a local store), are checked off the decoding thread and take over at the
-start of a `propose`: no vLLM call, no pause. Settings come from `SPECD_*` environment
-variables (see `launch.PluginSettings`).
+alone). `propose` only reads vLLM's buffers and the runner's row -> request id map, in four
+steps: observe (the `StepTracker` infers the previous step's accepted drafts, the drafter
+commits them, the `DraftPolicy` learns from them), draft (the `SlotTable` moves drafter slots
+to follow vLLM's rows, the drafter proposes, with the learned part on or off as the policy's
+gate says), choose (the policy picks the drafts worth verifying) and remember (the tracker
+keeps what was sent; finished requests become records for `Telemetry`). Records, acceptance
+reports and MQTT run on telemetry's threads, weight fetches on the swapper's. New drafter
+versions arrive as specd's servers get them (retained MQTT announcements plus HTTP from the
+learner, or a local store), are checked off the decoding thread and take over at the start of
+a `propose`: no vLLM call, no pause. Settings come from `SPECD_*` environment variables (see
+`launch.PluginSettings`).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import sys
 import tempfile
-import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -33,7 +35,6 @@ from specd.drafter.base import DraftBatch
 from specd.drafter.factory import DrafterSpec, ServingDrafter, build_drafter, initial_model
 from specd.drafter.hybrid import HybridDrafter
 from specd.drafter.token_drafter import TargetHead
-from specd.drafter.traffic_table import TrafficTable
 from specd.errors import CheckpointError
 from specd.hotswap.remote import RemoteSource
 from specd.hotswap.store import WeightStore
@@ -41,9 +42,10 @@ from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
 from specd.model.checkpoint import read_target_head
 from specd.model.fingerprint import TargetFingerprint
 from specd.mqtt import MqttPublisher
-from specd.records import TrajectoryRecord
-from specd.vllm.budget import DraftBudget, LearnedGate, ShadowBook
+from specd.vllm.budget import DraftBudget
 from specd.vllm.launch import PluginSettings
+from specd.vllm.policy import Candidates, DraftPolicy
+from specd.vllm.telemetry import Telemetry
 from specd.vllm.tracking import SlotTable, StepTracker, stop_index
 
 log = logging.getLogger(__name__)
@@ -88,23 +90,17 @@ class SpecdProposer:
         self.drafter: ServingDrafter | None = None
         self.swapper: Swapper | None = None
         self.source: PinnedSource | None = None
-        self.publisher: MqttPublisher | None = None
-        self.table: TrafficTable | None = None
         self.tracker = StepTracker(self.settings.server_id, self.settings.domain)
         self.slots = SlotTable(self.max_rows, self.max_rows)
-        self.recent: deque[dict[str, Any]] = deque(maxlen=64)  # the last finished records, for the control path
+        self.policy = DraftPolicy(DraftBudget(self.k), self.max_model_len)
+        self.telemetry = Telemetry(self.tracker, self.settings.report_seconds)
         self.num_steps = 0
         self.seconds_proposing = 0.0
-        self.gate = LearnedGate()
-        self.budget = DraftBudget(self.k)
-        self.shadow = ShadowBook()
-        self._step_seconds, self._emitted = 0.0, 0      # the last decode step's time and output
-        self._sent: dict[str, str] = {}               # request id -> source of the drafts sent last step
-        self.drafts_sent = self.drafts_withheld = 0
-        self.learned_steps = 0
-        self._last_call: float | None = None
-        self._finished: queue.SimpleQueue[TrajectoryRecord] = queue.SimpleQueue()
-        self._lock = threading.Lock()                  # tracker totals are read by the reporter thread
+
+    @property
+    def recent(self) -> deque[dict[str, Any]]:
+        """The last finished records, newest last (the control path shows them)."""
+        return self.telemetry.recent
 
     # ---- set-up ---------------------------------------------------------------------------
     def load_model(self, target_model: Any) -> None:
@@ -120,22 +116,20 @@ class SpecdProposer:
         else:
             cache = Path(settings.cache or tempfile.mkdtemp(prefix="specd-vllm-"))
             inner = RemoteSource(cache / "fetched", settings.learner_url)
+        publisher = None
         if settings.mqtt is not None:
             announce = inner.announce if isinstance(inner, RemoteSource) else None
-            self.publisher = MqttPublisher(settings.mqtt, settings.server_id, on_announcement=announce).start()
+            publisher = MqttPublisher(settings.mqtt, settings.server_id, on_announcement=announce).start()
         self.source = PinnedSource(inner, settings.version)
         spec = DrafterSpec(settings.drafter_kind, settings.drafter_layers, settings.drafter_head_vocab,
                            settings.traffic_table)
         # version "0" serves until the live version is loaded, a moment after start
         self.drafter = build_drafter(spec, initial_model(TargetHead(config, embed, head), spec), "0")
-        self.table = getattr(self.drafter, "table", None)
         self.drafter.bind(self.slots.capacity, self.max_model_len + self.k + 1, device)
         self.swapper = Swapper(self.source, self.drafter, fingerprint, target_embedding=embed)
         self.swapper.check_once()  # a local store's live version serves from the first step
         self.swapper.start()
-        # both live as long as vLLM's worker process (daemon threads, nothing to shut down)
-        for target, name in ((self._publish_records, "specd-vllm-records"), (self._report_loop, "specd-vllm-reports")):
-            threading.Thread(target=target, name=name, daemon=True).start()
+        self.telemetry.start(publisher, getattr(self.drafter, "table", None))
         log.info("specd proposer ready: k=%d, %d rows, drafter %s, version source %s", self.k, self.max_rows,
                  settings.drafter_kind, type(inner).__name__)
 
@@ -153,76 +147,58 @@ class SpecdProposer:
         request_ids = [str(r) for r in self.runner.input_batch.req_ids[:rows]]
         lengths = np.asarray(num_tokens_no_spec[:rows])
         prompt_lengths = np.asarray(self.runner.input_batch.num_prompt_tokens[:rows])
-        with self._lock:
-            accepted = self.tracker.observe(request_ids, sampled_token_ids, lengths, prompt_lengths,
-                                            token_ids_cpu, self.drafter.version)
+        self._observe(request_ids, sampled_token_ids, lengths, prompt_lengths, token_ids_cpu, begin)
+        if rows == 0:  # nothing to draft for, but requests may have ended
+            self._remember([], [], lengths, sampled_token_ids)
+            return []
+        candidates = self._draft(request_ids, lengths, prompt_lengths, token_ids_cpu)
+        drafts = self.policy.choose(request_ids, candidates, lengths, sampled_token_ids)
+        self._remember(request_ids, drafts, lengths, sampled_token_ids)
+        self.num_steps += 1
+        self.seconds_proposing += time.perf_counter() - begin
+        return drafts
+
+    def _observe(self, request_ids: list[str], sampled: list[list[int]], lengths: np.ndarray,
+                 prompt_lengths: np.ndarray, token_ids_cpu: np.ndarray, begin: float) -> None:
+        """The previous step's outcome: to the tracker, the drafter's caches and the policy."""
+        assert self.drafter is not None
+        with self.telemetry.lock:
+            accepted = self.tracker.observe(request_ids, sampled, lengths, prompt_lengths, token_ids_cpu,
+                                            self.drafter.version)
         if accepted:  # the previous proposal's rows are still in their slots: settle them first
             self.drafter.commit(torch.tensor(accepted))
-        self._observe_costs(request_ids, sampled_token_ids, begin)
-        if rows == 0:
-            self.tracker.previous_rows = []
-            self._close_finished(request_ids, sampled_token_ids)
-            return []
-        self.slots.arrange(request_ids, self.drafter)
-        device = self.drafter.model.embed.weight.device
+        self.policy.observe(request_ids, sampled, self.tracker, begin)
+
+    def _draft(self, request_ids: list[str], lengths: np.ndarray, prompt_lengths: np.ndarray,
+               token_ids_cpu: np.ndarray) -> Candidates:
+        """k drafts per row from the drafter, its slots first arranged to match vLLM's rows."""
+        drafter, rows = self.drafter, len(request_ids)
+        assert drafter is not None
+        self.slots.arrange(request_ids, drafter)
+        device = drafter.model.embed.weight.device
         batch = DraftBatch(tokens=torch.from_numpy(token_ids_cpu[:rows]).to(device),
                            lengths=torch.from_numpy(lengths.astype(np.int64)).to(device),
                            prompt_lengths=prompt_lengths.tolist(), request_ids=request_ids,
                            temperature=torch.zeros(rows, device=device), top_p=torch.ones(rows, device=device),
                            generators=[])
-        if isinstance(self.drafter, HybridDrafter):
-            self.drafter.use_learned = self.gate.decide()
-            self.learned_steps += self.drafter.use_learned
-        proposal = self.drafter.propose(batch, self.k)
-        drafts_table = proposal.drafts.tolist()
-        limits = proposal.limits.tolist() if proposal.limits is not None else [self.k] * rows
-        sources = getattr(self.drafter, "row_sources", None) or ["learned"] * rows
-        drafts = []
-        self._sent = {}
-        self.budget.rows = rows
-        learned_expected = 0.0
-        for row in range(rows):
-            room = self.max_model_len - 1 - int(lengths[row])  # vLLM never verifies past max_model_len
-            usable = max(min(int(limits[row]), room), 0) if sampled_token_ids[row] else 0
-            worth = self.budget.keep(sources[row], usable)
-            self.drafts_sent += worth
-            self.drafts_withheld += usable - worth
-            drafts.append(drafts_table[row][:worth])
-            if worth == usable > 0:  # verification will tell how they fared
-                self._sent[request_ids[row]] = sources[row]
-            elif worth < usable:     # held back (some or all): scored against what the target produces
-                self.shadow.add(request_ids[row], sources[row], int(lengths[row]), drafts_table[row][:usable])
-            if sources[row] == "learned":
-                learned_expected += self.budget.expected_accepted("learned", worth)
-        if isinstance(self.drafter, HybridDrafter) and self.drafter.learned_ran:
-            self.gate.observe(learned_expected, self._emitted, self.drafter.learned_seconds, self._step_seconds)
-        with self._lock:
-            self.tracker.remember(request_ids, drafts, lengths, self.drafter.version)
-        self._close_finished(request_ids, sampled_token_ids)
-        self.num_steps += 1
-        self.seconds_proposing += time.perf_counter() - begin
-        return drafts
+        if isinstance(drafter, HybridDrafter):
+            drafter.use_learned = self.policy.use_learned()
+        proposal = drafter.propose(batch, self.k)
+        learned_seconds = None  # only a hybrid drafter's learned part can be switched off, so only it is timed
+        if isinstance(drafter, HybridDrafter) and drafter.learned_ran:
+            learned_seconds = drafter.learned_seconds
+        return Candidates(drafts=proposal.drafts.tolist(),
+                          limits=proposal.limits.tolist() if proposal.limits is not None else [self.k] * rows,
+                          sources=getattr(drafter, "row_sources", None) or ["learned"] * rows,
+                          learned_seconds=learned_seconds)
 
-    def _observe_costs(self, request_ids: list[str], sampled: list[list[int]], begin: float) -> None:
-        """Feed the draft budget: each verified row's outcome, and this step's time against its size."""
-        for request_id in request_ids:
-            trajectory = self.tracker.live.get(request_id)
-            scored = self.shadow.score(request_id, trajectory.tokens) if trajectory is not None else None
-            if scored is not None:
-                self.budget.observe_drafts(*scored)
-        verified_drafts = {}
-        for request_id, drafted, accepted in self.tracker.last_verified:
-            verified_drafts[request_id] = drafted
-            source = self._sent.get(request_id)
-            if source is not None:
-                self.budget.observe_drafts(source, drafted, accepted)
-        previous, self._last_call = self._last_call, begin
-        # a step that also prefilled a prompt is not a decode step: its time says nothing about drafts
-        steady = previous is not None and all(sampled) and set(request_ids) <= set(self.tracker.previous_rows)
-        if steady and previous is not None:
-            verified = sum(1 + verified_drafts.get(request_id, 0) for request_id in request_ids)
-            self._step_seconds, self._emitted = begin - previous, sum(len(s) for s in sampled)
-            self.budget.observe_step(self._step_seconds, verified, self._emitted, len(request_ids))
+    def _remember(self, request_ids: list[str], drafts: list[list[int]], lengths: np.ndarray,
+                  sampled: list[list[int]]) -> None:
+        """What was sent, for the next step's observe; requests that ended, for telemetry."""
+        assert self.drafter is not None
+        with self.telemetry.lock:
+            self.tracker.remember(request_ids, drafts, lengths, self.drafter.version)
+        self._close_finished(request_ids, sampled)
 
     def _close_finished(self, request_ids: list[str], sampled: list[list[int]]) -> None:
         """Hand finished requests to the record thread: stopped this step, or gone from vLLM."""
@@ -248,58 +224,26 @@ class SpecdProposer:
 
     def _finish(self, request_id: str, keep: int | None, params: Any) -> None:
         sampling = {"temperature": getattr(params, "temperature", 0.0), "top_p": getattr(params, "top_p", 1.0)}
-        with self._lock:
+        with self.telemetry.lock:
             record = self.tracker.finish(request_id, keep, sampling)
         self.slots.release(request_id)
-        self.shadow.drop(request_id)
+        self.policy.forget(request_id)
         if record is not None:
-            self._finished.put(record)
+            self.telemetry.finish(record)
 
-    # ---- background threads -----------------------------------------------------------------
-    def _publish_records(self) -> None:
-        while True:
-            record = self._finished.get()
-            if self.table is not None:  # learned the moment a request ends, off the decoding thread
-                self.table.add(record.prompt_ids + record.output_ids)
-            payload = record.to_dict()
-            self.recent.append(payload)
-            if self.publisher is not None:
-                self.publisher.publish(payload)  # bounded buffer: never blocks
-
-    def _report_loop(self) -> None:
-        while True:
-            time.sleep(self.settings.report_seconds)
-            if self.publisher is None:
-                continue
-            with self._lock:
-                report = self.tracker.report()
-            if report.versions:
-                self.publisher.report(report.to_dict())
-
+    # ---- the control path -------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """What the control path (`collective_rpc`) shows an operator."""
-        with self._lock:
-            report = self.tracker.report()
-            live_requests = len(self.tracker.live)
         return {"server_id": self.settings.server_id, "version": self.drafter.version if self.drafter else None,
                 "prepared_version": self.swapper.prepared_version if self.swapper else None,
                 "forced_version": self.source.forced if self.source else None,
                 "source_live_version": self.source.inner.live_version() if self.source else None,
                 "k": self.k, "drafter": self.settings.drafter_kind, "steps": self.num_steps,
                 "mean_propose_ms": 1000 * self.seconds_proposing / max(self.num_steps, 1),
-                "live_requests": live_requests, "learned_drafter_steps": self.learned_steps,
-                "learned_gain": self.gate.gain, "learned_cost": self.gate.cost,
-                "draft_bar": self.budget.bar, "drafts_sent": self.drafts_sent,
-                "drafts_withheld": self.drafts_withheld,
-                "acceptance_by_source": {src: [round(a, 3) for a in self.budget.alpha(src)]
-                                         for src in sorted(self.budget.reached)},
-                "traffic_table_contexts": len(self.table) if self.table is not None else None,
+                **self.policy.status(), **self.telemetry.status(),
                 "traffic_table_rows": getattr(self.drafter, "num_table_rows", 0),
                 "swaps": self.drafter.num_swaps if self.drafter else 0,
-                "refused_versions": dict(self.swapper.refused) if self.swapper else {},
-                "broker_connected": self.publisher.connected.is_set() if self.publisher else None,
-                "records_published": self.publisher.counters.published if self.publisher else 0,
-                "totals": report.to_dict()["versions"]}
+                "refused_versions": dict(self.swapper.refused) if self.swapper else {}}
 
     def force_version(self, version: int | None) -> dict[str, Any]:
         """Serve `version` regardless of announcements (None: follow them again); it takes over within a poll."""
