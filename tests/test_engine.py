@@ -15,6 +15,7 @@ from specd.engine.replay import record_greedy
 from specd.engine.request import SamplingParams
 from specd.errors import RequestRefused
 from specd.model.transformer import ModelConfig
+from specd.records import AcceptanceCounts
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [12, 13], [20, 30, 40, 50], [7] * 9]
 GREEDY = SamplingParams(max_tokens=40)
@@ -172,6 +173,12 @@ def test_counts_add_up_per_request_and_per_step() -> None:
         assert seq.num_output_tokens == seq.num_target_passes + seq.num_drafts_accepted
     assert sum(s.num_drafts_accepted for s in engine.step_stats) == sum(s.num_drafts_accepted for s in seqs)
     assert sum(s.num_tokens_emitted for s in engine.step_stats) == sum(s.num_output_tokens for s in seqs)
+    per_step, per_request = AcceptanceCounts(), AcceptanceCounts()
+    for stats in engine.step_stats:
+        per_step.add(stats.counts)
+    for seq in seqs:
+        per_request.add(seq.counts)
+    assert per_step == per_request and per_step.passes == sum(s.num_target_passes for s in seqs)
 
 
 def test_sampled_output_is_reproducible_for_a_seed() -> None:

@@ -28,6 +28,7 @@ from specd.engine.request import SamplingParams, Sequence
 from specd.engine.sampling import Verdict, target_probs, verify_greedy, verify_sampled
 from specd.errors import RequestRefused
 from specd.model.transformer import Transformer
+from specd.records import AcceptanceCounts
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,12 @@ class StepStats:
     seconds: float
     drafter_version: str
     k: int = 0
+
+    @property
+    def counts(self) -> AcceptanceCounts:
+        """The step's drafts, accepted drafts, passes (one per row) and tokens, as reports count them."""
+        return AcceptanceCounts(self.num_drafts_proposed, self.num_drafts_accepted, self.num_rows,
+                                self.num_tokens_emitted)
 
 
 class Engine:

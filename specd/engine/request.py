@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.errors import RequestRefused
-from specd.records import StepRecord, TrajectoryRecord
+from specd.records import AcceptanceCounts, StepRecord, TrajectoryRecord
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,12 @@ class Sequence:
     @property
     def acceptance_rate(self) -> float:
         return self.num_drafts_accepted / max(self.num_drafts_proposed, 1)
+
+    @property
+    def counts(self) -> AcceptanceCounts:
+        """This request's drafts, accepted drafts, target passes and tokens, as reports count them."""
+        return AcceptanceCounts(self.num_drafts_proposed, self.num_drafts_accepted, self.num_target_passes,
+                                self.num_output_tokens)
 
     def record_step(self, position: int, drafts: list[int], num_accepted: int, num_kept: int,
                     drafter_version: str) -> None:
