@@ -1,5 +1,6 @@
-"""specd inside vLLM: the `custom_class` proposer, its worker extension and the launch command.
+"""specd inside vLLM (top layer): the `custom_class` proposer, its parts (slot and step tracking,
+draft policy, telemetry), its worker extension and the launch command.
 
-Import `specd.vllm.proposer.SpecdProposer` by dotted path (vLLM does); nothing here
-imports vLLM itself, so the bookkeeping is tested without it.
+Import `specd.vllm.proposer.SpecdProposer` by dotted path (vLLM does); nothing here imports
+vLLM itself, so the bookkeeping is tested without it.
 """
