@@ -1,15 +1,19 @@
-"""Shared stand-ins: tiny random Llama-family models that honour the real interfaces."""
+"""Shared stand-ins (tiny random Llama-family models that honour the real interfaces) and the check
+that fails a marked test whose dependency is missing (`dependencies`), instead of skipping it."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from dependencies import pytest_collection_modifyitems
 
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import EngineConfig
 from specd.model.transformer import Transformer
 from specd.testing import TINY, learnable_target, tiny_target
 
-__all__ = ["TINY", "learnable_target", "tiny_target"]
+__all__ = ["TINY", "learnable_target", "pytest_collection_modifyitems", "tiny_target"]
+pytest_plugins = ["pytester"]  # tests/test_dependencies.py runs pytest on planted test files
 
 TINY_DRAFTER = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=48)
 
@@ -19,6 +23,21 @@ def fixed_k(**fields) -> EngineConfig:
     return EngineConfig(adaptive_lookahead=False, **fields)
 
 
+def always_right_counts(num_output: int, max_tokens: int, k: int) -> tuple[int, int, int]:
+    """(target passes, drafts proposed, drafts accepted) of a request whose every draft is right, at fixed k."""
+    # each pass accepts its drafts and adds a token; drafts past max_tokens are not proposed. The one loss
+    # is an EOS (num_output < max_tokens) that is itself a draft: the drafts after it count, unaccepted
+    passes = proposed = accepted = emitted = 0
+    while emitted < num_output:
+        limit = min(k, max_tokens - emitted - 1)
+        passes, proposed = passes + 1, proposed + limit
+        if num_output - emitted <= limit:  # EOS among the drafts: accepted up to it, then the request stops
+            accepted, emitted = accepted + num_output - emitted, num_output
+        else:
+            accepted, emitted = accepted + limit, emitted + limit + 1
+    return passes, proposed, accepted
+
+
 def tiny_drafter(target: Transformer, seed: int = 1) -> TokenDrafter:
     return TokenDrafter(new_drafter_model(target, TINY_DRAFTER, copy_from_target=True, seed=seed))
 
@@ -26,3 +45,16 @@ def tiny_drafter(target: Transformer, seed: int = 1) -> TokenDrafter:
 @pytest.fixture
 def target() -> Transformer:
     return tiny_target()
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread(request: pytest.FixtureRequest):
+    """Tiny models on one intra-op thread: threads gain them nothing, and on a busy machine threads
+    that spin waiting for each other slow them 10-100x. Slow tests (real models) keep the default."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

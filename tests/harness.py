@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dependencies import mosquitto_binary
 
 
 def free_port() -> int:
@@ -78,7 +79,9 @@ class Broker:
         return f"mqtt://127.0.0.1:{self.port}"
 
     def start(self) -> Broker:
-        binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+        binary = mosquitto_binary()
+        if binary is None:
+            raise FileNotFoundError("mosquitto is not installed; install it with `bash scripts/system-deps`")
         self.process = subprocess.Popen([binary, "-c", str(self.folder / "mosquitto.conf")],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -1,37 +1,75 @@
-"""The OpenAI-compatible API on a tiny model with a byte tokenizer: shapes, streaming, errors."""
+"""The OpenAI-compatible API on a tiny model with a byte tokenizer: shapes, streaming, errors, metrics.
+
+The tokenizer has no EOS token, so every completion runs to its max_tokens (unless a stop string
+cuts it): lengths, texts and counts are known before a request is sent.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
 
 from specd.drafter.factory import DrafterSpec
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.request import SamplingParams, Sequence
+from specd.server.api import STATE, ApiState
 from specd.server.serve import ServeOptions, build_server
-from specd.testing import tiny_loaded_target
+from specd.testing import ByteTokenizer, tiny_loaded_target
 
 pytestmark = pytest.mark.asyncio
 
 
+class EndlessByteTokenizer(ByteTokenizer):
+    """The byte tokenizer without an EOS token: a request stops at max_tokens or a stop string."""
+
+    eos_token_id = None  # type: ignore[assignment]
+
+
 @pytest_asyncio.fixture
 async def client(tmp_path):
-    loaded = tiny_loaded_target()
+    loaded = replace(tiny_loaded_target(), tokenizer=EndlessByteTokenizer())
     app = build_server(ServeOptions(store=str(tmp_path / "store"), learner=False, model_name="tiny",
                                     drafter=DrafterSpec(head_vocab=200), report_seconds=0.1), loaded)
     async with TestClient(TestServer(app)) as client:
         yield client
 
 
-async def test_completion_has_openai_shape_and_is_greedy_deterministic(client) -> None:
+def api_state(client: TestClient) -> ApiState:
+    return client.server.app[STATE]
+
+
+def target_only_text(client: TestClient, prompt: str, max_tokens: int) -> str:
+    """What the target alone decodes greedily for this prompt (the API must say exactly this)."""
+    loaded = api_state(client).loaded
+    engine = Engine(loaded.model, None, EngineConfig())
+    seq = engine.generate([loaded.encode(prompt)], SamplingParams(max_tokens=max_tokens))[0]
+    return loaded.decode(seq.output_ids)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 30.0) -> None:
+    """Poll an asynchronous condition until it holds; fail after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await check():
+        assert loop.time() < deadline, "the condition never held"
+        await asyncio.sleep(0.05)
+
+
+async def test_completion_has_openai_shape_and_equals_target_only_greedy(client) -> None:
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 12, "temperature": 0}
     first = await (await client.post("/v1/completions", json=body)).json()
     second = await (await client.post("/v1/completions", json=body)).json()
-    assert first["object"] == "text_completion" and first["choices"][0]["text"] == second["choices"][0]["text"]
-    assert first["usage"]["prompt_tokens"] == 5 and first["usage"]["completion_tokens"] <= 12
-    assert first["choices"][0]["finish_reason"] in ("stop", "length")
+    assert first["object"] == "text_completion"
+    assert first["choices"][0]["text"] == second["choices"][0]["text"] == target_only_text(client, "hello", 12)
+    assert first["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert first["choices"][0]["finish_reason"] == "length"
 
 
 async def test_chat_completion_stream_sends_events_and_done(client) -> None:
@@ -43,18 +81,18 @@ async def test_chat_completion_stream_sends_events_and_done(client) -> None:
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     plain = await (await client.post("/v1/chat/completions", json={**body, "stream": False})).json()
     assert streamed == plain["choices"][0]["message"]["content"]
 
 
 async def test_stop_string_cuts_the_text(client) -> None:
-    body = {"model": "tiny", "prompt": "abc", "max_tokens": 40, "temperature": 0}
+    body = {"model": "tiny", "prompt": "hey", "max_tokens": 40, "temperature": 0}
     full = (await (await client.post("/v1/completions", json=body)).json())["choices"][0]["text"]
-    if len(full) < 4:
-        pytest.skip("the tiny model stopped too early to place a stop string")
-    stop = full[2:4]
+    assert full == target_only_text(client, "hey", 40)
+    # 40 bytes decode to at least 10 characters (UTF-8 spends at most 4 bytes on one)
+    stop = full[4:6]
     cut = await (await client.post("/v1/completions", json={**body, "stop": stop})).json()
     assert cut["choices"][0]["text"] == full[:full.index(stop)]
     assert cut["choices"][0]["finish_reason"] == "stop"
@@ -86,26 +124,101 @@ async def test_malformed_json_and_unknown_route_are_json_errors(client) -> None:
     assert bad_messages.status == 400
 
 
-async def test_models_health_and_metrics(client) -> None:
+async def test_models_and_health(client) -> None:
     models = await (await client.get("/v1/models")).json()
-    assert models["data"][0]["id"] == "tiny"
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512
     health = await (await client.get("/health")).json()
-    assert health["status"] == "ok"
-    await client.post("/v1/completions", json={"model": "tiny", "prompt": "hey", "max_tokens": 8, "temperature": 0})
-    text = await (await client.get("/metrics")).text()
-    for name in ("specd_spec_decode_num_draft_tokens_total", "specd_spec_decode_num_verification_passes_total",
-                 "specd_spec_decode_accept_length", "specd_request_latency_seconds_bucket",
-                 "specd_records_published_total", "specd_drafter_swaps_total"):
-        assert name in text, name
+    assert health["status"] == "ok" and health["drafter_version"] == "0"
+    assert health["running"] == health["waiting"] == health["records_published"] == 0
+
+
+def record_sequences(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> list[Sequence]:
+    """Every request the engine admits from now on, in order (the engine's own counts)."""
+    engine = api_state(client).worker.engine
+    admitted: list[Sequence] = []
+    add_request = engine.add_request
+
+    def recording(*args, **kwargs) -> Sequence:
+        admitted.append(add_request(*args, **kwargs))
+        return admitted[-1]
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    return admitted
+
+
+def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus exposition -> {(sample name, sorted labels): value}."""
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def kept_per_step(seq: Sequence) -> list[int]:
+    """Accepted drafts each step emitted: a step emits up to the next step's position."""
+    ends = [step.position for step in seq.steps[1:]] + [seq.num_tokens]
+    return [min(step.num_accepted, end - step.position) for step, end in zip(seq.steps, ends, strict=True)]
+
+
+TRAFFIC = [  # (body, headers, domain): greedy and seeded sampled requests in three domains
+    ({"prompt": "def f(x):", "max_tokens": 24, "temperature": 0, "metadata": {"domain": "code"}}, {}, "code"),
+    ({"prompt": "def g(y): return y", "max_tokens": 17, "temperature": 0.8, "seed": 3,
+      "metadata": {"domain": "code"}}, {}, "code"),
+    ({"prompt": "hello hello hello", "max_tokens": 30, "temperature": 0}, {"X-Specd-Domain": "chat"}, "chat"),
+    ({"prompt": "abc", "max_tokens": 9, "temperature": 0}, {}, "default"),
+]
+
+
+async def test_metrics_and_reports_count_exactly_the_traffic_sent(client, monkeypatch) -> None:
+    admitted = record_sequences(client, monkeypatch)
+    completion_tokens = []
+    for body, headers, _ in TRAFFIC:  # one at a time: the engine admits them in this order
+        answer = await (await client.post("/v1/completions", json={"model": "tiny", **body}, headers=headers)).json()
+        completion_tokens.append(answer["usage"]["completion_tokens"])
+    assert completion_tokens == [body["max_tokens"] for body, _, _ in TRAFFIC]
+    assert [s.num_output_tokens for s in admitted] == completion_tokens
+    versions = {step.drafter_version for seq in admitted for step in seq.steps}
+    assert versions == {"0"}  # no swap: every step was verified under the day-0 drafter
+    version = (("version", "0"),)
+    drafts, accepted = sum(s.num_drafts_proposed for s in admitted), sum(s.num_drafts_accepted for s in admitted)
+    passes, emitted = sum(s.num_target_passes for s in admitted), sum(completion_tokens)
+    kept = [n for seq in admitted for n in kept_per_step(seq)]
+    assert drafts > 0 and accepted > 0 and sum(kept) == accepted
+
+    metrics = scrape(await (await client.get("/metrics")).text())
+    assert metrics["specd_spec_decode_num_draft_tokens_total", version] == drafts
+    assert metrics["specd_spec_decode_num_accepted_tokens_total", version] == accepted
+    assert metrics["specd_spec_decode_num_verification_passes_total", version] == passes
+    assert metrics["specd_spec_decode_num_emitted_tokens_total", version] == emitted
+    assert metrics["specd_spec_decode_acceptance_rate", version] == pytest.approx(accepted / drafts)
+    assert metrics["specd_spec_decode_accept_length", version] == pytest.approx(emitted / passes)
+    per_position = {dict(labels)["position"]: value for (name, labels), value in metrics.items()
+                    if name == "specd_spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_position == {str(position): sum(n > position for n in kept) for position in range(max(kept))}
+    assert metrics["specd_request_latency_seconds_count", ()] == len(TRAFFIC)
+    assert metrics["specd_drafter_swaps_total", ()] == 0
+
+    reports = {report.domain: report for report in api_state(client).metrics.reports("specd-0")}
+    assert set(reports) == {"code", "chat", "default"}
+    for domain, report in reports.items():
+        seqs = [seq for seq, (_, _, d) in zip(admitted, TRAFFIC, strict=True) if d == domain]
+        assert report.server_id == "specd-0" and list(report.versions) == ["0"]
+        assert report.versions["0"].as_dict() == {
+            "drafts": sum(s.num_drafts_proposed for s in seqs), "accepted": sum(s.num_drafts_accepted for s in seqs),
+            "passes": sum(s.num_target_passes for s in seqs), "emitted": sum(s.num_output_tokens for s in seqs)}
+
+    async def all_records_published() -> bool:  # published on the engine thread just after each answer
+        published = scrape(await (await client.get("/metrics")).text())["specd_records_published_total", ()]
+        return published == len(TRAFFIC)
+
+    await eventually(all_records_published)
 
 
 async def test_acceptance_series_is_labelled_by_domain(client) -> None:
     body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0}
     await client.post("/v1/completions", json={**body, "metadata": {"domain": "code"}})
     await client.post("/v1/completions", json=body, headers={"X-Specd-Domain": "chat"})
-    for _ in range(50):
+
+    async def both_domains_reported() -> bool:  # the report loop runs every 0.1 s
         series = (await (await client.get("/v1/acceptance")).json())["series"]
-        if {"code", "chat"} <= {point["domain"] for point in series}:
-            break
-        await asyncio.sleep(0.1)
-    assert {"code", "chat"} <= {point["domain"] for point in series}
+        return {"code", "chat"} <= {point["domain"] for point in series}
+
+    await eventually(both_domains_reported)

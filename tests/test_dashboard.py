@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-import shutil
 import urllib.request
 from pathlib import Path
 
 import pytest
+from dependencies import chromium_binary
 from harness import SpecdProcess, free_port, get_json, tiny_checkpoint, wait_for
 
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.hotswap.store import WeightStore
 from specd.model.target import LoadedTarget
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = [pytest.mark.browser, pytest.mark.slow]  # conftest fails it when Playwright or Chromium is missing
 
 
 def chat(url: str, question: str) -> None:
@@ -26,9 +25,8 @@ def chat(url: str, question: str) -> None:
 
 
 def test_dashboard_renders_live_charts_and_rolls_back_from_the_page(tmp_path: Path) -> None:
-    playwright_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.fail("chromium is not installed (scripts/quickstart test installs it)")
+    from playwright.sync_api import sync_playwright
+
     checkpoint = tiny_checkpoint(tmp_path / "tiny")
     loaded = LoadedTarget.load(checkpoint)
     store = WeightStore(tmp_path / "store")
@@ -44,8 +42,8 @@ def test_dashboard_renders_live_charts_and_rolls_back_from_the_page(tmp_path: Pa
         for question in ("Hello there", "What is two plus two?", "Tell me a joke", "Name a colour"):
             chat(server.url, question)
         wait_for(lambda: get_json(server.url + "/v1/acceptance")["series"], 20, what="acceptance reports")
-        with playwright_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium_binary(), args=[
                 "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                 "--disable-sync", "--no-first-run"])
             page = browser.new_page()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import random
+import threading
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -65,14 +69,50 @@ def test_greedy_output_identical_across_forced_swaps(tmp_path: Path) -> None:
     drafter = TokenDrafter(models[0], "0")
     engine = Engine(target, drafter, fixed_k(max_batch=3, num_draft_tokens=4))
     seqs = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in prompts]
-    step = 0
+    step = offers = 0
     while engine.has_work:
         if step % 3 == 2:  # a new version every three steps, mid-request
             drafter.offer(models[(step // 3) % len(models)], str(step))
+            offers += 1
         engine.step()
         step += 1
-    assert drafter.num_swaps >= 5
+    assert offers >= 5 and drafter.num_swaps == offers  # each offer is taken by the next step's proposal
     assert [s.output_ids for s in seqs] == expected
+
+
+def test_greedy_output_identical_while_another_thread_keeps_swapping_weights() -> None:
+    target = tiny_target()
+    prompts = random_prompts(6, 4)
+    expected = [s.output_ids for s in Engine(target, None, EngineConfig(max_batch=3)).generate(
+        prompts, SamplingParams(max_tokens=40))]
+    # two shapes (a new cache on every change of shape) and the target itself (drafts that are all right)
+    models = [new_drafter_model(target, SHAPE, seed=1), target,
+              new_drafter_model(target, replace(SHAPE, head_vocab_size=48), seed=2)]
+    drafter = TokenDrafter(models[0], "0", catchup_tokens_per_step=32)
+    engine = Engine(target, drafter, fixed_k(max_batch=3, num_draft_tokens=4))
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in prompts]
+    offered, done = threading.Event(), threading.Event()
+    offers = 0
+
+    def keep_swapping() -> None:  # races the decoding loop: offers land before, during and after steps
+        nonlocal offers
+        while not done.is_set():
+            offers += 1
+            drafter.offer(models[offers % len(models)], str(offers))
+            offered.set()
+            done.wait(0.0005)  # pacing only (lets the engine thread hold the interpreter); nothing waits on it
+
+    racer = threading.Thread(target=keep_swapping, name="swap-racer")
+    racer.start()
+    try:
+        assert offered.wait(30), "the swapping thread never offered"
+        while engine.has_work:
+            engine.step()
+    finally:
+        done.set()
+        racer.join(30)
+    assert [s.output_ids for s in seqs] == expected
+    assert 1 <= drafter.num_swaps <= offers  # at least the offer made before decoding began was taken
 
 
 def publish_live(store: WeightStore, model) -> int:
@@ -163,6 +203,75 @@ def test_gate_refuses_a_worse_candidate(tmp_path: Path) -> None:
     assert store.live_version() == live_before
 
 
+LIVE_ACCEPT_LENGTH, MARGIN = 2.0, 0.25  # binary fractions: the edge of the margin is exactly 1.75
+
+
+def learner_with_held_out_records(tmp_path: Path) -> Learner:
+    """A learner with version 1 live, three held-out greedy records and a training copy that differs from 1."""
+    target = learnable_target()
+    config = LearnerConfig(duty_cycle=1.0, publish_every_steps=1, holdout_every=1, gate_margin=MARGIN)
+    bus = InProcessBus()
+    learner = Learner(config, bus, WeightStore(tmp_path), new_drafter_model(target, SHAPE, copy_from_target=False)
+                      .float(), FINGERPRINT)
+    for record in make_records(target, random_prompts(3, 5)):
+        bus.publish(record)
+    learner.intake()  # every greedy record is held out for the gate
+    with torch.no_grad():
+        learner.model.norm.weight.add_(1.0)
+    learner.stats.steps += 1  # something new to publish
+    return learner
+
+
+def stub_accept_lengths(monkeypatch: pytest.MonkeyPatch, learner: Learner, candidate: float,
+                        during: Callable[[], None] = lambda: None) -> None:
+    """The gate's simulated accept lengths: `candidate` for the training copy, 2.0 for the live version."""
+    def accept_length(model, records, k: int) -> float:
+        assert records == list(learner.holdout) and k == learner.config.k
+        during()
+        is_candidate = torch.equal(model.norm.weight, learner.model.norm.weight.detach())
+        return candidate if is_candidate else LIVE_ACCEPT_LENGTH
+
+    monkeypatch.setattr("specd.learner.learner.simulated_accept_length", accept_length)
+
+
+@pytest.mark.parametrize(("candidate", "passes"), [(1.75 + 2**-10, True), (1.75, True), (1.75 - 2**-10, False)],
+                         ids=["inside", "on-the-margin", "outside"])
+def test_gate_passes_a_candidate_within_the_margin_and_rejects_one_beyond_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, candidate: float, passes: bool) -> None:
+    learner = learner_with_held_out_records(tmp_path)
+    store = learner.store
+    stub_accept_lengths(monkeypatch, learner, candidate)
+    published = learner.maybe_publish(force=True)
+    manifest = store.manifest(2)
+    assert manifest["evaluation"]["candidate"] == candidate and manifest["evaluation"]["live"] == LIVE_ACCEPT_LENGTH
+    assert manifest["evaluation"]["held_out_records"] == 3 and manifest["evaluation"]["passed"] is passes
+    if passes:
+        assert published == 2 and store.live_version() == 2 and manifest["status"] == "live"
+    else:
+        assert published is None and store.live_version() == 1 and manifest["status"] == "rejected"
+        assert manifest["reason"] == f"accept length {candidate:.3f} is worse than live 2.000 beyond the margin"
+
+
+def test_a_rollback_while_a_candidate_is_evaluated_stands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    learner = learner_with_held_out_records(tmp_path)
+    store = learner.store
+    stub_accept_lengths(monkeypatch, learner, LIVE_ACCEPT_LENGTH)
+    assert learner.maybe_publish(force=True) == 2
+    learner.stats.steps += 1
+
+    def operator_rolls_back() -> None:  # while the learner evaluates its next candidate (3), which passes
+        if store.live_version() != 1:
+            store.rollback(1)
+
+    stub_accept_lengths(monkeypatch, learner, LIVE_ACCEPT_LENGTH, during=operator_rolls_back)
+    assert learner.maybe_publish(force=True) is None
+    assert store.live_version() == learner.live_version == 1
+    assert store.manifest(3)["status"] == "rejected"
+    assert store.manifest(3)["reason"] == "the live version changed during the evaluation"
+    learner.stats.steps += 1  # a publication is due, but the learner holds after someone else's change
+    assert learner.maybe_publish() is None and store.versions() == [1, 2, 3]
+
+
 def test_malformed_records_are_refused_and_counted(tmp_path: Path) -> None:
     target = tiny_target()
     bus = InProcessBus()
@@ -229,12 +338,16 @@ def test_catch_up_after_a_swap_is_spread_over_steps_and_stays_lossless() -> None
     seqs = [engine.add_request(p, SamplingParams(max_tokens=60)) for p in prompts]
     engine.step()
     drafter.offer(target, "self-again")  # a swap: every row must rebuild 40+ cached tokens
+    to_rebuild = sum(s.num_tokens - 2 for s in seqs)  # the last two tokens are fed with the proposal itself
     proposed_per_step = []
     while engine.has_work:
         engine.step()
         proposed_per_step.append(engine.step_stats[-1].num_drafts_proposed)
-    assert proposed_per_step[0] < 3 * 4  # not every row was ready right after the swap
-    assert max(proposed_per_step) == 3 * 4  # and then all were
+    catching_up = proposed_per_step[:proposed_per_step.index(3 * 4)]  # the steps before every row drafts again
+    assert catching_up[0] == 0  # 16 tokens a step rebuild less than one row: no row drafts right after the swap
+    # rows become ready one at a time, in slot order, no sooner than 16 tokens a step allows
+    assert catching_up == sorted(catching_up) and {n % 4 for n in catching_up} == {0}
+    assert len(catching_up) >= math.ceil(to_rebuild / 16)
     assert [s.output_ids for s in seqs] == expected
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from conftest import tiny_drafter, tiny_target
 
 from specd.drafter.base import DraftBatch
 from specd.drafter.hybrid import HybridDrafter
 from specd.drafter.traffic_table import TrafficTable
-from tests.conftest import tiny_drafter, tiny_target
 
 
 def test_a_continuation_seen_in_earlier_requests_is_drafted_for_a_new_one() -> None:

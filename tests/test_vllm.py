@@ -14,9 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm", reason="vLLM is installed by `bash scripts/setup --vllm` (CI does)")
-
 from harness import (
     Broker,
     SpecdProcess,

@@ -202,13 +202,17 @@ class Learner:
                 "tokens_trained": self.stats.tokens_trained, "learner_steps": self.stats.steps,
                 "staleness": self._staleness}
         version = self._publish(candidate, info)
+        if verdict["passed"] and self.store.live_version() != self.live_version:
+            # an operator or the canary changed the live version while the candidate was evaluated: theirs stands
+            self._follow_external_change()
+            verdict = {**verdict, "passed": False, "reason": "the live version changed during the evaluation"}
         if verdict["passed"]:
             self.store.set_live(version, "gate passed")
             self.live_version = version
             self.stats.published.append({"version": version, **verdict})
             log.info("published drafter version %s: %s", version, verdict)
         else:
-            self.store.update(version, status="rejected", reason=verdict["reason"])
+            self.store.update(version, status="rejected", reason=verdict["reason"], evaluation=verdict)
             self.stats.rejected.append({"version": version, **verdict})
             log.warning("gate rejected candidate %s: %s", version, verdict["reason"])
         self.store.gc()
