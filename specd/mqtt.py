@@ -8,7 +8,8 @@ Contract:
   appends to a bounded buffer and never blocks a decoding step. Records leave the buffer only
   after the broker acknowledged them (QoS 1 PUBACK); while the broker is down they wait, the
   oldest are shed (and counted) beyond the bound, and the client reconnects with jittered
-  exponential backoff.
+  exponential backoff. Its `counters` count trajectory records only; acceptance reports share
+  the buffer but are cumulative, so a shed one (counted in `reports_shed`) is replaced by the next.
 - `MqttSubscriber` keeps a persistent session (fixed client id, clean_session False, QoS 1), so
   records published while the learner is away are delivered when it returns.
 - Username/password and TLS (a CA file, optional client certificate) pass straight through.
@@ -89,7 +90,8 @@ class MqttPublisher:
         self.on_announcement = on_announcement
         self.counters = BusCounters()
         self.connected = threading.Event()
-        self._pending: deque[tuple[str, bytes]] = deque()
+        self._pending: deque[tuple[str, bytes, bool]] = deque()   # (topic, payload, is a record)
+        self.reports_shed = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -98,18 +100,22 @@ class MqttPublisher:
 
     # ---- the Bus interface ----------------------------------------------------------------
     def publish(self, record: dict[str, Any]) -> None:
-        self._enqueue(self.settings.topic("records", self.server_id), record)
+        self._enqueue(self.settings.topic("records", self.server_id), record, is_record=True)
 
     def report(self, report: dict[str, Any]) -> None:
-        self._enqueue(self.settings.topic("reports", self.server_id), report)
+        self._enqueue(self.settings.topic("reports", self.server_id), report, is_record=False)
 
-    def _enqueue(self, topic: str, payload: dict[str, Any]) -> None:
+    def _enqueue(self, topic: str, payload: dict[str, Any], is_record: bool) -> None:
+        # `counters` count records only: reports are cumulative, and a lost one is replaced by the next
         with self._lock:
             if len(self._pending) >= self.capacity:
-                self._pending.popleft()
-                self.counters.shed += 1
-            self._pending.append((topic, json.dumps(payload).encode()))
-            self.counters.published += 1
+                _, _, shed_record = self._pending.popleft()
+                if shed_record:
+                    self.counters.shed += 1
+                else:
+                    self.reports_shed += 1
+            self._pending.append((topic, json.dumps(payload).encode(), is_record))
+            self.counters.published += is_record
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
@@ -168,7 +174,7 @@ class MqttPublisher:
             with self._lock:
                 if self._pending and self._pending[0] is head:
                     self._pending.popleft()
-                    self.counters.delivered += 1
+                    self.counters.delivered += head[2]
 
     async def _listen(self, client: aiomqtt.Client) -> None:
         async for message in client.messages:

@@ -9,7 +9,6 @@ what the proposer sends.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -178,7 +177,12 @@ def test_versions_swap_in_flight_without_failed_requests_or_changed_outputs(spec
         assert forced["forced_version"] == 2
         wait_for(lambda: specd_vllm.rpc("specd_status")["version"] == "2", 60, interval=0.1, what="forced version 2")
         specd_vllm.rpc("specd_force_version", "none")
-        time.sleep(2)  # the requests that saw a swap finish and become records
+
+        def saw_a_swap() -> bool:  # a request drafted by two versions has finished and become a record
+            records = specd_vllm.rpc("specd_recent_records", "64")
+            return any(len({s["version"] for s in r["steps"]}) > 1 for r in records)
+
+        wait_for(saw_a_swap, 60, interval=0.2, what="a finished request whose drafter changed mid-flight")
     finally:
         stop.set()
         for client in clients:
@@ -189,8 +193,6 @@ def test_versions_swap_in_flight_without_failed_requests_or_changed_outputs(spec
         assert token_ids(answer) == expected[prompt], prompt
     status = specd_vllm.rpc("specd_status")
     assert status["swaps"] >= 2 and not status["refused_versions"]
-    versions_per_request = [{s["version"] for s in r["steps"]} for r in specd_vllm.rpc("specd_recent_records", "64")]
-    assert any(len(v) > 1 for v in versions_per_request), "no request saw its drafter change mid-flight"
 
 
 def test_control_path_refuses_a_bad_version_argument(specd_vllm: VllmServer) -> None:
@@ -202,6 +204,8 @@ def test_control_path_refuses_a_bad_version_argument(specd_vllm: VllmServer) -> 
 
 
 def test_learner_receives_the_vllm_servers_acceptance_reports(specd_vllm: VllmServer, learner) -> None:
+    ask_all(specd_vllm, PROMPTS[:2])  # traffic of its own: drafts to report, whatever ran before
+
     def reported() -> bool:
         series = get_json(learner.url + "/v1/acceptance")["series"]
         return any(point["server"] == "vllm-test" and point["drafts"] > 0 for point in series)

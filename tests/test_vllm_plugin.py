@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_drafter
 
 from specd.bus import BusCounters
 from specd.cli import main
@@ -21,7 +22,6 @@ from specd.vllm.launch import PROPOSER_CLASS, WORKER_EXTENSION, PluginSettings, 
 from specd.vllm.policy import Candidates, DraftPolicy
 from specd.vllm.telemetry import Telemetry
 from specd.vllm.tracking import SlotTable, StepTracker, stop_index
-from tests.conftest import tiny_drafter
 
 
 class LabelledSlots:
