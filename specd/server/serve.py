@@ -58,6 +58,7 @@ class ServeOptions:
     token: str | None = None           # bearer token for the embedded control plane
     report_seconds: float = 2.0
     publish_records: bool = True       # off only to measure what the loop costs
+    canary: bool = True                # embedded: roll a regression back by itself (off to measure without it)
 
 
 @dataclass
@@ -152,7 +153,7 @@ def _lifecycle(options: ServeOptions, wiring: Wiring, worker: EngineWorker, swap
                     wiring.publisher.report(report.to_dict())
                 elif wiring.store is not None:
                     acceptance.add(report)
-            if wiring.publisher is None and wiring.store is not None:
+            if wiring.publisher is None and wiring.store is not None and options.canary:
                 apply_canary(wiring.store, acceptance, CanaryConfig())
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

