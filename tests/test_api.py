@@ -87,6 +87,19 @@ async def test_chat_completion_stream_sends_events_and_done(client) -> None:
     assert streamed == plain["choices"][0]["message"]["content"]
 
 
+async def test_stream_with_include_usage_ends_with_the_token_counts(client) -> None:
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 9, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    lines = [line for line in (await (await client.post("/v1/completions", json=body)).text()).splitlines()
+             if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][6:])
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}
+    assert all("usage" not in json.loads(line[6:]) for line in lines[:-2])
+    bad = await client.post("/v1/completions", json={**body, "stream_options": {"include_usage": "yes"}})
+    assert bad.status == 400 and "include_usage" in (await bad.json())["error"]["message"]
+
+
 async def test_stop_string_cuts_the_text(client) -> None:
     body = {"model": "tiny", "prompt": "hey", "max_tokens": 40, "temperature": 0}
     full = (await (await client.post("/v1/completions", json=body)).json())["choices"][0]["text"]

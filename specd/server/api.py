@@ -6,7 +6,8 @@ model, prompt over the context window, absurd max_tokens, n > 1) is answered wit
 JSON error and a 4xx status, mapped in one place (`_errors` middleware, which also maps every other
 `SpecdError` to its kind's status); a 500 is only ever an
 engine fault, and it carries a message, not a traceback. `stream: true` sends server-sent events
-(`data: {chunk}` lines, then `data: [DONE]`).
+(`data: {chunk}` lines, then `data: [DONE]`); with `stream_options: {"include_usage": true}` the
+last chunk before `[DONE]` carries the token counts, as OpenAI's does.
 """
 
 from __future__ import annotations
@@ -86,6 +87,15 @@ def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: An
         expected = " or ".join(k.__name__ for k in kinds)
         raise ApiError(400, f"'{name}' must be of type {expected}, got {type(value).__name__}", param=name)
     return value
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    """OpenAI's `stream_options: {"include_usage": true}`: a last chunk with the token counts."""
+    options = _field(body, "stream_options", (dict,), {})
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
+    return include
 
 
 def _sampling(body: dict[str, Any], default_max_tokens: int) -> tuple[SamplingParams, list[str], bool]:
@@ -185,6 +195,7 @@ def _domain(request: web.Request, body: dict[str, Any]) -> str | None:
 
 async def _respond(request: web.Request, body: dict[str, Any], state: ApiState, prompt_ids: list[int],
                    params: SamplingParams, stops: list[str], stream: bool, chat: bool) -> web.StreamResponse:
+    include_usage = stream and _include_usage(body)
     begin = time.perf_counter()
     decoder = _Stream(state, prompt_ids, params, stops, _domain(request, body))
     created = int(time.time())
@@ -197,13 +208,15 @@ async def _respond(request: web.Request, body: dict[str, Any], state: ApiState, 
         message = {"content": text} if delta else {"role": "assistant", "content": text}
         return {"index": 0, ("delta" if delta else "message"): message, "finish_reason": finish}
 
+    def usage() -> dict[str, int]:
+        return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(decoder.ids),
+                "total_tokens": len(prompt_ids) + len(decoder.ids)}
+
     if not stream:
         text = "".join([piece async for piece in decoder.deltas()])
         state.metrics.request_latency.observe(time.perf_counter() - begin)
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(decoder.ids),
-                 "total_tokens": len(prompt_ids) + len(decoder.ids)}
         return web.json_response({**base, "object": kind, "choices": [choice(text, decoder.finish_reason, False)],
-                                  "usage": usage})
+                                  "usage": usage()})
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
     pieces = decoder.deltas()
@@ -226,6 +239,8 @@ async def _respond(request: web.Request, body: dict[str, Any], state: ApiState, 
         async for piece in pieces:
             await send({**base, "object": chunk_kind, "choices": [choice(piece, None, True)]})
         await send({**base, "object": chunk_kind, "choices": [choice("", decoder.finish_reason, True)]})
+        if include_usage:
+            await send({**base, "object": chunk_kind, "choices": [], "usage": usage()})
         await send("[DONE]")
     except (ConnectionResetError, asyncio.CancelledError):
         state.worker.cancel(decoder.request_id)  # the client went away: free its batch slot
