@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specd.drafter.factory import DrafterSpec
 from specd.engine.engine import Engine, EngineConfig
+from specd.engine.lookahead import LookaheadConfig, LookaheadController
 from specd.engine.request import SamplingParams, Sequence
 from specd.server.api import STATE, ApiState
 from specd.server.serve import ServeOptions, build_server
@@ -182,6 +183,9 @@ TRAFFIC = [  # (body, headers, domain): greedy and seeded sampled requests in th
 
 async def test_metrics_and_reports_count_exactly_the_traffic_sent(client, monkeypatch) -> None:
     admitted = record_sequences(client, monkeypatch)
+    # fixed k: the lookahead controller picks k from measured times, which would make the counts timing-dependent
+    engine = api_state(client).worker.engine
+    monkeypatch.setattr(engine, "lookahead", LookaheadController(LookaheadConfig(max_k=engine.k, adaptive=False)))
     completion_tokens = []
     for body, headers, _ in TRAFFIC:  # one at a time: the engine admits them in this order
         answer = await (await client.post("/v1/completions", json={"model": "tiny", **body}, headers=headers)).json()
