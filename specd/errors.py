@@ -1,8 +1,8 @@
 """specd's one error hierarchy: every failure a user can cause or fix is a `SpecdError` of one kind.
 
 Contract: code raises the most specific kind it knows; the edges translate, in one place each:
-the CLI prints `specd: error: <message>` and exits 2, the HTTP layers answer JSON errors with the
-kind's `http_status`. Anything that is not a `SpecdError` is a bug and is reported as one.
+the CLI prints `specd: error: <message>` and exits 2, the HTTP layers answer `as_json()` (OpenAI's
+error shape) with the kind's `http_status`. Anything that is not a `SpecdError` is a bug and is reported as one.
   BadRequest          input a client or operator sent that cannot be served (400)
     RequestRefused      a generation request the engine will not serve
     RecordRefused       a trajectory record or report that fails validation
@@ -18,12 +18,20 @@ The subclasses of ValueError keep working where callers catch ValueError.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SpecdError(Exception):
     """Base of every error specd reports to a person; `kind` names it in JSON answers."""
 
     kind = "specd_error"
     http_status = 500
+    param: str | None = None   # the request field at fault, when there is one
+    code: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """The answer body an HTTP layer sends with `http_status`."""
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
 class BadRequest(SpecdError, ValueError):

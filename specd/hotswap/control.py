@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from specd.errors import BadRequest, StoreError
+from specd.errors import BadRequest, SpecdError, StoreError
 from specd.hotswap.canary import AcceptanceLog
 from specd.hotswap.store import WeightStore
 
@@ -43,12 +43,12 @@ class ControlPlane:
 PLANE = web.AppKey("control_plane", ControlPlane)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
 
 
-def _store_error(error: StoreError) -> web.Response:
-    return _error(error.http_status, str(error), error.kind)
+def _specd_error(error: SpecdError) -> web.Response:
+    return web.json_response(error.as_json(), status=error.http_status)
 
 
 def _version(request: web.Request) -> int:
@@ -89,7 +89,7 @@ async def manifest(request: web.Request) -> web.Response:
     try:
         return web.json_response(request.app[PLANE].store.manifest(_version(request)))
     except StoreError as error:
-        return _store_error(error)
+        return _specd_error(error)
 
 
 async def weights(request: web.Request) -> web.StreamResponse:
@@ -116,10 +116,8 @@ async def _operate(request: web.Request, operation: Callable[[ControlPlane, dict
     plane = request.app[PLANE]
     try:
         operation(plane, body)
-    except BadRequest as error:
-        return _error(error.http_status, str(error))
-    except StoreError as error:
-        return _store_error(error)
+    except (BadRequest, StoreError) as error:  # a malformed body, or an operation the store refuses
+        return _specd_error(error)
     plane.on_change()
     return web.json_response({"live": plane.store.live_version()})
 

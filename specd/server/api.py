@@ -32,12 +32,12 @@ MAX_TOKENS_CAP = 32_768
 
 
 class ApiError(BadRequest):
-    """An error answer with OpenAI's fields (status, param, code, type)."""
+    """An error answer with its own status and OpenAI's param, code and type fields."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error") -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.http_status, self.param, self.code, self.kind = status, param, code, kind
 
 
 @dataclass
@@ -57,12 +57,8 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
                   ) -> web.StreamResponse:
     try:
         return await handler(request)
-    except ApiError as error:
-        body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.code}}
-        return web.json_response(body, status=error.status)
-    except SpecdError as error:  # any other kind from the layers below, with its own status
-        body = {"error": {"message": str(error), "type": error.kind, "param": None, "code": None}}
-        return web.json_response(body, status=error.http_status)
+    except SpecdError as error:  # the API's own refusals and every kind from the layers below
+        return web.json_response(error.as_json(), status=error.http_status)
     except web.HTTPException as error:  # aiohttp's own 404 / 405, in OpenAI's shape
         body = {"error": {"message": error.reason, "type": "invalid_request_error", "param": None, "code": None}}
         return web.json_response(body, status=error.status)
