@@ -20,7 +20,7 @@ from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
 from specd.errors import RecordRefused, StoreError
-from specd.hotswap.store import WeightStore
+from specd.hotswap.store import LiveVersionChanged, WeightStore
 from specd.hotswap.swapper import Swapper
 from specd.learner.learner import Learner, LearnerConfig
 from specd.learner.signal import simulated_accept_length
@@ -313,6 +313,19 @@ def test_store_live_rollback_pin_and_gc(tmp_path: Path) -> None:
     assert versions[1] in removed
     with pytest.raises(StoreError):
         store.rollback(to=999)
+
+
+def test_conditional_promotion_refuses_when_the_live_version_moved(tmp_path: Path) -> None:
+    target = tiny_target()
+    store = WeightStore(tmp_path)
+    first, second = (publish_live(store, new_drafter_model(target, SHAPE, seed=s)) for s in range(2))
+    third = store.publish(new_drafter_model(target, SHAPE, seed=2), FINGERPRINT, second, {})
+    store.rollback(first)  # someone else's change after the promotion of `third` was decided against `second`
+    with pytest.raises(LiveVersionChanged):
+        store.set_live(third, "gate passed", if_live=second)
+    assert store.live_version() == first and store.manifest(third)["status"] == "candidate"
+    store.set_live(third, "gate passed", if_live=first)
+    assert store.live_version() == third
 
 
 def test_store_cli_lists_rolls_back_and_pins(tmp_path: Path, capsys) -> None:

@@ -9,16 +9,23 @@ Every write goes to a temporary file in the same directory and is renamed into p
 leaves either the old file or the new one, never half of one; a version directory appears only
 once complete. Status is one of candidate / live / retired / rejected / rolled-back; `pinned` is a
 separate flag: pinned versions are never garbage-collected and act as the rollback floor.
+Changes of the live version (`set_live`, `rollback`) hold an exclusive lock on `live.lock`, so a
+learner, an operator's CLI and the canary in other processes never interleave them, and
+`set_live(..., if_live=n)` promotes only while n is still live (a compare-and-set): a promotion
+decided before someone else's rollback cannot overwrite it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,17 @@ from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
 
 STATUSES = ("candidate", "live", "retired", "rejected", "rolled-back")
+
+
+class LiveVersionChanged(StoreError):
+    """A conditional promotion found another version live than the one it was decided against."""
+
+
+class _AnyLive:
+    """`set_live`'s default condition: promote whatever is live now."""
+
+
+ANY_LIVE = _AnyLive()
 
 
 def sha256_file(path: Path) -> str:
@@ -107,12 +125,25 @@ class WeightStore:
         _write_json_atomic(self.version_dir(version) / "manifest.json", manifest)
         return manifest
 
-    def set_live(self, version: int, reason: str = "promoted") -> None:
+    @contextlib.contextmanager
+    def _live_lock(self) -> Iterator[None]:
+        with (self.root / "live.lock").open("a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+            yield
+
+    def set_live(self, version: int, reason: str = "promoted", if_live: int | _AnyLive | None = ANY_LIVE) -> None:
+        """Make `version` live; with `if_live`, only while that version is still the live one."""
         manifest = self.manifest(version)
         if manifest["status"] == "rejected":
             raise StoreError(f"version {version} was rejected by the gate: {manifest.get('reason')}")
+        with self._live_lock():
+            self._set_live_locked(version, reason, if_live)
+
+    def _set_live_locked(self, version: int, reason: str, if_live: int | _AnyLive | None) -> None:
         state = self.live_state()
         previous = state["version"]
+        if not isinstance(if_live, _AnyLive) and previous != if_live:
+            raise LiveVersionChanged(f"version {previous} is live now, not {if_live}: {version} is not promoted")
         if previous == version:
             return
         if previous is not None:
@@ -123,6 +154,10 @@ class WeightStore:
 
     def rollback(self, to: int | None = None, evidence: dict[str, Any] | None = None) -> int:
         """Make `to` (default: the previous live version) live again; the current one is rolled back."""
+        with self._live_lock():
+            return self._rollback_locked(to, evidence)
+
+    def _rollback_locked(self, to: int | None, evidence: dict[str, Any] | None) -> int:
         state = self.live_state()
         current = state["version"]
         if current is None:

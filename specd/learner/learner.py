@@ -27,7 +27,7 @@ import torch
 from specd.bus import Bus
 from specd.drafter.checkpoint import load_drafter
 from specd.errors import RecordRefused
-from specd.hotswap.store import WeightStore
+from specd.hotswap.store import LiveVersionChanged, WeightStore
 from specd.learner.signal import build_batch, drafter_loss, simulated_accept_length
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
@@ -202,12 +202,9 @@ class Learner:
                 "tokens_trained": self.stats.tokens_trained, "learner_steps": self.stats.steps,
                 "staleness": self._staleness}
         version = self._publish(candidate, info)
-        if verdict["passed"] and self.store.live_version() != self.live_version:
-            # an operator or the canary changed the live version while the candidate was evaluated: theirs stands
-            self._follow_external_change()
+        if verdict["passed"] and not self._promote(version):
             verdict = {**verdict, "passed": False, "reason": "the live version changed during the evaluation"}
         if verdict["passed"]:
-            self.store.set_live(version, "gate passed")
             self.live_version = version
             self.stats.published.append({"version": version, **verdict})
             log.info("published drafter version %s: %s", version, verdict)
@@ -217,6 +214,16 @@ class Learner:
             log.warning("gate rejected candidate %s: %s", version, verdict["reason"])
         self.store.gc()
         return version if verdict["passed"] else None
+
+    def _promote(self, version: int) -> bool:
+        """Make a passed candidate live unless an operator or the canary changed the live version
+        while it was evaluated: theirs stands, and the learner follows it."""
+        try:
+            self.store.set_live(version, "gate passed", if_live=self.live_version)
+        except LiveVersionChanged:
+            self._follow_external_change()
+            return False
+        return True
 
     def evaluate(self, candidate: Transformer) -> dict[str, Any]:
         if not all(bool(torch.isfinite(p).all()) for p in candidate.parameters()):
