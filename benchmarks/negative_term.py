@@ -23,6 +23,7 @@ import torch
 from common import cell, dot_plot, markdown_table, parser, spread, write_result
 
 from specd.bus import InProcessBus
+from specd.drafter.factory import DrafterSpec, initial_model
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
@@ -59,7 +60,7 @@ def smollm2_setup(requests: int):
     from specd.traffic import default_shift_traffic
 
     loaded = LoadedTarget.load(None)
-    initial = new_drafter_model(loaded.model, DrafterShape.like(loaded.model.config, 1, 8192), seed=0)
+    initial = initial_model(loaded.model, DrafterSpec(), seed=0)  # the day-0 drafter servers start from
     items = default_shift_traffic(requests)
     prompts = [encode(loaded, item) for item in items]
     records = records_with_drafts(loaded.model, initial, prompts, 64, loaded.eos_token_ids)

@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 from common import cell, dot_plot, field_spreads, interleaved, markdown_table, paired, parser, write_result
 
-from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+from specd.drafter.factory import DrafterSpec, initial_model
 from specd.hotswap.store import WeightStore
 from specd.model.target import LoadedTarget
 
@@ -49,9 +49,8 @@ FIELDS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_m
 def prepare_store(folder: Path, versions: int) -> None:
     loaded = LoadedTarget.load(None)
     store = WeightStore(folder, keep_last=100)
-    shape = DrafterShape.like(loaded.model.config, 1, 8192)
     for seed in range(versions):
-        version = store.publish(new_drafter_model(loaded.model, shape, seed=seed), loaded.fingerprint,
+        version = store.publish(initial_model(loaded.model, DrafterSpec(), seed=seed), loaded.fingerprint,
                                 store.live_version(), {})
         store.set_live(version)
 

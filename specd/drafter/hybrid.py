@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from specd.drafter.base import DraftBatch, Proposal
+from specd.drafter.base import DraftBatch, Proposal, one_hot_q
 from specd.drafter.context_match import context_match
 from specd.drafter.token_drafter import TokenDrafter
 from specd.drafter.traffic_table import TrafficTable
@@ -32,13 +32,12 @@ class HybridDrafter:
         self.max_n, self.min_n, self.window = max_n, min_n, window
         self.num_matched_rows = 0
         # a caller may switch the learned part off while it does not pay for itself (the vLLM
-        # proposer's gate); these say what it cost and earned at the last step it ran
+        # proposer's gate); learned_ran / learned_seconds say whether it ran at the last step and its time
         self.use_learned = True
         self.num_table_rows = 0
         self.row_sources: list[str] = []
         self.learned_ran = False
         self.learned_seconds = 0.0
-        self.last_learned_accepted = 0
 
     # the learned part owns versions, swaps and caches
     @property
@@ -101,8 +100,7 @@ class HybridDrafter:
         self.num_matched_rows += sum(matched_rows)
         if q is not None and any(matched_rows):  # matched rows' drafts are deterministic: q one-hot
             matched = torch.tensor(matched_rows, device=q.device)
-            one_hot = torch.zeros_like(q).scatter_(-1, drafts[..., None], 1.0)
-            q = torch.where(matched[:, None, None], one_hot, q)
+            q = torch.where(matched[:, None, None], one_hot_q(drafts, q.shape[-1]).to(q), q)
         return Proposal(drafts, q, limits)
 
     @property
@@ -114,6 +112,4 @@ class HybridDrafter:
         if not self.learned_ran:
             return
         used = torch.tensor([not m for m in self._matched], device=num_accepted.device)
-        learned_accepted = torch.where(used, num_accepted, torch.zeros_like(num_accepted))
-        self.last_learned_accepted = int(learned_accepted.sum())
-        self.learned.commit(learned_accepted)
+        self.learned.commit(torch.where(used, num_accepted, torch.zeros_like(num_accepted)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -100,7 +101,7 @@ class ServingMetrics:
         """One cumulative report per traffic domain: counts per drafter version."""
         by_domain: dict[str, dict[str, AcceptanceCounts]] = {}
         for (version, domain), counts in list(self.totals.items()):
-            by_domain.setdefault(domain, {})[version] = AcceptanceCounts(**counts.as_dict())
+            by_domain.setdefault(domain, {})[version] = replace(counts)  # a snapshot
         now = time.time()
         return [AcceptanceReport(server_id, now, domain, versions) for domain, versions in by_domain.items()]
 

@@ -15,7 +15,7 @@ It binds 127.0.0.1 unless told otherwise.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,7 +121,7 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
     return app
 
 
-def _status(options: ServeOptions, wiring: Wiring, worker: EngineWorker) -> Any:
+def _status(options: ServeOptions, wiring: Wiring, worker: EngineWorker) -> Callable[[], dict[str, Any]]:
     def status() -> dict[str, Any]:
         counters, publisher, learner = wiring.counters, wiring.publisher, wiring.learner
         return {"server_id": options.server_id, "live_version": wiring.source.live_version(),
@@ -132,7 +132,7 @@ def _status(options: ServeOptions, wiring: Wiring, worker: EngineWorker) -> Any:
     return status
 
 
-def _learner_status(wiring: Wiring) -> Any:
+def _learner_status(wiring: Wiring) -> Callable[[], dict[str, Any]]:
     def status() -> dict[str, Any]:
         learner, counters = wiring.learner, wiring.counters
         if learner is None:
@@ -144,7 +144,7 @@ def _learner_status(wiring: Wiring) -> Any:
 
 
 def _lifecycle(options: ServeOptions, wiring: Wiring, worker: EngineWorker, swapper: Swapper,
-               metrics: ServingMetrics, acceptance: AcceptanceLog) -> Any:
+               metrics: ServingMetrics, acceptance: AcceptanceLog) -> Callable[[web.Application], AsyncIterator[None]]:
     async def report_loop(stop: asyncio.Event) -> None:
         while not stop.is_set():
             await asyncio.sleep(options.report_seconds)

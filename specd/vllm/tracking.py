@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -228,5 +228,5 @@ class StepTracker:
 
     def report(self) -> AcceptanceReport:
         """A cumulative acceptance report, as specd's own servers send (one domain)."""
-        versions = {version: AcceptanceCounts(**totals.as_dict()) for version, totals in list(self.totals.items())}
+        versions = {version: replace(totals) for version, totals in list(self.totals.items())}  # a snapshot
         return AcceptanceReport(self.server_id, time.time(), self.domain or "default", versions)
