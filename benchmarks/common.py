@@ -144,8 +144,12 @@ def interleaved(configs: Mapping[str, Callable[[int], dict[str, Any]]], repeats:
     return runs
 
 
-def brief(result: Mapping[str, Any], prefix: str = "") -> str:
+def brief(result: Mapping[str, Any]) -> str:
     """A run's scalar figures (one level of nesting too) as one short line."""
+    return json.dumps(_scalars(result))[:300]
+
+
+def _scalars(result: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     shown: dict[str, Any] = {}
     for key, value in result.items():
         if isinstance(value, float):
@@ -153,8 +157,8 @@ def brief(result: Mapping[str, Any], prefix: str = "") -> str:
         elif isinstance(value, int | str | bool) and key != "round":
             shown[prefix + key] = value
         elif isinstance(value, Mapping) and not prefix:
-            shown.update(json.loads(brief(value, f"{key}.")))
-    return json.dumps(shown)[:300]
+            shown.update(_scalars(value, f"{key}."))
+    return shown
 
 
 def spread(values: Sequence[float | None]) -> dict[str, Any]:
