@@ -2,7 +2,9 @@
 
 Contract: a record is self-contained and small (token ids, not text): schema version, record id,
 server id, prompt and output ids, one entry per verification step (position, drafts, accepted
-count, drafter version), sampling settings and timestamps. `validate_record` turns an untrusted
+count, drafter version), sampling settings and timestamps, and optionally the target's features
+of its positions (`FeatureBlock`: float16, base64 in JSON) for a learner that trains a feature
+drafter; a server that cannot capture them (vLLM) sends ids only. `validate_record` turns an untrusted
 dict (from JSON, MQTT, anywhere) into a `TrajectoryRecord` or raises `RecordRefused` with the
 reason; it never lets a malformed record reach training. `AcceptanceCounts` is the one type for
 "drafts proposed, drafts accepted, target passes, tokens emitted", used by the engine's
@@ -13,16 +15,73 @@ carries cumulative counts per drafter version for one server and traffic domain,
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time as clock
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 from specd.errors import RecordRefused
 
 SCHEMA_VERSION = 1
 MAX_TOKENS_PER_RECORD = 65_536
 MAX_DRAFTS_PER_STEP = 64
+MAX_FEATURE_BYTES = 64 * 2**20   # per record: ~14k positions of SmolLM2's four 576-wide states
+FEATURE_DTYPE = "float16"
+
+
+@dataclass(frozen=True)
+class FeatureBlock:
+    """The target's features of positions 0..n-1 of prompt + output: float16, row-major."""
+
+    num_positions: int
+    feature_size: int
+    data: bytes
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> FeatureBlock:
+        array = np.ascontiguousarray(array, dtype="<f2")
+        if array.ndim != 2:
+            raise ValueError(f"features must be [positions, feature_size], got shape {array.shape}")
+        return cls(int(array.shape[0]), int(array.shape[1]), array.tobytes())
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype="<f2").reshape(self.num_positions, self.feature_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": FEATURE_DTYPE, "shape": [self.num_positions, self.feature_size],
+                "data": base64.b64encode(self.data).decode("ascii")}
+
+
+def validate_features(raw: Any, num_tokens: int, feature_size: int | None) -> FeatureBlock:
+    """An untrusted features object: float16, [n, F] with 1 <= n < num_tokens, F as expected, finite."""
+    if not isinstance(raw, dict) or raw.get("dtype") != FEATURE_DTYPE:
+        raise RecordRefused(f"features must be an object with dtype {FEATURE_DTYPE!r}")
+    shape = raw.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(n, int) and n > 0 for n in shape)):
+        raise RecordRefused("features shape must be [positions, feature_size] of positive integers")
+    positions, size = shape
+    if positions >= num_tokens:
+        raise RecordRefused(f"features cover {positions} positions; a record of {num_tokens} tokens has at most "
+                            f"{num_tokens - 1} (the last token is never run)")
+    if feature_size is not None and size != feature_size:
+        raise RecordRefused(f"features are {size} wide; this learner's drafter reads {feature_size}")
+    if positions * size * 2 > MAX_FEATURE_BYTES:
+        raise RecordRefused(f"features of {positions * size * 2} bytes exceed the bound {MAX_FEATURE_BYTES}")
+    data = raw.get("data")
+    try:
+        decoded = base64.b64decode(data, validate=True) if isinstance(data, str) else b""
+    except (binascii.Error, ValueError):
+        decoded = b""
+    if len(decoded) != positions * size * 2:
+        raise RecordRefused(f"features data must be base64 of {positions * size * 2} bytes")
+    block = FeatureBlock(positions, size, decoded)
+    if not np.isfinite(block.array()).all():
+        raise RecordRefused("features hold non-finite values")
+    return block
 
 
 @dataclass(frozen=True)
@@ -47,9 +106,14 @@ class TrajectoryRecord:
     domain: str | None = None
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    features: FeatureBlock | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "features"}
+        raw = {**fields, "steps": [asdict(step) for step in self.steps]}
+        if self.features is not None:
+            raw["features"] = self.features.to_dict()
+        return raw
 
     @property
     def num_tokens(self) -> int:
@@ -67,8 +131,9 @@ def _int_list(value: Any, name: str, vocab_size: int, limit: int) -> list[int]:
     return value
 
 
-def validate_record(raw: Any, vocab_size: int) -> TrajectoryRecord:
-    """Check an untrusted record dict field by field; returns the typed record."""
+def validate_record(raw: Any, vocab_size: int, feature_size: int | None = None) -> TrajectoryRecord:
+    """Check an untrusted record dict field by field; returns the typed record. Features, when
+    present, must be `feature_size` wide (any width when None)."""
     if not isinstance(raw, dict):
         raise RecordRefused("a record must be a JSON object")
     if raw.get("schema_version") != SCHEMA_VERSION:
@@ -93,12 +158,13 @@ def validate_record(raw: Any, vocab_size: int) -> TrajectoryRecord:
         if not isinstance(accepted, int) or not 0 <= accepted <= len(drafts):
             raise RecordRefused(f"steps[{i}].num_accepted {accepted!r} is not in [0, {len(drafts)}]")
         steps.append(StepRecord(position, drafts, accepted, str(step.get("version", ""))))
+    features = None if raw.get("features") is None else validate_features(raw["features"], total, feature_size)
     try:
         return TrajectoryRecord(
             record_id=str(raw["record_id"]), server_id=str(raw["server_id"]), prompt_ids=prompt,
             output_ids=output, steps=steps, temperature=float(raw["temperature"]), top_p=float(raw["top_p"]),
             created=float(raw["created"]), finished=float(raw["finished"]),
-            domain=None if raw.get("domain") is None else str(raw["domain"]))
+            domain=None if raw.get("domain") is None else str(raw["domain"]), features=features)
     except (KeyError, TypeError, ValueError) as error:
         raise RecordRefused(f"missing or malformed field: {error}") from None
 

@@ -1,5 +1,9 @@
 """Drafter checkpoints: one safetensors file with the drafter's shape and its target's fingerprint.
 
+Two formats: "drafter/1" (a token-level `Transformer`) and "feature-drafter/1" (a
+`FeatureDrafterModel`, its config and draft vocabulary in the file, the target's embedding never
+stored); `load_drafter` reads either. `save_drafter(..., dtype=torch.float16)` halves the file.
+
 Contract: `save_drafter` writes weights only through safetensors (never pickle), with metadata
 holding the drafter's ModelConfig and the target fingerprint (vocabulary size and tokenizer
 hash). An embedding identical to the target's (the drafter starts from it and keeps it frozen)
@@ -11,6 +15,7 @@ was made for another target, has missing or wrongly shaped tensors, or holds non
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -19,15 +24,30 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from specd.drafter.feature_model import FeatureDrafterConfig, FeatureDrafterModel
 from specd.errors import CheckpointError
 from specd.model.checkpoint import load_state_into
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import ModelConfig, Transformer
 
+# either kind of learned drafter network
+DrafterModel = Transformer | FeatureDrafterModel
 
-def save_drafter(model: Transformer, path: str | Path, fingerprint: TargetFingerprint,
-                 extra: dict[str, str] | None = None, target_embedding: torch.Tensor | None = None) -> None:
+
+def clone_drafter(model: DrafterModel) -> DrafterModel:
+    """An independent copy of the weights (a feature drafter keeps sharing the target's embedding)."""
+    if isinstance(model, FeatureDrafterModel):
+        return model.clone()
+    return copy.deepcopy(model)
+
+
+def save_drafter(model: DrafterModel, path: str | Path, fingerprint: TargetFingerprint,
+                 extra: dict[str, str] | None = None, target_embedding: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None) -> None:
     """Write the drafter; an embedding identical to `target_embedding` is not stored but referenced."""
+    if isinstance(model, FeatureDrafterModel):
+        _save_feature_drafter(model, path, fingerprint, extra, dtype)
+        return
     shares = target_embedding is not None and tuple(target_embedding.shape) == tuple(model.embed.weight.shape) and \
         torch.equal(model.embed.weight.detach().to(target_embedding.dtype).cpu(), target_embedding.detach().cpu())
     skip = {"embed.weight"} if shares else set()
@@ -42,6 +62,20 @@ def save_drafter(model: Transformer, path: str | Path, fingerprint: TargetFinger
     save_file(state, str(path), metadata=metadata)
 
 
+def _save_feature_drafter(model: FeatureDrafterModel, path: str | Path, fingerprint: TargetFingerprint,
+                          extra: dict[str, str] | None, dtype: torch.dtype | None) -> None:
+    state = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().cpu()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        state[name] = tensor.contiguous()
+    metadata = {"specd_format": "feature-drafter/1", "embedding": "target",
+                "feature_config": json.dumps(model.config.as_dict()),
+                "target_fingerprint": json.dumps(dataclasses.asdict(fingerprint)), **(extra or {})}
+    save_file(state, str(path), metadata=metadata)
+
+
 def read_metadata(path: str | Path) -> dict[str, str]:
     try:
         with safe_open(str(path), framework="pt") as handle:
@@ -52,9 +86,11 @@ def read_metadata(path: str | Path) -> dict[str, str]:
 
 def load_drafter(path: str | Path, expect: TargetFingerprint | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 target_embedding: torch.Tensor | None = None) -> Transformer:
+                 target_embedding: torch.Tensor | None = None) -> DrafterModel:
     """Read and check a drafter; `target_embedding` fills in an embedding the file shares with the target."""
     metadata = read_metadata(path)
+    if metadata.get("specd_format") == "feature-drafter/1":
+        return _load_feature_drafter(path, metadata, expect, dtype, device, target_embedding)
     if metadata.get("specd_format") != "drafter/1":
         raise CheckpointError(f"{path}: not a specd drafter checkpoint (format {metadata.get('specd_format')!r})")
     try:
@@ -72,9 +108,7 @@ def load_drafter(path: str | Path, expect: TargetFingerprint | None = None,
             state = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{path}: unreadable tensors ({error})") from None
-    bad = [name for name, tensor in state.items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
-    if bad:
-        raise CheckpointError(f"{path}: non-finite values in {bad[:5]}")
+    _check_finite(state, path)
     if metadata.get("embedding") == "target":
         if target_embedding is None:
             raise CheckpointError(f"{path}: shares the target's embedding; load it with the target's embedding")
@@ -85,3 +119,55 @@ def load_drafter(path: str | Path, expect: TargetFingerprint | None = None,
     model = Transformer(config)
     load_state_into(model, state, str(path))
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _check_fingerprint(metadata: dict[str, str], path: str | Path, expect: TargetFingerprint | None) -> None:
+    try:
+        fingerprint = TargetFingerprint(**json.loads(metadata["target_fingerprint"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable target fingerprint ({error})") from None
+    if expect is not None and fingerprint != expect:
+        raise CheckpointError(f"{path}: made for target {fingerprint}, this target is {expect}")
+
+
+def _read_state(path: str | Path) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path}: unreadable tensors ({error})") from None
+
+
+def _check_finite(state: dict[str, torch.Tensor], path: str | Path) -> None:
+    bad = [name for name, tensor in state.items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    if bad:
+        raise CheckpointError(f"{path}: non-finite values in {bad[:5]}")
+
+
+def _load_feature_drafter(path: str | Path, metadata: dict[str, str], expect: TargetFingerprint | None,
+                          dtype: torch.dtype, device: str | torch.device,
+                          target_embedding: torch.Tensor | None) -> FeatureDrafterModel:
+    try:
+        config = FeatureDrafterConfig.from_dict(json.loads(metadata["feature_config"]))
+        config.layer_config()  # its decoder layer's shape is checked here, not while building the model
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable feature-drafter metadata ({error})") from None
+    _check_fingerprint(metadata, path, expect)
+    if target_embedding is None:
+        raise CheckpointError(f"{path}: a feature drafter reads the target's embedding; load it with the target's")
+    if tuple(target_embedding.shape) != (config.vocab_size, config.hidden_size):
+        raise CheckpointError(f"{path}: the target's embedding has shape {tuple(target_embedding.shape)}, "
+                              f"expected {(config.vocab_size, config.hidden_size)}")
+    state = _read_state(path)
+    _check_finite(state, path)
+    draft_ids = state.get("draft_ids")
+    if draft_ids is None or tuple(draft_ids.shape) != (config.draft_vocab_size,) or draft_ids.is_floating_point() \
+            or int(draft_ids.min()) < 0 or int(draft_ids.max()) >= config.vocab_size:
+        raise CheckpointError(f"{path}: draft_ids must be {config.draft_vocab_size} target ids "
+                              f"in [0, {config.vocab_size})")
+    model = FeatureDrafterModel(config, target_embedding.detach().to("cpu", torch.float32), draft_ids)
+    state = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+    load_state_into(model, state, str(path))
+    model = model.to(device=device, dtype=dtype).eval()
+    model.embedding = target_embedding.detach().to(device=device, dtype=dtype)
+    return model

@@ -91,10 +91,10 @@ def _hf_to_specd(config: ModelConfig, read: dict[str, torch.Tensor]) -> dict[str
     return out
 
 
-def load_state_into(model: Transformer, state: dict[str, torch.Tensor], source: str) -> None:
+def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Copy `state` into `model`, refusing missing, unexpected or wrongly shaped tensors by name."""
     params = dict(model.state_dict())
-    if model.config.tie_embeddings:
+    if getattr(model.config, "tie_embeddings", False):
         params.pop("lm_head.weight", None)
     missing = sorted(set(params) - set(state))
     unexpected = sorted(set(state) - set(params))

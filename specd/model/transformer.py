@@ -200,18 +200,36 @@ class Transformer(nn.Module):
             x = x + block.mlp(block.mlp_norm(x))
         return cast(torch.Tensor, self.lm_head(self.norm(x)))
 
+    def train_features(self, tokens: torch.Tensor, capture_layers: tuple[int, ...]) -> torch.Tensor:
+        """Features [B, T, (len(capture_layers) + 1) * hidden] of whole sequences, no cache: the
+        residual stream after each captured layer, then the final normed state (see `forward`)."""
+        batch, length = tokens.shape
+        positions = torch.arange(length, device=tokens.device).expand(batch, length)
+        cos_table, sin_table = self._rope_tables(length)
+        cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
+        x = self.embed(tokens)
+        captured = []
+        for layer, block in enumerate(cast(list[Block], self.blocks)):
+            x = x + block.attn(block.attn_norm(x), cos, sin, positions, positions, None, None, None)
+            x = x + block.mlp(block.mlp_norm(x))
+            if layer in capture_layers:
+                captured.append(x)
+        return torch.cat([*captured, self.norm(x)], dim=-1)
+
     def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].shape[0] < length or self._rope[0].device != self.embed.weight.device:
             self._rope = rope_tables(self.config, max(length, self.config.max_position), self.embed.weight.device)
         return self._rope
 
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache, first_slot: int = 0,
-                logits_for: LogitsFor = "all", return_hidden: bool = False
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                logits_for: LogitsFor = "all", return_hidden: bool = False,
+                capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run tokens [B, T] for slots first_slot..first_slot+B-1, row b at positions start[b]+t.
 
         Returns (logits, hidden): logits [B, T, V] for "all", [B, 1, V] for "last", None for "none";
-        hidden (the final normed states [B, T, hidden]) only when asked for.
+        hidden only when asked for: the final normed states [B, T, hidden], preceded, for each
+        layer index in `capture_layers`, by the residual stream after that layer (a feature
+        drafter's input, captured by the same pass at no extra target cost).
         """
         batch, length = tokens.shape
         positions = start[:, None] + torch.arange(length, device=tokens.device)  # [B, T]
@@ -227,11 +245,14 @@ class Transformer(nn.Module):
         write_index = torch.arange(batch, device=tokens.device)[:, None]  # [B, 1]
         x = self.embed(tokens)
         slots = slice(first_slot, first_slot + batch)
+        captured = []
         for layer, block in enumerate(cast(list[Block], self.blocks)):
             h = block.attn_norm(x)
             x = x + block.attn(h, cos, sin, write_index, positions,
                                cache.k[layer, slots], cache.v[layer, slots], mask)
             x = x + block.mlp(block.mlp_norm(x))
+            if return_hidden and layer in capture_layers:
+                captured.append(x)
         if logits_for == "none" and not return_hidden:
             return None, None
         hidden = self.norm(x[:, -1:] if logits_for == "last" and not return_hidden else x)
@@ -240,4 +261,6 @@ class Transformer(nn.Module):
             logits = self.lm_head(hidden)
         elif logits_for == "last":
             logits = self.lm_head(hidden[:, -1:])
-        return logits, (hidden if return_hidden else None)
+        if not return_hidden:
+            return logits, None
+        return logits, (torch.cat([*captured, hidden], dim=-1) if captured else hidden)

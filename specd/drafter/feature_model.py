@@ -1,0 +1,257 @@
+"""The feature drafter's network: one decoder layer over the target's own hidden states.
+
+Contract: `FeatureDrafterModel` reads, per position t, the target's features at t (the residual
+stream after the `capture_layers` and the final normed state, concatenated, as
+`Transformer.forward(..., capture_layers=...)` returns them) and the embedding of token t + 1,
+and predicts token t + 2 over a pruned draft vocabulary (`draft_ids`, target ids, most frequent
+first). Its output state stands in for the target's features at t + 1, so drafting k tokens is a
+chain of k one-position steps. Serving runs `step` on a static KV cache (the same
+overwrite-and-mask cache as the target's); training runs `unrolled` over whole sequences, where
+step j sees its own predicted states exactly as draft j does at serving time (EAGLE-3's
+training-time test). The target's embedding is borrowed, frozen, and never stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specd.model.transformer import Block, KVCache, ModelConfig, apply_rope, rope_tables
+
+
+@dataclass(frozen=True)
+class FeatureDrafterConfig:
+    """The target's shape (what the drafter reads) and the drafter's own choices."""
+
+    vocab_size: int              # the target's
+    hidden_size: int             # the target's: features and embeddings have this width
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    capture_layers: tuple[int, ...]   # target layers whose residual streams are read
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position: int = 2048
+    rope_llama3: tuple[float, float, float, int] | None = None
+
+    def __post_init__(self) -> None:
+        sizes = ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                 "draft_vocab_size", "max_position")
+        if not all(type(getattr(self, name)) is int for name in sizes):  # a config read from a file
+            raise ValueError(f"{', '.join(sizes)} must be integers")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in (0, {self.vocab_size}], got {self.draft_vocab_size}")
+        if not self.capture_layers:
+            raise ValueError("a feature drafter reads at least one target layer")
+        # the target captures each layer once, in layer order: a repeated or negative index would
+        # give features of another width than the drafter reads
+        if not all(type(layer) is int and layer >= 0 for layer in self.capture_layers) \
+                or len(set(self.capture_layers)) != len(self.capture_layers):
+            raise ValueError(f"capture_layers must be distinct non-negative layer indices, got {self.capture_layers}")
+
+    @property
+    def feature_size(self) -> int:
+        return (len(self.capture_layers) + 1) * self.hidden_size
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int,
+                   capture_layers: tuple[int, ...] | None = None) -> FeatureDrafterConfig:
+        """Low, middle and high layers as in EAGLE-3, and a decoder layer shaped like the target's."""
+        layers = target.num_layers
+        if capture_layers is None:
+            capture_layers = tuple(sorted({min(2, layers - 1), layers // 2, max(layers - 3, 0)}))
+        return cls(target.vocab_size, target.hidden_size, target.num_heads, target.num_kv_heads, target.head_dim,
+                   target.intermediate_size, tuple(capture_layers), min(draft_vocab_size, target.vocab_size),
+                   target.rms_norm_eps, target.rope_theta, target.max_position, target.rope_llama3)
+
+    def layer_config(self) -> ModelConfig:
+        return ModelConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                           max_position=self.max_position, rope_llama3=self.rope_llama3)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> FeatureDrafterConfig:
+        fields = dict(raw)
+        fields["capture_layers"] = tuple(fields["capture_layers"])
+        if fields.get("rope_llama3") is not None:
+            fields["rope_llama3"] = tuple(fields["rope_llama3"])
+        return cls(**fields)
+
+
+class FeatureDrafterModel(nn.Module):
+    draft_ids: torch.Tensor   # [draft_vocab_size] target ids, a buffer stored with the weights
+    embedding: torch.Tensor   # the target's, a non-persistent buffer
+
+    def __init__(self, config: FeatureDrafterConfig, embedding: torch.Tensor,
+                 draft_ids: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        if tuple(embedding.shape) != (config.vocab_size, hidden):
+            raise ValueError(f"the target's embedding is {tuple(embedding.shape)}, "
+                             f"the drafter expects {(config.vocab_size, hidden)}")
+        self.fuse = nn.Linear(config.feature_size, hidden, bias=False)
+        self.embed_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.feature_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.combine = nn.Linear(2 * hidden, hidden, bias=False)
+        self.block = Block(config.layer_config())
+        self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        if draft_ids is None:
+            draft_ids = torch.arange(config.draft_vocab_size)
+        self.register_buffer("draft_ids", draft_ids.to(torch.long).clone())
+        # borrowed from the target and frozen: not a parameter, not in the state dict
+        self.register_buffer("embedding", embedding.detach(), persistent=False)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def clone(self) -> FeatureDrafterModel:
+        """A copy of the weights that shares the (frozen, large) target embedding."""
+        twin = FeatureDrafterModel(self.config, self.embedding, self.draft_ids)
+        twin.load_state_dict(self.state_dict())
+        return twin.to(self.head.weight.dtype).train(self.training)
+
+    # ---- pieces shared by serving and training --------------------------------------------
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [.., feature_size] to the drafter's state width [.., hidden]."""
+        features = features.to(self.fuse.weight.dtype)
+        # each layer's residual stream has its own scale (deep ones run to hundreds): give every
+        # chunk unit RMS first so that no layer drowns the others
+        chunks = features.unflatten(-1, (-1, self.config.hidden_size))
+        chunks = chunks * torch.rsqrt(chunks.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return self.fuse(chunks.flatten(-2))
+
+    def _inputs(self, state: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        embedded = F.embedding(next_tokens, self.embedding).to(state.dtype)
+        return self.combine(torch.cat([self.embed_norm(embedded), self.feature_norm(state)], dim=-1))
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of output states."""
+        return self.head(self.norm(state))
+
+    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.head.weight.device
+        if self._rope is None or self._rope[0].shape[0] < length or self._rope[0].device != device:
+            self._rope = rope_tables(self.config.layer_config(), max(length, self.config.max_position), device)
+        return self._rope
+
+    def new_cache(self, max_batch: int, max_seq: int) -> KVCache:
+        weight = self.head.weight
+        return KVCache(self.config.layer_config(), max_batch, max_seq, weight.dtype, weight.device)
+
+    # ---- serving --------------------------------------------------------------------------
+    def step(self, state: torch.Tensor, next_tokens: torch.Tensor, start: torch.Tensor, cache: KVCache,
+             first_slot: int = 0) -> torch.Tensor:
+        """Positions start[b]..start[b]+T-1 of rows in slots first_slot..: state [B, T, hidden] (fused
+        target features or the drafter's own output states), next_tokens [B, T]. Returns output states."""
+        batch, length = next_tokens.shape
+        positions = start[:, None] + torch.arange(length, device=next_tokens.device)
+        cos_table, sin_table = self.rope(cache.max_seq)
+        cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
+        kv_len = int(start.max()) + length
+        mask = None
+        if length > 1 or batch > 1:
+            mask = (torch.arange(kv_len, device=positions.device) <= positions[:, :, None])[:, None]
+        write_index = torch.arange(batch, device=next_tokens.device)[:, None]
+        slots = slice(first_slot, first_slot + batch)
+        x = self._inputs(state, next_tokens)
+        block = self.block
+        x = x + block.attn(block.attn_norm(x), cos, sin, write_index, positions,
+                           cache.k[0, slots], cache.v[0, slots], mask)
+        return x + block.mlp(block.mlp_norm(x))
+
+    # ---- training -------------------------------------------------------------------------
+    def unrolled(self, features: torch.Tensor, next_tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Output states of `steps` chained drafting steps over whole sequences.
+
+        features [B, T, feature_size] are the target's at positions 0..T-1; next_tokens[:, t] is
+        token t + 1. Step j (0-based) at position t is the j+1-th draft made after the target's
+        features at t - j: it reads its own step j-1 state from position t - 1 and attends to the
+        target-fed entries at positions <= t - j plus its own chain (one entry per earlier step).
+        Its output predicts token t + 2 for every j. Positions t < j have no such chain; their
+        outputs are meaningless and must be masked out of any loss.
+        """
+        cfg = self.config
+        batch, length, _ = features.shape
+        positions = torch.arange(length, device=features.device)
+        cos_table, sin_table = self.rope(length)
+        cos, sin = cos_table[positions][None, None], sin_table[positions][None, None]
+        attn = self.block.attn
+        groups = cfg.num_heads // cfg.num_kv_heads
+        state = self.fuse_features(features)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outputs: list[torch.Tensor] = []
+        for j in range(steps):
+            if j > 0:  # this step's state at t is the previous step's output at t - 1
+                state = F.pad(outputs[-1][:, :-1], (0, 0, 1, 0))
+            x = self._inputs(state, next_tokens)
+            q, k, v = attn.qkv(self.block.attn_norm(x)).split(attn.split, dim=-1)
+            q = apply_rope(q.view(batch, length, cfg.num_heads, cfg.head_dim).transpose(1, 2), cos, sin)
+            k = apply_rope(k.view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, H, T, D]
+            keys.append(k)
+            values.append(v)
+            scale = 1.0 / math.sqrt(cfg.head_dim)
+            # target-fed entries (step 0's keys) at positions <= t - j
+            visible = positions[None, :] <= positions[:, None] - j  # [T(query), T(key)]
+            scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))]
+            # the chain: step i's entry at position t - (j - i), one score per query
+            chain_values = []
+            for i in range(1, j + 1):
+                shift = j - i
+                k_i = F.pad(keys[i][:, :, :length - shift], (0, 0, shift, 0)) if shift else keys[i]
+                v_i = F.pad(values[i][:, :, :length - shift], (0, 0, shift, 0)) if shift else values[i]
+                scores.append((q * k_i).sum(-1, keepdim=True) * scale)
+                chain_values.append(v_i)
+            weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+            out = weights[..., :length] @ values[0]
+            for i, v_i in enumerate(chain_values):
+                out = out + weights[..., length + i:length + i + 1] * v_i
+            x = x + attn.o(out.transpose(1, 2).reshape(batch, length, -1))
+            outputs.append(x + self.block.mlp(self.block.mlp_norm(x)))
+        return outputs
+
+
+def new_feature_drafter(target_config: ModelConfig, embedding: torch.Tensor, lm_head: torch.Tensor,
+                        final_norm: torch.Tensor, draft_ids: torch.Tensor,
+                        capture_layers: tuple[int, ...] | None = None, seed: int = 0) -> FeatureDrafterModel:
+    """A day-0 feature drafter: near-identity fusion, a quiet random layer, the target's output rows."""
+    config = FeatureDrafterConfig.for_target(target_config, len(draft_ids), capture_layers)
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = FeatureDrafterModel(config, embedding.float().cpu(), draft_ids.cpu())
+        for param in model.parameters():
+            if param.dim() > 1:
+                nn.init.normal_(param, std=0.02)
+        hidden = config.hidden_size
+        norm_weight = final_norm.detach().float().cpu()
+        with torch.no_grad():
+            # start as "the target's own last state": the fusion passes the final state through
+            # (undoing the final norm's weight, which the drafter's output norm applies again),
+            # the layer adds little, and the output rows are the target's, so day 0 predicts the
+            # target's next-token distribution one position early instead of noise, and training
+            # bends it forward from there
+            model.fuse.weight.mul_(0.1)
+            model.fuse.weight[:, -hidden:] += torch.diag(1 / norm_weight.abs().clamp(min=1e-2))
+            model.combine.weight.mul_(0.1)
+            model.combine.weight[:, hidden:] += torch.eye(hidden)
+            model.block.attn.o.weight.mul_(0.1)
+            model.block.mlp.down.weight.mul_(0.1)
+            model.head.weight.copy_(lm_head.detach().float().cpu()[draft_ids.cpu()])
+            model.norm.weight.copy_(norm_weight)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model.eval()
