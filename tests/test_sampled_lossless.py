@@ -19,6 +19,8 @@ from test_sampling import chi_square_p_value
 
 import specd.engine.engine as engine_module
 from specd.drafter.base import Drafter, Proposal
+from specd.drafter.feature_drafter import FeatureDrafter
+from specd.drafter.feature_model import new_feature_drafter
 from specd.drafter.hybrid import HybridDrafter
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import Engine
@@ -33,6 +35,7 @@ NUM_SAMPLES = 6000
 FULL_HEAD = DrafterShape(1, 16, 2, 1, 16)
 PARTIAL_HEAD = replace(FULL_HEAD, head_vocab_size=5)  # ids 5..7 are never drafted: q = 0 there
 PLAIN = SamplingParams(temperature=1.0, max_tokens=3)
+DRAFT_IDS = torch.tensor([6, 2, 0, 5, 3])  # a pruned draft vocabulary, not a prefix: 1, 4, 7 are never drafted
 
 
 def small_target() -> Transformer:
@@ -41,6 +44,11 @@ def small_target() -> Transformer:
 
 def small_drafter(target: Transformer, shape: DrafterShape = FULL_HEAD, seed: int = 2) -> Transformer:
     return new_drafter_model(target, shape, copy_from_target=False, seed=seed)
+
+
+def small_feature_drafter(target: Transformer) -> FeatureDrafter:
+    return FeatureDrafter(new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight,
+                                              target.norm.weight, DRAFT_IDS, seed=2))
 
 
 def target_joint(target: Transformer, prompt: list[int], params: SamplingParams) -> torch.Tensor:
@@ -118,6 +126,14 @@ def misaligned_q(proposal: Proposal) -> Proposal:
     return replace(proposal, q=proposal.q.roll(missing, dims=-1))
 
 
+def unmapped_q(proposal: Proposal) -> Proposal:
+    """Planted bug: a pruned head's q left in draft-vocabulary order, so q(id i) is read from draft index i."""
+    assert proposal.q is not None
+    unmapped = torch.zeros_like(proposal.q)
+    unmapped[..., :len(DRAFT_IDS)] = proposal.q[..., DRAFT_IDS]
+    return replace(proposal, q=unmapped)
+
+
 @dataclass(frozen=True)
 class Scenario:
     prompt: list[int]
@@ -145,6 +161,8 @@ SCENARIOS = {
     # "1 2" occurred before: the first drafts are the context match [3, 1] with one-hot q, later ones learned
     "hybrid": Scenario([1, 2, 3, 1, 2], PLAIN, lambda t: HybridDrafter(TokenDrafter(small_drafter(t))),
                        tampered_with(uniform_q_for_matched_rows)),
+    # the feature drafter over a pruned, reordered draft vocabulary: q is scattered back to target ids
+    "feature": Scenario([1, 2, 3], PLAIN, small_feature_drafter, tampered_with(lambda drafter: unmapped_q)),
     "partial-head": Scenario([1, 2, 3], PLAIN, lambda t: TokenDrafter(small_drafter(t, PARTIAL_HEAD)),
                              tampered_with(lambda drafter: misaligned_q)),
     "top-p": Scenario([1, 2, 3], SamplingParams(temperature=0.8, top_p=0.8, max_tokens=3),
@@ -181,6 +199,8 @@ def test_sampled_output_follows_the_target_distribution(name: str) -> None:
         assert all(s.steps[0].drafts == (3, 1) for s in seqs)  # the context match, for every request
     if name == "partial-head":
         assert max(d for s in seqs for step in s.steps for d in step.drafts) < 5  # only ids the head covers
+    if name == "feature":
+        assert {d for s in seqs for step in s.steps for d in step.drafts} <= set(DRAFT_IDS.tolist())
     if scenario.swap_every_step:
         assert isinstance(drafter, TokenDrafter)
         assert drafter.num_swaps == len({step.drafter_version for s in seqs for step in s.steps}) - 1

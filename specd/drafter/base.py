@@ -5,13 +5,15 @@ Contract: the engine owns the token buffer and the batch; a drafter owns only it
 when it sampled them, the distributions q they came from. Rows are the engine's slots 0..B-1 in
 order. After verification the engine calls `commit` with how many drafts each row accepted; when
 a request joins a slot it calls `start`, and when the batch is compacted, `move`. A drafter never
-changes what the engine emits, only how many target passes it takes.
+changes what the engine emits, only how many target passes it takes. A drafter that reads the
+target's hidden states is also a `FeatureReader`: the engine captures its layers in the passes it
+runs anyway and hands over every row's features as its positions are verified.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -65,6 +67,18 @@ class Drafter(Protocol):
 
     def commit(self, num_accepted: torch.Tensor) -> None:
         """num_accepted: [B] how many of the last proposal's drafts each row accepted."""
+
+
+@runtime_checkable
+class FeatureReader(Protocol):
+    """A drafter fed the target's features (the residual streams after `capture_layers`, then the final state)."""
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Target layers to capture; () reads none (a hybrid over a token drafter)."""
+
+    def observe(self, slot: int, start: int, features: torch.Tensor) -> None:
+        """features [n, F]: the target's at positions start..start+n-1 of the row in `slot`."""
 
 
 def one_hot_q(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:

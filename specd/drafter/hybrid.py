@@ -2,12 +2,14 @@
 
 Contract: a row whose own context has a match (`context_match`) gets the match's drafts; a row
 without one asks the `TrafficTable` it was built with (if any) what earlier requests continued
-its last tokens with; every other row gets the learned `TokenDrafter`'s drafts. The learned
-drafter still runs for all rows (its cache must follow every row) unless a caller switches it
-off (`use_learned`); rows whose drafts were replaced commit as "none of your drafts were used",
-so its cache stays exact. Swaps and versions belong to the learned part. `row_sources` names
-where each row's drafts came from at the last proposal ("context<n>", "table<n>", "learned",
-"none"), with the match length, since long matches are right far more often than short ones.
+its last tokens with; every other row gets the learned drafter's drafts (a `TokenDrafter` or a
+`FeatureDrafter`). The learned drafter still runs for all rows (its cache must follow every row)
+unless a caller switches it off (`use_learned`); rows whose drafts were replaced commit as "none
+of your drafts were used", so a token drafter's cache stays exact (a feature drafter's features
+come from the verified tokens through `observe`, whoever drafted them). Swaps, versions and the
+target layers to capture belong to the learned part. `row_sources` names where each row's drafts
+came from at the last proposal ("context<n>", "table<n>", "learned", "none"), with the match
+length, since long matches are right far more often than short ones.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import torch
 
 from specd.drafter.base import DraftBatch, Proposal, one_hot_q
 from specd.drafter.context_match import context_match
+from specd.drafter.feature_drafter import FeatureDrafter
+from specd.drafter.feature_model import FeatureDrafterModel
 from specd.drafter.token_drafter import TokenDrafter
 from specd.drafter.traffic_table import TrafficTable
 from specd.model.transformer import Transformer
 
 
 class HybridDrafter:
-    def __init__(self, learned: TokenDrafter, table: TrafficTable | None = None, max_n: int = 4, min_n: int = 2,
-                 window: int = 1024) -> None:
+    def __init__(self, learned: TokenDrafter | FeatureDrafter, table: TrafficTable | None = None, max_n: int = 4,
+                 min_n: int = 2, window: int = 1024) -> None:
         self.learned = learned
         # continuations learned across requests (see traffic_table), asked where the row has no match
         self.table = table
@@ -45,14 +49,23 @@ class HybridDrafter:
         return self.learned.version
 
     @property
-    def model(self) -> Transformer:
+    def model(self) -> Transformer | FeatureDrafterModel:
         return self.learned.model
 
     @property
     def num_swaps(self) -> int:
         return self.learned.num_swaps
 
-    def offer(self, model: Transformer, version: str) -> None:
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """The target layers a feature drafter reads; none for a token drafter."""
+        return self.learned.capture_layers if isinstance(self.learned, FeatureDrafter) else ()
+
+    def observe(self, slot: int, start: int, features: torch.Tensor) -> None:
+        if isinstance(self.learned, FeatureDrafter):
+            self.learned.observe(slot, start, features)
+
+    def offer(self, model: Transformer | FeatureDrafterModel, version: str) -> None:
         self.learned.offer(model, version)
 
     def apply_pending(self) -> None:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from specd.drafter.base import DraftBatch, Proposal
+from specd.drafter.feature_model import FeatureDrafterModel
+from specd.errors import BadWeights
 from specd.model.sampling import sample_from, target_probs
 from specd.model.transformer import KVCache, ModelConfig, Transformer
 
@@ -118,8 +120,10 @@ class TokenDrafter:
         self._cache.move_slot(src, dst, self._cached[src])
         self._cached[dst] = self._cached[src]
 
-    def offer(self, model: Transformer, version: str) -> None:
+    def offer(self, model: Transformer | FeatureDrafterModel, version: str) -> None:
         """Hand over checked weights from any thread; they take over at the next proposal."""
+        if not isinstance(model, Transformer):
+            raise BadWeights(f"a token drafter cannot serve {type(model).__name__} weights (version {version})")
         with self._pending_lock:
             self._pending = (model, version)
 

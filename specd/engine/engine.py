@@ -11,6 +11,11 @@ the last token (which is the next step's first input); entries written for rejec
 in the cache but sit past the row's length, where the causal mask hides them, and the next step
 overwrites them. Running requests occupy slots 0..B-1; when one finishes, the last row moves
 into its slot, so every batched pass reads a plain prefix of the caches.
+
+A drafter that reads the target's hidden states names the layers (`capture_layers`); the prefill
+and verification passes then return those features too, at no extra target pass, and the engine
+hands each row the features of its verified positions (`observe(slot, start, features)`), and,
+with `record_features`, keeps them on the request for its trajectory record.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.drafter.base import DraftBatch, Drafter, Proposal, one_hot_q
+from specd.drafter.base import DraftBatch, Drafter, FeatureReader, Proposal, one_hot_q
 from specd.engine.lookahead import LookaheadConfig, LookaheadController
 from specd.engine.request import SamplingParams, Sequence
 from specd.engine.sampling import Verdict, target_probs, verify_greedy, verify_sampled
@@ -38,6 +43,7 @@ class EngineConfig:
     max_context: int | None = None    # prompt + output; None means the target's max_position
     eos_token_ids: tuple[int, ...] = ()
     adaptive_lookahead: bool = True    # pick k per step from measured acceptance and costs
+    record_features: bool = False      # keep each request's captured features for its record
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -171,13 +177,18 @@ class Engine:
         drafted = time.perf_counter()
         rows = torch.arange(batch, device=self.device)
         inputs = torch.cat([self.tokens[rows, lengths - 1][:, None], drafts], dim=1)  # [B, k+1]
-        logits, _ = self.target(inputs, lengths - 1, self.cache)  # [B, k+1, V]
+        capture = self.capture_layers
+        # logits: [B, k+1, V]; features: [B, k+1, F] when the drafter reads the target's layers
+        logits, features = self.target(inputs, lengths - 1, self.cache, return_hidden=bool(capture),
+                                       capture_layers=capture)
         assert logits is not None
         verdict = self._verify(logits, proposal, drafts, limit, rows_info)
         if proposal is not None and self.drafter is not None:
             self.drafter.commit(verdict.num_accepted)
         verified = time.perf_counter()
         stats = self._emit(verdict, drafts, limit, lengths, self.drafter_version)
+        if features is not None:
+            self._observe_emitted(features, lengths)
         if self.drafter is not None and self.k > 0:
             self.lookahead.observe(k, stats.num_drafts_proposed, stats.num_drafts_accepted,
                                    drafted - begin, verified - drafted)
@@ -189,9 +200,11 @@ class Engine:
         slot = len(self.running)
         prompt = torch.tensor(seq.prompt_ids, device=self.device)
         self.tokens[slot, :len(prompt)] = prompt
+        capture, features = self.capture_layers, None
         if len(prompt) > 1:  # the last prompt token is the first step's input
             start = torch.zeros(1, dtype=torch.long, device=self.device)
-            self.target(prompt[None, :-1], start, self.cache, first_slot=slot, logits_for="none")
+            _, features = self.target(prompt[None, :-1], start, self.cache, first_slot=slot, logits_for="none",
+                                      return_hidden=bool(capture), capture_layers=capture)
         seq.generator = torch.Generator()
         if seq.params.seed is not None:
             seq.generator.manual_seed(seq.params.seed)
@@ -200,6 +213,26 @@ class Engine:
         if self.drafter is not None:
             self.drafter.start(slot)
         self.running.append(seq)
+        if features is not None:
+            self._observe(slot, 0, features[0])
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Target layers whose features the drafter reads; () for a drafter that reads none."""
+        return self.drafter.capture_layers if isinstance(self.drafter, FeatureReader) else ()
+
+    def _observe(self, slot: int, start: int, features: torch.Tensor) -> None:
+        """Features [n, F] of positions start..start+n-1 of a row: to the drafter and the record."""
+        assert isinstance(self.drafter, FeatureReader)  # features are captured for feature readers only
+        self.drafter.observe(slot, start, features)
+        if self.config.record_features:
+            self.running[slot].feature_chunks.append(features.to("cpu", torch.float16))
+
+    def _observe_emitted(self, features: torch.Tensor, lengths: torch.Tensor) -> None:
+        """After a step that emitted e tokens in a row of length L: features of positions L-1..L+e-2,
+        the verification pass's first e inputs (the last token and the e - 1 accepted drafts)."""
+        for slot, (seq, length) in enumerate(zip(self.running, lengths.tolist(), strict=True)):
+            self._observe(slot, length - 1, features[slot, :seq.num_tokens - length])
 
     def _draft_batch(self, lengths: torch.Tensor) -> DraftBatch:
         running = self.running

@@ -4,7 +4,9 @@ Contract: `SamplingParams` is validated on construction, so a bad setting is ref
 reaches the engine. A `Sequence` carries one request's prompt, output and the log of its
 verification steps (position, drafts, how many were accepted, drafter version): that log is the
 raw material of the learner's trajectory records (`record_from_sequence`), and its counts are
-the request's statistics.
+the request's statistics. An engine that records features appends the target's features of each
+step's verified positions (`feature_chunks`, fp16 on the CPU); the record carries them when they
+cover every position 0..num_tokens-2.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.errors import RequestRefused
-from specd.records import AcceptanceCounts, StepRecord, TrajectoryRecord
+from specd.records import AcceptanceCounts, FeatureBlock, StepRecord, TrajectoryRecord
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Sequence:
     num_drafts_accepted: int = 0         # accepted and emitted (a stop can cut accepted drafts)
     created: float = field(default_factory=time.time)
     generator: torch.Generator = field(default_factory=torch.Generator, repr=False)
+    feature_chunks: list[torch.Tensor] = field(default_factory=list, repr=False)  # each [n, F], in order
 
     @property
     def num_tokens(self) -> int:
@@ -107,4 +110,14 @@ def record_from_sequence(seq: Sequence, server_id: str, finished: float, domain:
     # index of the first token that step emitted
     steps = [StepRecord(s.position, list(s.drafts), s.num_accepted, s.drafter_version) for s in seq.steps]
     return TrajectoryRecord(uuid.uuid4().hex, server_id, list(seq.prompt_ids), list(seq.output_ids), steps,
-                            seq.params.temperature, seq.params.top_p, seq.created, finished, domain)
+                            seq.params.temperature, seq.params.top_p, seq.created, finished, domain,
+                            features=_features(seq))
+
+
+def _features(seq: Sequence) -> FeatureBlock | None:
+    """The features of positions 0..num_tokens-2, when they were captured for all of them (a drafter
+    swapped in mid-request, or to other layers, leaves a partial or mixed capture: none is sent)."""
+    chunks = seq.feature_chunks
+    if not chunks or len({c.shape[-1] for c in chunks}) > 1 or sum(len(c) for c in chunks) != seq.num_tokens - 1:
+        return None
+    return FeatureBlock.of(torch.cat(chunks).numpy())

@@ -121,8 +121,9 @@ class SpecdProposer:
             announce = inner.announce if isinstance(inner, RemoteSource) else None
             publisher = MqttPublisher(settings.mqtt, settings.server_id, on_announcement=announce).start()
         self.source = PinnedSource(inner, settings.version)
-        spec = DrafterSpec(settings.drafter_kind, settings.drafter_layers, settings.drafter_head_vocab,
-                           settings.traffic_table)
+        # inside vLLM the token-level drafter serves for now: the target's hidden states are vLLM's
+        spec = DrafterSpec(settings.drafter_kind, arch="token", layers=settings.drafter_layers,
+                           head_vocab=settings.drafter_head_vocab, traffic_table=settings.traffic_table)
         # version "0" serves until the live version is loaded, a moment after start
         self.drafter = build_drafter(spec, initial_model(TargetHead(config, embed, head), spec), "0")
         self.drafter.bind(self.slots.capacity, self.max_model_len + self.k + 1, device)
@@ -175,7 +176,7 @@ class SpecdProposer:
         drafter, rows = self.drafter, len(request_ids)
         assert drafter is not None
         self.slots.arrange(request_ids, drafter)
-        device = drafter.model.embed.weight.device
+        device = next(drafter.model.parameters()).device
         batch = DraftBatch(tokens=torch.from_numpy(token_ids_cpu[:rows]).to(device),
                            lengths=torch.from_numpy(lengths.astype(np.int64)).to(device),
                            prompt_lengths=prompt_lengths.tolist(), request_ids=request_ids,
