@@ -115,7 +115,8 @@ class Fleet:
         self.errors: dict[str, str] = {}
         self.broker = Broker(folder / "broker").start()
         self.learner = SpecdProcess(["learner", "--store", str(folder / "store"), "--broker", self.broker.url,
-                                     "--target", self.target, "--publish-every", "10", "--deployment", "bench"],
+                                     "--target", self.target, "--publish-every", "10", "--deployment", "bench",
+                                     "--drafter-arch", "token"],
                                     free_port(), folder / "learner.log", env={"OMP_NUM_THREADS": "1"}).start()
 
     def start(self, name: str, make: Callable[[], VllmServer], warm: list[str]) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specd.drafter.base import Drafter
 from specd.drafter.checkpoint import load_drafter
-from specd.drafter.factory import DrafterSpec
+from specd.drafter.factory import DrafterSpec, build_drafter
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.replay import record_greedy
@@ -59,7 +59,7 @@ def _build_drafter(choice: str, loaded: LoadedTarget, prompt_ids: list[int], par
     if not path.is_file():
         raise ConfigurationError(f"--drafter {choice!r}: not a file, and not one of random, replay, none")
     model = load_drafter(path, loaded.fingerprint, DTYPES[dtype], device, target_embedding=loaded.model.embed.weight)
-    return TokenDrafter(model, version=path.stem)
+    return build_drafter(DrafterSpec(kind="learned"), model, path.stem)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -105,8 +105,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=4, help="requests decoded together (default 4)")
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--duty-cycle", type=float, default=0.5, help="learner's share of wall time (default 0.5)")
-    p.add_argument("--drafter-kind", choices=["hybrid", "learned"], default="hybrid",
-                   help="hybrid: context matches first, the learned drafter elsewhere (default); learned: only it")
+    _add_drafter_flags(p)
     p.add_argument("--adaptive-k", action="store_true",
                    help="let the lookahead controller pick k per step (default: fixed k, so accept length "
                         "measures the drafter)")
@@ -130,7 +129,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         items = default_shift_traffic(args.requests, args.seed)
     loaded = LoadedTarget.load(args.target)
     config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, k=args.k, seed=args.seed,
-                        adaptive_lookahead=args.adaptive_k, drafter=DrafterSpec(kind=args.drafter_kind),
+                        adaptive_lookahead=args.adaptive_k, drafter=_drafter_spec(args),
                         learner=LearnerConfig(duty_cycle=args.duty_cycle, k=args.k, seed=args.seed))
     result = run_demo(loaded, items, config, Path(args.store) if args.store else None)
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -149,6 +148,20 @@ def run_demo_command(args: argparse.Namespace) -> int:
           f"duty cycle {args.duty_cycle}, {result['learner']['torch_threads']} torch threads shared with serving")
     print(f"wrote {args.json_out} and {args.plot_out}")
     return 0
+
+
+def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter-kind", choices=["hybrid", "learned"], default="hybrid",
+                   help="hybrid: context matches first, the learned drafter elsewhere (default); learned: only it")
+    p.add_argument("--drafter-arch", choices=["feature", "token"], default="feature",
+                   help="the learned drafter: feature (reads the target's hidden states; default) or token "
+                        "(token ids only, for comparison)")
+    p.add_argument("--from-scratch", action="store_true",
+                   help="feature drafter: start from a fresh drafter, not the shipped pretrained version")
+
+
+def _drafter_spec(args: argparse.Namespace, **fields: bool) -> DrafterSpec:
+    return DrafterSpec(kind=args.drafter_kind, arch=args.drafter_arch, pretrained=not args.from_scratch, **fields)
 
 
 def _where(p: argparse.ArgumentParser) -> None:
@@ -280,6 +293,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-canary", action="store_true", help="embedded mode: never roll a version back automatically")
     p.add_argument("--no-traffic-table", action="store_true",
                    help="draft only from each request's own context and the learned drafter")
+    _add_drafter_flags(p)
     p.add_argument("--duty-cycle", type=float, default=0.5)
     p.add_argument("--server-id", default="specd-0")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target folder name)")
@@ -322,6 +336,7 @@ def _add_learner(sub: argparse._SubParsersAction) -> None:
                    help="share of wall time spent training (default 0.5: servers may share the machine)")
     p.add_argument("--publish-every", type=float, default=15.0, help="seconds between candidates (default 15)")
     p.add_argument("--client-id", default="specd-learner", help="MQTT client id of the persistent session")
+    _add_drafter_flags(p)
     _add_broker(p)
     p.set_defaults(run=run_learner)
 
@@ -338,7 +353,7 @@ def run_learner(args: argparse.Namespace) -> int:
         raise ConfigurationError("specd learner needs --broker mqtt://host:port")
     options = SidecarOptions(store=args.store, mqtt=settings, client_id=args.client_id,
                              public_url=args.public_url or f"http://{args.host}:{args.port}",
-                             token=args.token or os.environ.get("SPECD_TOKEN"),
+                             token=args.token or os.environ.get("SPECD_TOKEN"), drafter=_drafter_spec(args),
                              learner=LearnerConfig(k=args.k, duty_cycle=args.duty_cycle,
                                                    publish_every_seconds=args.publish_every))
     app = build_sidecar(options, LoadedTarget.load(args.target))
@@ -356,8 +371,54 @@ def run_serve(args: argparse.Namespace) -> int:
                            learner=not args.no_learner, duty_cycle=args.duty_cycle, server_id=args.server_id,
                            model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,
                            token=args.token, publish_records=not args.no_records, canary=not args.no_canary,
-                           drafter=DrafterSpec(traffic_table=not args.no_traffic_table))
+                           drafter=_drafter_spec(args, traffic_table=not args.no_traffic_table))
     web.run_app(build_server(options), host=args.host, port=args.port, print=lambda line: print(line, flush=True))
+    return 0
+
+
+def _add_pretrain(sub: argparse._SubParsersAction) -> None:
+    from specd.learner.pretrain import PretrainConfig
+
+    defaults = PretrainConfig()
+    p = sub.add_parser("pretrain", help="train a feature drafter offline on the bundled ShareGPT conversations")
+    p.add_argument("--out", required=True, help="the version file to write (a .json manifest goes beside it)")
+    p.add_argument("--work", required=True, help="work folder: cached features and checkpoints; rerun to resume")
+    p.add_argument("--target", default=None)
+    p.add_argument("--conversations", type=int, default=defaults.conversations)
+    p.add_argument("--max-length", type=int, default=defaults.max_length, help="tokens kept per conversation")
+    p.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab, help="ids the output head covers")
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--batch", type=int, default=defaults.batch_size, help="conversations per step")
+    p.add_argument("--lr", type=float, default=defaults.learning_rate)
+    p.add_argument("--unroll", type=int, default=defaults.unroll, help="drafting steps trained per position")
+    p.add_argument("--objective", choices=["kl", "accept"], default=defaults.objective)
+    p.add_argument("--eval-every", type=int, default=defaults.eval_every)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.set_defaults(run=run_pretrain)
+
+
+def run_pretrain(args: argparse.Namespace) -> int:
+    import shlex
+
+    import torch
+
+    from specd.learner.pretrain import PretrainConfig, pretrain
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("specd").setLevel(logging.INFO)
+    try:
+        config = PretrainConfig(conversations=args.conversations, max_length=args.max_length,
+                                draft_vocab=args.draft_vocab, steps=args.steps, batch_size=args.batch,
+                                learning_rate=args.lr, unroll=args.unroll, objective=args.objective,
+                                eval_every=args.eval_every, seed=args.seed)
+    except ValueError as error:
+        raise ConfigurationError(str(error)) from None
+    command = "specd " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    manifest = pretrain(LoadedTarget.load(args.target), config, Path(args.work), Path(args.out), command)
+    print(f"wrote {args.out}: held-out accept length {manifest['held_out']['accept_length']:.3f} "
+          f"(k = {manifest['held_out']['k']}) after {manifest['steps']} steps, {manifest['tokens_trained']} tokens")
     return 0
 
 
@@ -369,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store_commands(sub)
     _add_serve(sub)
     _add_learner(sub)
+    _add_pretrain(sub)
     add_vllm_parser(sub)
     return parser
 

@@ -1,11 +1,13 @@
 """`specd demo`: replay traffic with a distribution shift through the engine in three modes.
 
 Contract: the same requests, in the same order, decoded greedily three times:
-- `adaptive`: a drafter created at request 0 (random layers on the target's embeddings) that a
-  learner thread keeps training from the records this run produces; new versions reach the
-  engine through the weight store and the swapper, between steps;
-- `static`: the adaptive run's live version at the end of the first domain, frozen;
+- `adaptive`: the day-0 drafter (the shipped pretrained feature drafter unless the spec says
+  otherwise) that a learner thread keeps training from the records this run produces; new
+  versions reach the engine through the weight store and the swapper, between steps;
+- `static`: the same day-0 drafter, frozen;
 - `none`: no speculation.
+Both speculative modes use the same non-learned parts (context matching, each its own traffic
+table, the same lookahead setting), so the gap between them is learning alone.
 Requests of one domain are decoded together (continuous batching up to `max_batch`); domains
 run one after another, so per-domain tokens/s is wall time of that domain alone. The result is a
 JSON document (top-level `summary`: mode -> domain -> requests, accept length, acceptance rate,
@@ -82,16 +84,17 @@ def segments(items: list[TrafficItem]) -> list[tuple[str, list[int]]]:
 
 
 def run_mode(mode: str, loaded: LoadedTarget, items: list[TrafficItem], prompts: list[list[int]],
-             config: DemoConfig, drafter: ServingDrafter | None, bus: InProcessBus | None,
-             on_segment_end=None) -> ModeRun:
+             config: DemoConfig, drafter: ServingDrafter | None, bus: InProcessBus | None) -> ModeRun:
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=config.max_batch, num_draft_tokens=config.k,
                                                         eos_token_ids=loaded.eos_token_ids,
-                                                        adaptive_lookahead=config.adaptive_lookahead))
+                                                        adaptive_lookahead=config.adaptive_lookahead,
+                                                        record_features=bus is not None and bool(
+                                                            getattr(drafter, "capture_layers", ()))))
     run = ModeRun(mode)
     table = getattr(drafter, "table", None)  # each mode's traffic table learns from its own finished requests
     results: dict[int, Sequence] = {}
     bar = tqdm(total=len(items), desc=f"{mode:>8}", unit="req", leave=True)
-    for number, (domain, indices) in enumerate(segments(items)):
+    for domain, indices in segments(items):
         begin = time.perf_counter()
         waiting = {}
         for i in indices:
@@ -109,8 +112,6 @@ def run_mode(mode: str, loaded: LoadedTarget, items: list[TrafficItem], prompts:
             run.step_seconds.append(engine.step_stats[-1].seconds)
             run.step_versions.append(engine.step_stats[-1].drafter_version)
         run.domain_seconds[domain] = run.domain_seconds.get(domain, 0.0) + time.perf_counter() - begin
-        if on_segment_end is not None and number == 0:
-            on_segment_end()
     bar.close()
     for i, item in enumerate(items):
         seq = results[i]
@@ -155,37 +156,28 @@ def run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig,
         return _run_demo(loaded, items, config, Path(folder))
 
 
-def _freeze(store: WeightStore, frozen: dict[str, int | None]) -> None:
-    """End of the first domain: remember the live version and pin it so GC keeps it for `static`."""
-    version = store.live_version()
-    frozen["version"] = version
-    if version is not None:
-        store.pin(version)
-
-
 def _run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig, store_dir: Path) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     prompts = [encode(loaded, item) for item in items]
     domains = list(dict.fromkeys(item.domain for item in items))
     store = WeightStore(store_dir, keep_last=5)
-    initial = initial_model(loaded.model, config.drafter, seed=config.seed)
+    initial = initial_model(loaded.model, config.drafter, seed=config.seed, fingerprint=loaded.fingerprint)
     bus = InProcessBus()
-    learner = Learner(config.learner, bus, store, initial, loaded.fingerprint, loaded.model.embed.weight.dtype,
-                      loaded.model.embed.weight)
-    drafter = build_drafter(config.drafter, initial, str(store.live_version()))
-    swapper = Swapper(store, drafter, loaded.fingerprint, target_embedding=loaded.model.embed.weight)
-    frozen: dict[str, int | None] = {}
+    embedding = loaded.model.embed.weight
+    learner = Learner(config.learner, bus, store, initial, loaded.fingerprint, embedding.dtype, embedding,
+                      target=loaded.model)
+    static_version = store.live_version()  # the day-0 version the learner published as its first
+    assert static_version is not None
+    store.pin(static_version)
+    drafter = build_drafter(config.drafter, initial, str(static_version))
+    swapper = Swapper(store, drafter, loaded.fingerprint, target_embedding=embedding)
     learner.start()
     swapper.start()
     try:
-        adaptive = run_mode("adaptive", loaded, items, prompts, config, drafter, bus,
-                            on_segment_end=lambda: _freeze(store, frozen))
+        adaptive = run_mode("adaptive", loaded, items, prompts, config, drafter, bus)
     finally:
         swapper.stop()
         learner.stop()
-    static_version = frozen.get("version") or store.live_version()
-    assert static_version is not None
-    embedding = loaded.model.embed.weight
     static_model = load_drafter(store.weights_path(static_version), loaded.fingerprint, embedding.dtype,
                                 target_embedding=embedding)
     static_drafter = build_drafter(config.drafter, static_model, str(static_version))

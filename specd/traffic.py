@@ -53,10 +53,19 @@ def iter_sharegpt(path: Path | None = None):
         yield item
 
 
+# the first conversations of the file are traffic for demos, benchmarks and held-out evaluation;
+# `specd pretrain` trains only on those after them
+EVALUATION_RESERVE = 6000
+ROLES = {"human": "user", "gpt": "assistant"}
+
+
 def load_sharegpt(count: int, seed: int = 0, max_chars: int = 600) -> list[TrafficItem]:
-    """The first human turns of ShareGPT conversations (short ones, so the demo stays quick)."""
+    """The first human turns of ShareGPT conversations (short ones, so the demo stays quick),
+    all from the evaluation reserve."""
     pool = []
-    for conversation in iter_sharegpt():
+    for index, conversation in enumerate(iter_sharegpt()):
+        if index >= EVALUATION_RESERVE:
+            break
         turns = conversation.get("conversations") or []
         if turns and turns[0].get("from") == "human":
             text = str(turns[0].get("value", "")).strip()
@@ -66,6 +75,23 @@ def load_sharegpt(count: int, seed: int = 0, max_chars: int = 600) -> list[Traff
             break
     random.Random(seed).shuffle(pool)
     return pool[:count]
+
+
+def iter_training_conversations():
+    """Chat messages ([{"role", "content"}], user first, roles alternating) of the conversations
+    after the evaluation reserve, for offline training."""
+    for index, conversation in enumerate(iter_sharegpt()):
+        if index < EVALUATION_RESERVE:
+            continue
+        messages: list[dict[str, str]] = []
+        for turn in conversation.get("conversations") or []:
+            role = ROLES.get(turn.get("from"))
+            text = str(turn.get("value", "")).strip()
+            if role is None or not text or (messages and messages[-1]["role"] == role):
+                break
+            messages.append({"role": role, "content": text})
+        if len(messages) >= 2 and messages[0]["role"] == "user":
+            yield messages
 
 
 def load_humaneval(count: int, seed: int = 0) -> list[TrafficItem]:

@@ -225,13 +225,13 @@ def learner_with_held_out_records(tmp_path: Path) -> Learner:
 def stub_accept_lengths(monkeypatch: pytest.MonkeyPatch, learner: Learner, candidate: float,
                         during: Callable[[], None] = lambda: None) -> None:
     """The gate's simulated accept lengths: `candidate` for the training copy, 2.0 for the live version."""
-    def accept_length(model, records, k: int) -> float:
-        assert records == list(learner.holdout) and k == learner.config.k
+    def accept_length(model, records) -> float:
+        assert records == list(learner.holdout)
         during()
         is_candidate = torch.equal(model.norm.weight, learner.model.norm.weight.detach())
         return candidate if is_candidate else LIVE_ACCEPT_LENGTH
 
-    monkeypatch.setattr("specd.learner.learner.simulated_accept_length", accept_length)
+    monkeypatch.setattr(learner, "simulated_accept_length", accept_length)
 
 
 @pytest.mark.parametrize(("candidate", "passes"), [(1.75 + 2**-10, True), (1.75, True), (1.75 - 2**-10, False)],

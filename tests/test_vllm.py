@@ -62,7 +62,8 @@ def learner(tmp_path_factory, broker: Broker, smollm2: LoadedTarget) -> Iterator
                                 {"info": "seeded by the test"}, target_embedding=embedding)
         store.set_live(version)
     args = ["learner", "--store", str(folder / "store"), "--broker", broker.url, "--deployment", "vllm",
-            "--target", str(smollm2.folder), "--publish-every", "5", "--duty-cycle", "0.3", "--token", "secret"]
+            "--target", str(smollm2.folder), "--publish-every", "5", "--duty-cycle", "0.3", "--token", "secret",
+            "--drafter-arch", "token"]  # vLLM's proposer serves the token-level drafter
     process = SpecdProcess(args, free_port(), folder / "learner.log").start()
     yield process
     process.stop()

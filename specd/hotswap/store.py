@@ -31,10 +31,9 @@ from typing import Any
 
 import torch
 
-from specd.drafter.checkpoint import save_drafter
+from specd.drafter.checkpoint import DrafterModel, save_drafter
 from specd.errors import StoreError, VersionNotFound
 from specd.model.fingerprint import TargetFingerprint
-from specd.model.transformer import Transformer
 
 STATUSES = ("candidate", "live", "retired", "rejected", "rolled-back")
 
@@ -99,7 +98,7 @@ class WeightStore:
         return None if version is None else int(version)
 
     # ---- writing --------------------------------------------------------------------------
-    def publish(self, model: Transformer, fingerprint: TargetFingerprint, parent: int | None,
+    def publish(self, model: DrafterModel, fingerprint: TargetFingerprint, parent: int | None,
                 info: dict[str, Any], target_embedding: torch.Tensor | None = None) -> int:
         """Write a new candidate version; returns its number."""
         version = max(self.versions(), default=0) + 1

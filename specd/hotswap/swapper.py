@@ -21,12 +21,11 @@ from typing import Any, Protocol
 
 import torch
 
-from specd.drafter.checkpoint import load_drafter
+from specd.drafter.checkpoint import DrafterModel, load_drafter
 from specd.drafter.factory import ServingDrafter
 from specd.errors import CheckpointError, SpecdError
 from specd.hotswap.store import WeightStore, sha256_file
 from specd.model.fingerprint import TargetFingerprint
-from specd.model.transformer import Transformer
 from specd.threads import lower_thread_priority
 
 log = logging.getLogger(__name__)
@@ -103,15 +102,20 @@ class Swapper:
         log.info("drafter version %s ready; it takes over at the next step", live)
         return True
 
-    def _load_checked(self, version: int) -> Transformer:
+    def _load_checked(self, version: int) -> DrafterModel:
         path, manifest = self.source.fetch(version)
         digest = sha256_file(path)
         if digest != manifest.get("sha256"):
             raise CheckpointError(f"version {version}: sha256 {digest[:12]}… does not match the manifest's "
                                   f"{str(manifest.get('sha256'))[:12]}…")
-        weight = self.drafter.model.embed.weight
-        return load_drafter(path, self.fingerprint, weight.dtype, weight.device,
-                            target_embedding=self.target_embedding)
+        serving = self.drafter.model
+        weight = next(serving.parameters())
+        model = load_drafter(path, self.fingerprint, weight.dtype, weight.device,
+                             target_embedding=self.target_embedding)
+        if type(model) is not type(serving):
+            raise CheckpointError(f"version {version} is a {type(model).__name__}; this server runs a "
+                                  f"{type(serving).__name__}")
+        return model
 
     # ---- background thread ----------------------------------------------------------------
     def start(self) -> Swapper:

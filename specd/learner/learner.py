@@ -1,7 +1,10 @@
 """The asynchronous learner: intake, buffer, training, evaluation gate and publishing.
 
 Contract: the learner only ever talks to a bus (records in) and a weight store (versions out); it
-runs in its own thread (`start`) or step by step (`step`), never inside a decoding step. Intake
+runs in its own thread (`start`) or step by step (`step`), never inside a decoding step. What it
+trains and how it scores a drafter come from its objective (`specd.learner.objectives`): the
+token-level drafter on ids, or the feature drafter on the target's features (carried by records
+or recomputed from ids with the learner's own copy of the target). Intake
 validates every record and counts refusals by reason. Training samples windows from a bounded
 buffer of recent trajectories; every `holdout_every`-th record is held out for the gate instead.
 Every `publish_every_steps` steps or `publish_every_seconds` seconds the trained drafter becomes
@@ -13,7 +16,6 @@ a learner beside serving leaves the cores to decoding.
 
 from __future__ import annotations
 
-import copy
 import logging
 import random
 import threading
@@ -25,10 +27,11 @@ from typing import Any
 import torch
 
 from specd.bus import Bus
-from specd.drafter.checkpoint import load_drafter
-from specd.errors import RecordRefused
+from specd.drafter.checkpoint import DrafterModel, clone_drafter, load_drafter
+from specd.drafter.feature_model import FeatureDrafterModel
+from specd.errors import ConfigurationError, RecordRefused
 from specd.hotswap.store import LiveVersionChanged, WeightStore
-from specd.learner.signal import build_batch, drafter_loss, simulated_accept_length
+from specd.learner.objectives import FeatureObjective, Objective, TokenObjective
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
 from specd.records import TrajectoryRecord, validate_record
@@ -46,6 +49,9 @@ class LearnerConfig:
     miss_weight: float = 2.0
     prompt_weight: float = 0.1
     buffer_capacity: int = 2000
+    feature_buffer_capacity: int = 400   # feature records are large (~4.6 KB a token for SmolLM2)
+    feature_window: int = 256
+    unroll: int = 3                      # drafting steps trained per position (feature drafter)
     holdout_every: int = 8
     holdout_capacity: int = 16
     publish_every_steps: int = 10
@@ -79,9 +85,9 @@ class LearnerStats:
 
 
 class Learner:
-    def __init__(self, config: LearnerConfig, bus: Bus, store: WeightStore, initial: Transformer,
+    def __init__(self, config: LearnerConfig, bus: Bus, store: WeightStore, initial: DrafterModel,
                  fingerprint: TargetFingerprint, serving_dtype: torch.dtype = torch.float32,
-                 target_embedding: torch.Tensor | None = None) -> None:
+                 target_embedding: torch.Tensor | None = None, target: Transformer | None = None) -> None:
         self.config = config
         self.bus = bus
         self.store = store
@@ -92,11 +98,16 @@ class Learner:
         live = store.live_version()
         if live is not None:  # a restarted learner resumes from what is serving
             initial = load_drafter(store.weights_path(live), fingerprint, target_embedding=target_embedding)
-        self.model = copy.deepcopy(initial).float().train()
-        self.model.embed.weight.requires_grad_(config.train_embeddings)
+        self.model = clone_drafter(initial).float().train()
+        self.objective = self._objective(self.model, target)
+        capacity = config.buffer_capacity
+        if isinstance(self.model, FeatureDrafterModel):
+            capacity = config.feature_buffer_capacity
+        else:
+            self.model.embed.weight.requires_grad_(config.train_embeddings)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
-        self.buffer: deque[TrajectoryRecord] = deque(maxlen=config.buffer_capacity)
+        self.buffer: deque[TrajectoryRecord] = deque(maxlen=capacity)
         self.holdout: deque[TrajectoryRecord] = deque(maxlen=config.holdout_capacity)
         self.stats = LearnerStats()
         self.rng = random.Random(config.seed)
@@ -111,15 +122,28 @@ class Learner:
             self.live_version = self._publish(self.model, {"evaluation": None, "reason": "initial"})
             store.set_live(self.live_version, "initial")
 
+    def _objective(self, model: DrafterModel, target: Transformer | None) -> Objective:
+        cfg = self.config
+        if isinstance(model, FeatureDrafterModel):
+            if target is None:
+                raise ConfigurationError("a feature drafter's learner needs the target (labels, recomputed features)")
+            return FeatureObjective(target, model.draft_ids, model.config.capture_layers, cfg.feature_window,
+                                    cfg.unroll, cfg.miss_weight, max(cfg.prompt_weight, 0.5),
+                                    cache_records=cfg.feature_buffer_capacity + cfg.holdout_capacity)
+        return TokenObjective(cfg.window, cfg.miss_weight, cfg.prompt_weight, cfg.negative_coef)
+
     # ---- intake ---------------------------------------------------------------------------
     def intake(self, timeout: float = 0.0) -> int:
         taken = 0
         for raw in self.bus.take(1024, timeout):
             try:
-                record = validate_record(raw, self.vocab_size)
+                record = validate_record(raw, self.vocab_size, self.objective.feature_size)
             except RecordRefused as error:
                 self.stats.refused[str(error).split(" ")[0]] += 1
                 log.warning("refused a record: %s", error)
+                continue
+            if record.num_tokens < self.objective.min_tokens:
+                self.stats.refused["too-short"] += 1
                 continue
             self.stats.records_in += 1
             taken += 1
@@ -131,15 +155,13 @@ class Learner:
     def train_step(self) -> float:
         cfg = self.config
         records = self.rng.choices(list(self.buffer), k=cfg.batch_size)
-        batch = build_batch(records, cfg.window, cfg.miss_weight, cfg.prompt_weight, self.rng)
-        logits = self.model.train_logits(batch.tokens)
-        loss, _ = drafter_loss(logits, batch, cfg.negative_coef)
+        loss, num_tokens = self.objective.loss(self.model, records, self.rng)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.stats.steps += 1
-        self.stats.tokens_trained += batch.num_label_tokens
+        self.stats.tokens_trained += num_tokens
         self.stats.records_trained += len(records)
         value = float(loss.detach())
         self.stats.losses.append(value)
@@ -183,7 +205,10 @@ class Learner:
                     live, self.config.hold_after_rollback_s)
         self.live_version = live
         restored = load_drafter(self.store.weights_path(live), self.fingerprint, target_embedding=self.target_embedding)
-        self.model.load_state_dict(restored.float().state_dict())
+        if type(restored) is type(self.model) and restored.config == self.model.config:
+            self.model.load_state_dict(restored.float().state_dict())
+        else:
+            log.warning("live version %s is another kind of drafter; training goes on from the learner's own", live)
         self._hold_until = time.monotonic() + self.config.hold_after_rollback_s
         return True
 
@@ -196,7 +221,7 @@ class Learner:
         if not (force or due) or self.stats.steps == self._steps_at_publish:
             return None
         self._steps_at_publish, self._last_publish = self.stats.steps, time.monotonic()
-        candidate = copy.deepcopy(self.model).eval()
+        candidate = clone_drafter(self.model).eval()
         verdict = self.evaluate(candidate)
         info = {"evaluation": verdict, "records_trained": self.stats.records_trained,
                 "tokens_trained": self.stats.tokens_trained, "learner_steps": self.stats.steps,
@@ -225,28 +250,34 @@ class Learner:
             return False
         return True
 
-    def evaluate(self, candidate: Transformer) -> dict[str, Any]:
+    def evaluate(self, candidate: DrafterModel) -> dict[str, Any]:
         if not all(bool(torch.isfinite(p).all()) for p in candidate.parameters()):
             return {"passed": False, "reason": "non-finite weights"}
         held_out = list(self.holdout)
         if not held_out:
             return {"passed": True, "reason": "no held-out records yet", "candidate": None, "live": None}
         live_model = self._live_model()
-        ours = simulated_accept_length(candidate, held_out, self.config.k)
-        theirs = simulated_accept_length(live_model, held_out, self.config.k) if live_model is not None else 1.0
+        ours = self.simulated_accept_length(candidate, held_out)
+        theirs = self.simulated_accept_length(live_model, held_out) if live_model is not None else 1.0
         passed = ours >= theirs - self.config.gate_margin
         reason = "ok" if passed else f"accept length {ours:.3f} is worse than live {theirs:.3f} beyond the margin"
         return {"passed": passed, "reason": reason, "candidate": ours, "live": theirs,
                 "held_out_records": len(held_out)}
 
-    def _live_model(self) -> Transformer | None:
+    def simulated_accept_length(self, model: DrafterModel, records: list[TrajectoryRecord]) -> float:
+        """Tokens per target pass the drafter would reach on these greedy records."""
+        if type(model) is not type(self.model):  # a live version of another kind cannot be replayed here
+            return 1.0
+        return self.objective.simulate(model, records, self.config.k).accept_length or 0.0
+
+    def _live_model(self) -> DrafterModel | None:
         live = self.store.live_version()
         if live is None:
             return None
         return load_drafter(self.store.weights_path(live), self.fingerprint, target_embedding=self.target_embedding)
 
-    def _publish(self, model: Transformer, info: dict[str, Any]) -> int:
-        serving_copy = copy.deepcopy(model).to(self.serving_dtype)
+    def _publish(self, model: DrafterModel, info: dict[str, Any]) -> int:
+        serving_copy = clone_drafter(model).to(self.serving_dtype)
         return self.store.publish(serving_copy, self.fingerprint, self.live_version, info, self.target_embedding)
 
     # ---- thread ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from specd.bus import BusCounters, InProcessBus, RecordSink
-from specd.drafter.checkpoint import load_drafter
+from specd.drafter.checkpoint import DrafterModel, load_drafter
 from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.worker import EngineWorker
@@ -35,7 +35,6 @@ from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
 from specd.learner.learner import Learner, LearnerConfig
 from specd.model.bundled import cache_dir
 from specd.model.target import LoadedTarget
-from specd.model.transformer import Transformer
 from specd.mqtt import MqttPublisher, MqttSettings
 from specd.server.api import ApiState, create_app
 from specd.server.metrics import ServingMetrics
@@ -68,7 +67,7 @@ class Wiring:
     bus: RecordSink
     counters: BusCounters
     source: VersionSource
-    model: Transformer                 # the drafter to serve until the source's live version arrives
+    model: DrafterModel                # the drafter to serve until the source's live version arrives
     version: str
     store: WeightStore | None = None   # embedded: the local store, its learner and control plane
     learner: Learner | None = None
@@ -78,8 +77,8 @@ class Wiring:
 def _sidecar_wiring(options: ServeOptions, mqtt: MqttSettings, loaded: LoadedTarget, store_dir: Path) -> Wiring:
     remote = RemoteSource(store_dir / "fetched", options.learner_url)
     publisher = MqttPublisher(mqtt, options.server_id, on_announcement=remote.announce)
-    return Wiring(publisher, publisher.counters, remote, initial_model(loaded.model, options.drafter), "0",
-                  publisher=publisher)
+    model = initial_model(loaded.model, options.drafter, fingerprint=loaded.fingerprint)
+    return Wiring(publisher, publisher.counters, remote, model, "0", publisher=publisher)
 
 
 def _embedded_wiring(options: ServeOptions, loaded: LoadedTarget, store_dir: Path) -> Wiring:
@@ -88,11 +87,11 @@ def _embedded_wiring(options: ServeOptions, loaded: LoadedTarget, store_dir: Pat
     live = store.live_version()
     embedding = loaded.model.embed.weight
     model = (load_drafter(store.weights_path(live), loaded.fingerprint, embedding.dtype, target_embedding=embedding)
-             if live is not None else initial_model(loaded.model, options.drafter))
+             if live is not None else initial_model(loaded.model, options.drafter, fingerprint=loaded.fingerprint))
     learner = None
     if options.learner:
         learner = Learner(LearnerConfig(duty_cycle=options.duty_cycle, k=options.k), bus, store, model,
-                          loaded.fingerprint, embedding.dtype, embedding)
+                          loaded.fingerprint, embedding.dtype, embedding, target=loaded.model)
     return Wiring(bus, bus.counters, LocalStore(store), model, str(store.live_version() or "0"), store, learner)
 
 
@@ -110,7 +109,8 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
                             "specd_drafter_refused": lambda: len(swapper.refused)})
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=options.max_batch, num_draft_tokens=options.k,
                                                         max_context=options.max_context,
-                                                        eos_token_ids=loaded.eos_token_ids))
+                                                        eos_token_ids=loaded.eos_token_ids,
+                                                        record_features=options.drafter.arch == "feature"))
     worker = EngineWorker(engine, wiring.bus if options.publish_records else None, options.server_id, metrics, table)
     status = _status(options, wiring, worker)
     app = create_app(ApiState(loaded, worker, metrics, options.model_name or Path(loaded.folder).name, status))

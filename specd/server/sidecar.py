@@ -57,8 +57,9 @@ class Sidecar:
         self.seen: set[str] = set()
         self.refused_messages = 0
         embedding = loaded.model.embed.weight
-        self.learner = Learner(options.learner, self.bus, self.store, initial_model(loaded.model, options.drafter),
-                               loaded.fingerprint, embedding.dtype, embedding)
+        initial = initial_model(loaded.model, options.drafter, fingerprint=loaded.fingerprint)
+        self.learner = Learner(options.learner, self.bus, self.store, initial, loaded.fingerprint, embedding.dtype,
+                               embedding, target=loaded.model)
         self._replay_spool()
         self._announced: int | None = None
         self._changed = asyncio.Event()

@@ -1,0 +1,122 @@
+"""Training signal for the feature drafter: the target's distribution as the label, unrolled.
+
+Contract: pure functions over tensors. A training sequence is token ids x_0..x_{T-1} with the
+target's features f_0..f_{T-1} (captured layers, then the final normed state) and a weight per
+position. The drafter's entry at position t predicts x_{t+2}; its label is the target's own
+distribution there, recomputed from the final normed state at t + 1 through the target's frozen
+output rows for the draft vocabulary (`label_rows`), so no distribution is ever stored or sent.
+Every unrolled step is trained (step j on the drafter's own states, as draft j + 1 is made when
+serving), step j weighted `step_decay ** j`. The objective is forward KL ("kl") or the
+acceptance objective −log Σ min(p, q) ("accept"). `simulated_counts` replays greedy drafting
+exactly on a greedy trajectory: draft j + 1 after row length L is step j's argmax at L − 2 + j.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specd.drafter.feature_model import FeatureDrafterModel
+from specd.records import AcceptanceCounts
+
+OBJECTIVES = ("kl", "accept")
+
+
+@dataclass
+class FeatureBatch:
+    tokens: torch.Tensor     # [B, T] ids, right-padded
+    features: torch.Tensor   # [B, T, feature_size] the target's, any float dtype
+    weights: torch.Tensor    # [B, T] weight of the label at each position (0: padding, not a label)
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.weights > 0).sum())
+
+
+def collate(sequences: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> FeatureBatch:
+    """(tokens [T], features [T, F], weights [T]) per sequence, right-padded to one length."""
+    length = max(len(tokens) for tokens, _, _ in sequences)
+    feature_size = sequences[0][1].shape[-1]
+    tokens = torch.zeros(len(sequences), length, dtype=torch.long)
+    features = torch.zeros(len(sequences), length, feature_size, dtype=sequences[0][1].dtype)
+    weights = torch.zeros(len(sequences), length)
+    for row, (row_tokens, row_features, row_weights) in enumerate(sequences):
+        n = len(row_tokens)
+        tokens[row, :n], features[row, :n], weights[row, :n] = row_tokens, row_features, row_weights
+    return FeatureBatch(tokens, features, weights)
+
+
+def label_rows(lm_head: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+    """The target's output rows for the draft vocabulary [N, hidden], frozen, float32."""
+    return lm_head.detach().float()[draft_ids.to(lm_head.device)]
+
+
+def feature_loss(model: FeatureDrafterModel, batch: FeatureBatch, rows: torch.Tensor, steps: int,
+                 step_decay: float = 0.8, objective: str = "kl") -> tuple[torch.Tensor, dict[str, float]]:
+    """The unrolled loss and, per step, the mean KL and how often the drafter's argmax is the target's."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    hidden = model.config.hidden_size
+    device = model.head.weight.device
+    features = batch.features.to(device)
+    tokens = batch.tokens.to(device)
+    length = tokens.shape[1]
+    if length < 3:
+        raise ValueError("a training sequence needs at least 3 tokens")
+    outputs = model.unrolled(features[:, :-1], tokens[:, 1:], steps)
+    with torch.no_grad():
+        final = features[:, 1:, -hidden:].float()       # the target's final state at t + 1
+        target_logp = F.log_softmax(final @ rows.T, dim=-1)  # [B, T-1, N]
+        target_p = target_logp.exp()
+        target_top = target_logp.argmax(-1)
+    label_weight = batch.weights[:, 1:].to(device)
+    positions = torch.arange(length - 1, device=device)
+    total = torch.zeros((), device=device)
+    stats: dict[str, float] = {}
+    for j, state in enumerate(outputs):
+        weight = label_weight * (positions >= j)
+        if float(weight.sum()) == 0:
+            continue
+        logq = F.log_softmax(model.logits(state).float(), dim=-1)
+        kl = (target_p * (target_logp - logq)).sum(-1)
+        if objective == "kl":
+            per_position = kl
+        else:
+            overlap = torch.minimum(target_p, logq.exp()).sum(-1)
+            per_position = -torch.log(overlap.clamp(min=1e-6))
+        normaliser = weight.sum()
+        total = total + step_decay ** j * (per_position * weight).sum() / normaliser
+        stats[f"kl{j + 1}"] = float((kl.detach() * weight).sum() / normaliser)
+        agree = (logq.detach().argmax(-1) == target_top).float()
+        stats[f"top1_{j + 1}"] = float((agree * weight).sum() / normaliser)
+    return total, stats
+
+
+@torch.no_grad()
+def simulated_counts(model: FeatureDrafterModel, sequences: list[tuple[torch.Tensor, torch.Tensor, int]],
+                     k: int) -> AcceptanceCounts:
+    """Greedy drafting replayed on (tokens [T], features [T, F], prompt_length) trajectories whose
+    outputs are the target's greedy choices: each target pass drafts up to k and accepts the run
+    of drafts equal to the next output tokens, as the engine would."""
+    counts = AcceptanceCounts()
+    device = model.head.weight.device
+    for tokens, features, prompt_length in sequences:
+        tokens, features = tokens.to(device), features.to(device)
+        length = len(tokens)
+        if length - prompt_length < 2 or prompt_length < 2:
+            continue
+        outputs = model.unrolled(features[None, :-1], tokens[None, 1:], k)
+        # predicted[j][t]: step j's draft at entry t, a target id (entry t predicts x_{t+2})
+        predicted = [model.draft_ids[model.logits(state[0]).argmax(-1)] for state in outputs]
+        row_length = prompt_length
+        while row_length < length:
+            left = length - row_length
+            drafts = min(k, left - 1)
+            run = 0
+            while run < drafts and int(predicted[run][row_length - 2 + run]) == int(tokens[row_length + run]):
+                run += 1
+            counts.add(AcceptanceCounts(drafts=drafts, accepted=run, passes=1, emitted=run + 1))
+            row_length += run + 1
+    return counts

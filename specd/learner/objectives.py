@@ -1,0 +1,159 @@
+"""What the learner trains and how it measures a drafter, per drafter architecture.
+
+Contract: an objective turns sampled trajectory records into one loss (and the number of label
+tokens it covers) and replays greedy drafting on held-out records (`simulate`), for its kind of
+drafter network. `TokenObjective` trains the token-level `Transformer` on the records' ids.
+`FeatureObjective` trains a `FeatureDrafterModel` on the target's features: those a record
+carries, or, for records without them (a vLLM server ships ids only), features it recomputes
+with its own copy of the target (batched, no grad), counted in `recomputed_*` so the cost is
+visible. Features are kept per record id for as long as the learner holds the record.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from typing import Protocol
+
+import torch
+
+from specd.drafter.checkpoint import DrafterModel
+from specd.drafter.feature_model import FeatureDrafterModel
+from specd.learner.feature_signal import collate, feature_loss, label_rows, simulated_counts
+from specd.learner.signal import build_batch, drafter_loss
+from specd.learner.signal import simulated_counts as token_simulated_counts
+from specd.model.transformer import Transformer
+from specd.records import AcceptanceCounts, TrajectoryRecord
+
+
+class Objective(Protocol):
+    feature_size: int | None   # width of the features records must carry, None: ids only
+    min_tokens: int            # shorter records teach nothing and are not kept
+
+    def loss(self, model: DrafterModel, records: list[TrajectoryRecord],
+             rng: random.Random) -> tuple[torch.Tensor, int]: ...
+
+    def simulate(self, model: DrafterModel, records: list[TrajectoryRecord], k: int) -> AcceptanceCounts: ...
+
+
+class TokenObjective:
+    """Cross-entropy on the target's tokens, misses weighted up (see `specd.learner.signal`)."""
+
+    feature_size: int | None = None
+    min_tokens = 2
+
+    def __init__(self, window: int, miss_weight: float, prompt_weight: float, negative_coef: float) -> None:
+        self.window, self.miss_weight, self.prompt_weight = window, miss_weight, prompt_weight
+        self.negative_coef = negative_coef
+
+    def loss(self, model: DrafterModel, records: list[TrajectoryRecord],
+             rng: random.Random) -> tuple[torch.Tensor, int]:
+        assert isinstance(model, Transformer)
+        batch = build_batch(records, self.window, self.miss_weight, self.prompt_weight, rng)
+        loss, _ = drafter_loss(model.train_logits(batch.tokens), batch, self.negative_coef)
+        return loss, batch.num_label_tokens
+
+    def simulate(self, model: DrafterModel, records: list[TrajectoryRecord], k: int) -> AcceptanceCounts:
+        assert isinstance(model, Transformer)
+        return token_simulated_counts(model, records, k)
+
+
+class FeatureObjective:
+    """Forward KL to the target's distribution, unrolled, on a window of each record."""
+
+    min_tokens = 4  # an entry at t needs tokens t + 1 and t + 2 and the target's state at t + 1
+
+    def __init__(self, target: Transformer, draft_ids: torch.Tensor, capture_layers: tuple[int, ...],
+                 window: int = 256, unroll: int = 3, miss_weight: float = 2.0, prompt_weight: float = 0.5,
+                 objective: str = "kl", cache_records: int = 600) -> None:
+        self.target = target
+        self.capture_layers = capture_layers
+        self.feature_size: int | None = (len(capture_layers) + 1) * target.config.hidden_size
+        self.rows = label_rows(target.lm_head.weight, draft_ids)
+        self.window, self.unroll, self.objective = window, unroll, objective
+        self.miss_weight, self.prompt_weight = miss_weight, prompt_weight
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._cache_records = cache_records
+        self.recomputed_records = 0
+        self.recomputed_tokens = 0
+        self.recomputed_seconds = 0.0
+
+    def features(self, records: list[TrajectoryRecord]) -> list[torch.Tensor]:
+        """[num_tokens - 1, feature_size] fp16 per record: carried, cached, or recomputed now."""
+        # a batch samples with replacement: a record drawn twice is still computed (and counted) once
+        missing = list({r.record_id: r for r in records
+                        if r.record_id not in self._cache and not _complete(r)}.values())
+        if missing:
+            self._recompute(missing)
+        found = []
+        for record in records:
+            if record.record_id not in self._cache:
+                assert record.features is not None
+                self._remember(record.record_id, torch.from_numpy(record.features.array().copy()))
+            self._cache.move_to_end(record.record_id)
+            found.append(self._cache[record.record_id])
+        return found
+
+    @torch.inference_mode()
+    def _recompute(self, records: list[TrajectoryRecord]) -> None:
+        begin = time.perf_counter()
+        # longest first so that rows of a batch have similar lengths (less padding)
+        for record in sorted(records, key=lambda r: r.num_tokens, reverse=True):
+            ids = torch.tensor((record.prompt_ids + record.output_ids)[:-1], device=self.target.embed.weight.device)
+            features = self.target.train_features(ids[None], self.capture_layers)[0]
+            self._remember(record.record_id, features.to(torch.float16).cpu())
+            self.recomputed_tokens += len(ids)
+        self.recomputed_records += len(records)
+        self.recomputed_seconds += time.perf_counter() - begin
+
+    def _remember(self, record_id: str, features: torch.Tensor) -> None:
+        self._cache[record_id] = features
+        while len(self._cache) > self._cache_records:
+            self._cache.popitem(last=False)
+
+    def loss(self, model: DrafterModel, records: list[TrajectoryRecord],
+             rng: random.Random) -> tuple[torch.Tensor, int]:
+        assert isinstance(model, FeatureDrafterModel)
+        rows = []
+        for record, features in zip(records, self.features(records), strict=True):
+            ids = record.prompt_ids + record.output_ids
+            weights = self._weights(record)
+            # a window that ends inside the output: the output is what the drafter will serve
+            end = rng.randint(min(len(record.prompt_ids) + 2, len(ids) - 1), len(ids) - 1)
+            start = max(0, end - self.window)
+            rows.append((torch.tensor(ids[start:end]), features[start:end], torch.tensor(weights[start:end])))
+        batch = collate(rows)
+        loss, _ = feature_loss(model, batch, self.rows.to(model.head.weight.device), self.unroll,
+                               objective=self.objective)
+        return loss, batch.num_tokens
+
+    def _weights(self, record: TrajectoryRecord) -> list[float]:
+        """weights[i] weighs the prediction of token i + 1 (collate's convention)."""
+        total = record.num_tokens
+        first_output = len(record.prompt_ids)
+        weights = [self.prompt_weight if i + 1 < first_output else 1.0 for i in range(total)]
+        for step in record.steps:
+            if step.num_accepted < len(step.drafts):
+                miss = step.position + step.num_accepted  # the token the target put in place of a draft
+                if 0 < miss < total:
+                    weights[miss - 1] = self.miss_weight
+        return weights
+
+    def simulate(self, model: DrafterModel, records: list[TrajectoryRecord], k: int) -> AcceptanceCounts:
+        assert isinstance(model, FeatureDrafterModel)
+        sequences = []
+        for record, features in zip(records, self.features(records), strict=True):
+            ids = torch.tensor((record.prompt_ids + record.output_ids)[:-1])
+            sequences.append((ids, features, len(record.prompt_ids)))
+        return simulated_counts(model, sequences, k)
+
+    @property
+    def recompute_stats(self) -> dict[str, float | None]:
+        seconds = self.recomputed_seconds
+        return {"records": self.recomputed_records, "tokens": self.recomputed_tokens, "seconds": round(seconds, 2),
+                "tokens_per_s": round(self.recomputed_tokens / seconds, 1) if seconds else None}
+
+
+def _complete(record: TrajectoryRecord) -> bool:
+    return record.features is not None and record.features.num_positions == record.num_tokens - 1

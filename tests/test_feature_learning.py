@@ -1,0 +1,252 @@
+"""The learner training a feature drafter (EAGLE-3 style) on the target's own hidden states.
+
+On `learnable_target` (greedy continuation: token t -> successor[t]) the feature drafter learns
+to high acceptance within tens of steps, from id-only records (features recomputed once per
+record with the learner's copy of the target) as from records that carry the features. Misses
+weigh more in its loss, and the gate refuses a candidate that is worse than live or not finite.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specd.bus import InProcessBus
+from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
+from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+from specd.hotswap.store import WeightStore
+from specd.learner.feature_signal import collate, feature_loss, label_rows
+from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.objectives import FeatureObjective
+from specd.model.fingerprint import TargetFingerprint
+from specd.model.transformer import Transformer
+from specd.records import FeatureBlock, StepRecord, TrajectoryRecord, validate_record
+from specd.testing import learnable_target
+
+VOCAB = 96
+TOKEN_SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def target() -> Transformer:
+    return learnable_target(VOCAB).float()
+
+
+@torch.no_grad()
+def greedy(target: Transformer, prompt: list[int], count: int) -> list[int]:
+    """The target's greedy continuation (whole-sequence passes: no engine involved)."""
+    ids = list(prompt)
+    for _ in range(count):
+        ids.append(int(target.train_logits(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def greedy_records(target: Transformer, count: int, seed: int, max_tokens: int = 16,
+                   cover: bool = False) -> list[TrajectoryRecord]:
+    """Id-only greedy records; with `cover`, prompt i ends in token i, so every successor is seen."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(count):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+        if cover:
+            prompt[-1] = i % VOCAB
+        records.append(TrajectoryRecord(f"{seed}-{i}", "test", prompt, greedy(target, prompt, max_tokens), [],
+                                        0.0, 1.0, 0.0, 0.0))
+    return records
+
+
+@torch.no_grad()
+def with_features(target: Transformer, record: TrajectoryRecord, capture: tuple[int, ...]) -> TrajectoryRecord:
+    """The record as a server that captures features ships it: the features of ids[:-1], fp16."""
+    ids = torch.tensor((record.prompt_ids + record.output_ids)[:-1])
+    features = target.train_features(ids[None], capture)[0].to(torch.float16)
+    return replace(record, features=FeatureBlock.of(features.numpy()))
+
+
+def fresh_feature_drafter(target: Transformer, seed: int = 0) -> FeatureDrafterModel:
+    return new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight, target.norm.weight,
+                               torch.arange(VOCAB), seed=seed)
+
+
+def learner_config(**fields) -> LearnerConfig:
+    settings = {"learning_rate": 3e-3, "batch_size": 8, "duty_cycle": 1.0, "publish_every_steps": 10**9,
+                "publish_every_seconds": 1e9, "holdout_every": 10**9, "min_records": 1, **fields}
+    return LearnerConfig(**settings)
+
+
+def new_learner(tmp_path: Path, target: Transformer, initial, records: list[TrajectoryRecord],
+                **fields) -> Learner:
+    bus = InProcessBus()
+    learner = Learner(learner_config(**fields), bus, WeightStore(tmp_path), initial,
+                      TargetFingerprint.of(target.config), torch.float32, target.embed.weight, target=target)
+    for record in records:
+        bus.publish(record.to_dict())
+    assert learner.intake() == len(records)
+    return learner
+
+
+def accept_length_after(learner: Learner, steps: int, held_out: list[TrajectoryRecord]) -> float:
+    for _ in range(steps):
+        learner.train_step()
+    return learner.simulated_accept_length(learner.model, held_out)
+
+
+def test_feature_drafter_reaches_high_acceptance_and_outpaces_the_token_drafter(tmp_path: Path, target) -> None:
+    train = greedy_records(target, VOCAB, seed=0, cover=True)
+    held_out = greedy_records(target, 12, seed=99)
+    steps = 60  # the feature drafter is at 3.8-4.0 here, the day-0 token drafter at 1.3-1.8 (seeds 0-5)
+    feature = new_learner(tmp_path / "feature", target, fresh_feature_drafter(target), train)
+    before = feature.simulated_accept_length(feature.model, held_out)
+    feature_after = accept_length_after(feature, steps, held_out)
+    # the token drafter as the service makes it on day 0 (factory: copy_from_target=True), same
+    # records, steps, batch size, learning rate and sampling seed
+    token_initial = new_drafter_model(target, TOKEN_SHAPE, copy_from_target=True, seed=0).float()
+    token = new_learner(tmp_path / "token", target, token_initial, train)
+    token_after = accept_length_after(token, steps, held_out)
+    assert before < 1.5, before
+    assert feature_after >= 3.0, (before, feature_after)
+    assert feature_after >= token_after + 1.0, (feature_after, token_after)
+
+
+def test_trains_on_id_only_records_by_recomputing_their_features_once(tmp_path: Path, target) -> None:
+    train = greedy_records(target, VOCAB, seed=0, cover=True)
+    held_out = greedy_records(target, 12, seed=99)
+    learner = new_learner(tmp_path, target, fresh_feature_drafter(target), train)
+    objective = learner.objective
+    assert isinstance(objective, FeatureObjective)
+    assert objective.recompute_stats["records"] == 0  # nothing computed before it is needed
+    after = accept_length_after(learner, 60, held_out)
+    assert after >= 3.0
+    # every record's features (trained on, or replayed for the accept length) were computed once
+    # and then kept: asking for all of them again recomputes only those no batch had sampled yet,
+    # and the totals count each record once, however often batches drew it
+    objective.features(list(learner.buffer))
+    stats = objective.recompute_stats
+    assert stats["records"] == len(train) + len(held_out)
+    assert stats["tokens"] == sum(r.num_tokens - 1 for r in train + held_out)
+    assert stats["seconds"] is not None and stats["seconds"] >= 0
+
+
+def test_trains_on_records_that_carry_features_without_recomputing(tmp_path: Path, target) -> None:
+    capture = fresh_feature_drafter(target).config.capture_layers
+    ids_only = greedy_records(target, VOCAB, seed=0, cover=True)
+    carrying = [with_features(target, r, capture) for r in ids_only]
+    held_out = greedy_records(target, 12, seed=99)
+    learner = new_learner(tmp_path / "carried", target, fresh_feature_drafter(target), carrying)
+    objective = learner.objective
+    assert isinstance(objective, FeatureObjective)
+    # the carried features are exactly what the learner would have recomputed
+    recomputer = FeatureObjective(target, torch.arange(VOCAB), capture)
+    for record in (carrying[0], carrying[-1]):
+        stripped = replace(record, features=None)
+        assert torch.equal(objective.features([record])[0], recomputer.features([stripped])[0])
+    losses = [learner.train_step() for _ in range(60)]
+    assert objective.recompute_stats["records"] == 0 and objective.recompute_stats["tokens"] == 0
+    assert learner.simulated_accept_length(learner.model, held_out) >= 3.0
+    # and it is the same training as from ids: identical features, identical losses
+    twin = new_learner(tmp_path / "ids", target, fresh_feature_drafter(target), ids_only)
+    assert [twin.train_step() for _ in range(60)] == pytest.approx(losses, rel=1e-5)
+    assert twin.objective.recompute_stats["records"] > 0
+
+
+def test_a_record_with_features_of_only_some_positions_is_recomputed(tmp_path: Path, target) -> None:
+    capture = fresh_feature_drafter(target).config.capture_layers
+    full = with_features(target, greedy_records(target, 1, seed=5)[0], capture)
+    assert full.features is not None
+    partial = replace(full, record_id="partial", features=FeatureBlock.of(full.features.array()[:4]))
+    objective = FeatureObjective(target, torch.arange(VOCAB), capture)
+    found = objective.features([full, partial])
+    assert objective.recompute_stats["records"] == 1
+    assert torch.equal(found[0], found[1])
+
+
+def test_misses_weigh_more_at_the_prediction_of_the_replacement_token(target) -> None:
+    prompt = [5, 17, 40]
+    output = greedy(target, prompt, 10)
+    ids = prompt + output
+    wrong = (output[2] + 1) % VOCAB
+    steps = [StepRecord(3, [output[0], output[1], wrong], 2, "1"),   # miss: ids[5] replaced the third draft
+             StepRecord(6, [output[3], output[4]], 2, "1"),          # all accepted: no miss
+             StepRecord(9, [(output[6] + 1) % VOCAB], 0, "1")]       # miss: ids[9] replaced the only draft
+    record = TrajectoryRecord("r", "test", prompt, output, steps, 0.0, 1.0, 0.0, 0.0)
+    validate_record(record.to_dict(), VOCAB)  # a well-formed record
+    capture = fresh_feature_drafter(target).config.capture_layers
+    objective = FeatureObjective(target, torch.arange(VOCAB), capture, miss_weight=3.0, prompt_weight=0.25)
+    weights = objective._weights(record)
+    assert len(weights) == len(ids)
+    # weights[i] weighs the prediction of token i + 1: the prompt's own tokens count less, the
+    # replacement tokens (ids[5], ids[9]) count miss_weight, everything else 1
+    expected = [0.25, 0.25] + [1.0] * (len(ids) - 2)
+    expected[4] = expected[8] = 3.0
+    assert weights == expected
+
+    # and in the loss, weight i lands on the label the target gives for token i + 1: a one-hot
+    # weight at i is exactly the KL of the entry that predicts ids[i + 1] against that label
+    model = fresh_feature_drafter(target).float()
+    with torch.no_grad():
+        features = target.train_features(torch.tensor([ids[:-1]]), capture)[0].float()
+    tokens = torch.tensor(ids[:-1])
+    rows = label_rows(target.lm_head.weight, model.draft_ids)
+    hidden = target.config.hidden_size
+    for i in (4, 8):
+        one_hot = torch.zeros(len(tokens))
+        one_hot[i] = 1.0
+        loss, _ = feature_loss(model, collate([(tokens, features, one_hot)]), rows, steps=1)
+        label = F.log_softmax(features[i, -hidden:] @ rows.T, dim=-1)
+        assert int(model.draft_ids[label.argmax()]) == ids[i + 1]  # the target's choice: the replacement
+        with torch.no_grad():
+            entry = model.unrolled(features[None, :-1], tokens[None, 1:], 1)[0][0, i - 1]
+            drafted = F.log_softmax(model.logits(entry), dim=-1)
+        assert float(loss.detach()) == pytest.approx(float((label.exp() * (label - drafted)).sum()), rel=1e-4)
+
+
+def gated_learner(tmp_path: Path, target: Transformer) -> Learner:
+    """A learner with held-out records whose trained drafter has just been published live."""
+    train = greedy_records(target, VOCAB, seed=0, cover=True)
+    held_out = greedy_records(target, len(train), seed=99)
+    # intake alternates: every second record (records_in % 2 == 0) is held out
+    interleaved = [r for pair in zip(train, held_out, strict=True) for r in pair]
+    learner = new_learner(tmp_path, target, fresh_feature_drafter(target), interleaved, holdout_every=2)
+    assert len(learner.holdout) == learner.config.holdout_capacity and len(learner.buffer) == len(train)
+    for _ in range(60):
+        learner.train_step()
+    version = learner.maybe_publish(force=True)
+    assert version is not None and learner.store.live_version() == version
+    assert learner.stats.published[-1]["candidate"] >= 3.0
+    for group in learner.optimizer.param_groups:  # further steps leave the weights as set below
+        group["lr"] = 0.0
+    return learner
+
+
+def test_gate_rejects_a_candidate_worse_than_live_beyond_the_margin(tmp_path: Path, target) -> None:
+    learner = gated_learner(tmp_path, target)
+    live = learner.store.live_version()
+    learner.model.load_state_dict(fresh_feature_drafter(target).state_dict())
+    learner.train_step()
+    assert learner.maybe_publish(force=True) is None
+    rejected = learner.stats.rejected[-1]
+    assert rejected["passed"] is False and "worse than live" in rejected["reason"]
+    assert rejected["candidate"] < rejected["live"] - learner.config.gate_margin
+    assert learner.store.live_version() == live == learner.live_version
+    assert learner.store.manifest(rejected["version"])["status"] == "rejected"
+
+
+def test_gate_rejects_a_candidate_with_non_finite_weights(tmp_path: Path, target) -> None:
+    learner = gated_learner(tmp_path, target)
+    live = learner.store.live_version()
+    with torch.no_grad():
+        learner.model.head.weight[0, 0] = float("nan")
+    learner.train_step()
+    assert learner.maybe_publish(force=True) is None
+    rejected = learner.stats.rejected[-1]
+    assert rejected["passed"] is False and rejected["reason"] == "non-finite weights"
+    assert learner.store.live_version() == live
+    # the same weights, made finite again, are a fine candidate: it was the NaN that was refused
+    with torch.no_grad():
+        learner.model.load_state_dict(learner._live_model().float().state_dict())
+    assert learner.evaluate(learner.model)["passed"] is True

@@ -1,0 +1,303 @@
+"""`specd pretrain` and the day-0 feature drafter.
+
+The offline pipeline writes a loadable fp16 feature drafter and a manifest, and resumes from its
+work folder without recomputing what it already has. A pretrained file that does not fit the
+target, or is corrupt, never stops a server: it is refused with a warning and the drafter starts
+from scratch. `load_drafter` refuses a feature drafter file with tampered draft ids or weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import specd.learner.pretrain as pretrain_module
+from specd.drafter.checkpoint import load_drafter, read_metadata, save_drafter
+from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
+from specd.drafter.pretrained import day0_feature_model
+from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+from specd.errors import CheckpointError
+from specd.learner.pretrain import PretrainConfig, pretrain
+from specd.model.fingerprint import TargetFingerprint
+from specd.model.transformer import ModelConfig, Transformer
+from specd.testing import TINY, tiny_loaded_target, tiny_target
+
+TINY_PRETRAIN = PretrainConfig(conversations=4, max_length=48, steps=4, batch_size=2, eval_prompts=2, eval_tokens=6,
+                               eval_every=2, checkpoint_every=2, shard_size=2)
+COMMAND = "specd pretrain --conversations 4 --steps 4 (test)"
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> dict[str, Any]:
+    """One tiny pretraining run: the loaded target, its work folder, the version file and manifest."""
+    root = tmp_path_factory.mktemp("pretrain")
+    loaded = tiny_loaded_target()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # runs before the per-test one-thread fixture: tiny models, one thread
+    try:
+        manifest = pretrain(loaded, TINY_PRETRAIN, root / "work", root / "drafter.safetensors", COMMAND)
+    finally:
+        torch.set_num_threads(threads)
+    return {"loaded": loaded, "root": root, "work": root / "work", "out": root / "drafter.safetensors",
+            "manifest": manifest}
+
+
+def test_pretrain_writes_a_loadable_fp16_drafter_and_its_manifest(pretrained) -> None:
+    loaded, out, work = pretrained["loaded"], pretrained["out"], pretrained["work"]
+    model = load_drafter(out, loaded.fingerprint, target_embedding=loaded.model.embed.weight)
+    assert isinstance(model, FeatureDrafterModel)
+    assert model.config.hidden_size == loaded.model.config.hidden_size
+    # the file holds the trained weights (the last checkpoint), in fp16, and the corpus's draft vocabulary
+    trained = load_file(str(work / "train-state.safetensors"))
+    with safe_open(str(out), framework="pt") as handle:
+        assert {handle.get_tensor(name).dtype for name in handle.keys() if name != "draft_ids"} == {torch.float16}  # noqa: SIM118
+    for name, tensor in model.state_dict().items():
+        expected = trained[name] if name == "draft_ids" else trained[name].half().float()
+        assert torch.equal(tensor, expected), name
+    assert torch.equal(model.draft_ids, load_file(str(work / "data.safetensors"))["draft_ids"])
+
+    manifest = pretrained["manifest"]
+    assert json.loads(out.with_suffix(".json").read_text()) == manifest
+    assert json.loads(read_metadata(out)["manifest"]) == manifest
+    assert manifest["command"] == COMMAND and manifest["seed"] == TINY_PRETRAIN.seed
+    assert manifest["steps"] == 4 and manifest["tokens_trained"] > 0
+    assert manifest["data"]["conversations"] == 4
+    assert 4 * 16 <= manifest["data"]["tokens"] <= 4 * TINY_PRETRAIN.max_length
+    assert "sharegpt" in manifest["data"]["source"].lower()
+    held_out = manifest["held_out"]
+    assert held_out["prompts"] == 2 and held_out["k"] == TINY_PRETRAIN.eval_k
+    assert 1.0 <= held_out["accept_length"] <= TINY_PRETRAIN.eval_k + 1
+    assert [point["step"] for point in manifest["curve"]] == [0, 2, 4]
+    assert held_out["accept_length"] == manifest["curve"][-1]["accept_length"]
+
+
+def test_pretrain_resumes_from_its_checkpoint_without_recomputing_features(pretrained, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    work = tmp_path / "work"
+    shutil.copytree(pretrained["work"], work)
+    shards = sorted(work.glob("features-*.safetensors"))
+    assert len(shards) == 2  # 4 conversations, 2 a shard
+    stamps = {path: path.stat().st_mtime_ns for path in [*shards, work / "eval.safetensors", work / "data.safetensors"]}
+    calls = {"features": 0, "loss": 0}
+    real_loss = pretrain_module.feature_loss
+
+    def counted_features(*args, **kwargs):
+        calls["features"] += 1
+        raise AssertionError("a resumed run recomputed target features")
+
+    def counted_loss(*args, **kwargs):
+        calls["loss"] += 1
+        return real_loss(*args, **kwargs)
+
+    def no_conversations():
+        raise AssertionError("a resumed run re-read the conversations")
+
+    monkeypatch.setattr(pretrain_module, "target_features", counted_features)
+    monkeypatch.setattr(pretrain_module, "feature_loss", counted_loss)
+    monkeypatch.setattr(pretrain_module, "iter_training_conversations", no_conversations)
+    out = tmp_path / "drafter.safetensors"
+    first = pretrained["manifest"]
+    manifest = pretrain(pretrained["loaded"], replace(TINY_PRETRAIN, steps=6), work, out, COMMAND)
+    assert calls == {"features": 0, "loss": 2}  # steps 5 and 6 only
+    assert manifest["steps"] == 6 and manifest["tokens_trained"] > first["tokens_trained"]
+    assert manifest["curve"][:3] == first["curve"]
+    assert [point["step"] for point in manifest["curve"]] == [0, 2, 4, 6]
+    assert {path: path.stat().st_mtime_ns for path in stamps} == stamps
+    assert json.loads((work / "progress.json").read_text())["step"] == 6
+    loaded = pretrained["loaded"]
+    model = load_drafter(out, loaded.fingerprint, target_embedding=loaded.model.embed.weight)
+    assert isinstance(model, FeatureDrafterModel)
+
+
+# ---- the day-0 drafter: pretrained when it fits, from scratch otherwise ---------------------------
+
+DRAFT_VOCAB = 64
+
+
+@pytest.fixture
+def target() -> Transformer:
+    return tiny_target(dtype=torch.float32)
+
+
+def fingerprint_of(target: Transformer) -> TargetFingerprint:
+    return TargetFingerprint.of(target.config)
+
+
+def trained_looking(target: Transformer, seed: int = 7) -> FeatureDrafterModel:
+    """A drafter for `target` whose weights differ from a fresh one's (as a pretrained one would)."""
+    model, _ = day0_feature_model(target, fingerprint_of(target), DRAFT_VOCAB, pretrained=None)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.01)
+    return model
+
+
+def drafter_for(config: ModelConfig, seed: int = 0) -> FeatureDrafterModel:
+    other = tiny_target(config, seed=seed, dtype=torch.float32)
+    return new_feature_drafter(other.config, other.embed.weight, other.lm_head.weight, other.norm.weight,
+                               torch.arange(DRAFT_VOCAB))
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    first, second = a.state_dict(), b.state_dict()
+    return first.keys() == second.keys() and all(torch.equal(first[n], second[n]) for n in first)
+
+
+def test_day0_uses_a_pretrained_file_made_for_this_target(target, tmp_path: Path) -> None:
+    model = trained_looking(target)
+    path = tmp_path / "pretrained.safetensors"
+    save_drafter(model, path, fingerprint_of(target))
+    day0, source = day0_feature_model(target, fingerprint_of(target), DRAFT_VOCAB, pretrained=path)
+    assert source == "pretrained pretrained.safetensors"
+    assert same_weights(day0, model)
+    fresh, fresh_source = day0_feature_model(target, fingerprint_of(target), DRAFT_VOCAB, pretrained=None)
+    assert fresh_source == "from scratch" and not same_weights(fresh, model)
+
+
+def write_random_bytes(path: Path, target: Transformer) -> None:
+    path.write_bytes(np.random.default_rng(0).bytes(4096))
+
+
+def write_other_fingerprint(path: Path, target: Transformer) -> None:
+    save_drafter(trained_looking(target), path, TargetFingerprint(TINY.vocab_size, "another-tokenizer"))
+
+
+def write_other_width(path: Path, target: Transformer) -> None:
+    # same vocabulary, so the same fingerprint: only the width tells it apart
+    save_drafter(drafter_for(replace(TINY, hidden_size=48, head_dim=12)), path, fingerprint_of(target))
+
+
+def write_deeper_target(path: Path, target: Transformer) -> None:
+    # same width and fingerprint, but it reads layers this 2-layer target does not have
+    drafter = drafter_for(replace(TINY, num_layers=6))
+    assert max(drafter.config.capture_layers) >= TINY.num_layers
+    save_drafter(drafter, path, fingerprint_of(target))
+
+
+def write_token_drafter(path: Path, target: Transformer) -> None:
+    shape = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=48)
+    save_drafter(new_drafter_model(target, shape), path, fingerprint_of(target))
+
+
+def write_repeated_layer(path: Path, target: Transformer) -> None:
+    # tensors of the right shapes, but a config reading layer 1 twice: the target captures it once,
+    # so the features served would be narrower than the drafter reads
+    save_drafter(trained_looking(target), path, fingerprint_of(target))
+    retune(path, capture_layers=[1, 1])
+
+
+UNFIT = {  # how the file is made, and what the warning must name
+    "random bytes": (write_random_bytes, "not a readable safetensors file"),
+    "empty file": (lambda path, target: path.write_bytes(b""), "not a readable safetensors file"),
+    "missing file": (lambda path, target: None, "no such file"),
+    "another target's fingerprint": (write_other_fingerprint, "made for target"),
+    "another width": (write_other_width, "embedding has shape"),
+    "layers the target lacks": (write_deeper_target, "reading layers"),
+    "a token-level drafter": (write_token_drafter, "token-level"),
+    "a repeated captured layer": (write_repeated_layer, "capture_layers"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNFIT))
+def test_day0_refuses_an_unfit_pretrained_file_with_a_warning_and_starts_from_scratch(
+        case: str, target, tmp_path: Path, caplog) -> None:
+    path = tmp_path / "pretrained.safetensors"
+    write, reason = UNFIT[case]
+    write(path, target)
+    with caplog.at_level(logging.WARNING, logger="specd.drafter.pretrained"):
+        model, source = day0_feature_model(target, fingerprint_of(target), DRAFT_VOCAB, pretrained=path)
+    assert source == "from scratch"
+    warnings = [r for r in caplog.records if r.name == "specd.drafter.pretrained" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "starting from scratch" in warnings[0].getMessage()
+    assert str(path) in warnings[0].getMessage() and reason in warnings[0].getMessage()  # which file, and why
+    fresh, _ = day0_feature_model(target, fingerprint_of(target), DRAFT_VOCAB, pretrained=None)
+    assert isinstance(model, FeatureDrafterModel) and same_weights(model, fresh)
+    assert model.config.hidden_size == target.config.hidden_size
+
+
+# ---- load_drafter refuses tampered feature drafter files -----------------------------------------
+
+def retune(path: Path, **fields: Any) -> None:
+    """Rewrite the feature config in a drafter file's metadata, tensors untouched."""
+    metadata = read_metadata(path)
+    metadata["feature_config"] = json.dumps({**json.loads(metadata["feature_config"]), **fields})
+    save_file(load_file(str(path)), str(path), metadata=metadata)
+
+
+def tampered(path: Path, change) -> Path:
+    metadata = read_metadata(path)
+    state = load_file(str(path))
+    change(state)
+    copy = path.with_name("tampered.safetensors")
+    save_file(state, str(copy), metadata=metadata)
+    return copy
+
+
+def set_entry(name: str, index: tuple[int, ...], value: float):
+    def change(state: dict[str, torch.Tensor]) -> None:
+        state[name] = state[name].clone()
+        state[name][index] = value
+    return change
+
+
+def replace_entry(name: str, make):
+    def change(state: dict[str, torch.Tensor]) -> None:
+        state[name] = make(state[name])
+    return change
+
+
+TAMPERED = {
+    "a draft id past the vocabulary": (set_entry("draft_ids", (3,), TINY.vocab_size), "draft_ids"),
+    "a negative draft id": (set_entry("draft_ids", (0,), -1), "draft_ids"),
+    "one draft id too few": (replace_entry("draft_ids", lambda ids: ids[:-1].clone()), "draft_ids"),
+    "float draft ids": (replace_entry("draft_ids", lambda ids: ids.float()), "draft_ids"),
+    "no draft ids": (lambda state: state.pop("draft_ids"), "draft_ids"),
+    "a NaN weight": (set_entry("fuse.weight", (0, 0), float("nan")), "non-finite"),
+    "an infinite weight": (set_entry("head.weight", (5, 1), float("inf")), "non-finite"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_load_drafter_refuses_a_tampered_feature_drafter(case: str, dtype: torch.dtype, target,
+                                                         tmp_path: Path) -> None:
+    path = tmp_path / "drafter.safetensors"
+    save_drafter(trained_looking(target), path, fingerprint_of(target), dtype=dtype)
+    embedding = target.embed.weight
+    assert isinstance(load_drafter(path, fingerprint_of(target), target_embedding=embedding), FeatureDrafterModel)
+    change, needle = TAMPERED[case]
+    with pytest.raises(CheckpointError, match=needle):
+        load_drafter(tampered(path, change), fingerprint_of(target), target_embedding=embedding)
+
+
+TAMPERED_CONFIG = {
+    "kv heads that do not divide the heads": {"num_kv_heads": 3},
+    "a non-positive layer size": {"intermediate_size": -4},
+    "a fractional size": {"intermediate_size": 64.0},
+    "a negative captured layer": {"capture_layers": [-1, 1]},
+    "a repeated captured layer": {"capture_layers": [1, 1]},
+    "a captured layer that is not a number": {"capture_layers": ["1", 0]},
+    "no captured layer": {"capture_layers": []},
+    "a draft vocabulary larger than the target's": {"draft_vocab_size": TINY.vocab_size + 1},
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERED_CONFIG))
+def test_load_drafter_refuses_a_feature_drafter_whose_config_was_tampered_with(case: str, target,
+                                                                              tmp_path: Path) -> None:
+    path = tmp_path / "drafter.safetensors"
+    save_drafter(trained_looking(target), path, fingerprint_of(target))
+    retune(path, **TAMPERED_CONFIG[case])
+    with pytest.raises(CheckpointError, match="unreadable feature-drafter metadata"):
+        load_drafter(path, fingerprint_of(target), target_embedding=target.embed.weight)
