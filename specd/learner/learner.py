@@ -49,6 +49,7 @@ class LearnerConfig:
     miss_weight: float = 2.0
     prompt_weight: float = 0.1
     buffer_capacity: int = 2000
+    feature_learning_rate: float = 5e-4  # the feature drafter starts trained: smaller steps keep what it knows
     feature_buffer_capacity: int = 400   # feature records are large (~4.6 KB a token for SmolLM2)
     feature_window: int = 256
     unroll: int = 3                      # drafting steps trained per position (feature drafter)
@@ -100,13 +101,13 @@ class Learner:
             initial = load_drafter(store.weights_path(live), fingerprint, target_embedding=target_embedding)
         self.model = clone_drafter(initial).float().train()
         self.objective = self._objective(self.model, target)
-        capacity = config.buffer_capacity
+        capacity, learning_rate = config.buffer_capacity, config.learning_rate
         if isinstance(self.model, FeatureDrafterModel):
-            capacity = config.feature_buffer_capacity
+            capacity, learning_rate = config.feature_buffer_capacity, config.feature_learning_rate
         else:
             self.model.embed.weight.requires_grad_(config.train_embeddings)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
         self.buffer: deque[TrajectoryRecord] = deque(maxlen=capacity)
         self.holdout: deque[TrajectoryRecord] = deque(maxlen=config.holdout_capacity)
         self.stats = LearnerStats()
