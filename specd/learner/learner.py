@@ -6,7 +6,8 @@ trains and how it scores a drafter come from its objective (`specd.learner.objec
 token-level drafter on ids, or the feature drafter on the target's features (carried by records
 or recomputed from ids with the learner's own copy of the target). Intake
 validates every record and counts refusals by reason. Training samples windows from a bounded
-buffer of recent trajectories; every `holdout_every`-th record is held out for the gate instead.
+buffer of recent trajectories (`recent_share` of each batch from the newest `recent_records`);
+every `holdout_every`-th record is held out for the gate instead.
 Every `publish_every_steps` steps or `publish_every_seconds` seconds the trained drafter becomes
 a candidate: published if its simulated accept length on the held-out records is not worse than
 the live version's by more than `gate_margin` and its weights are finite, rejected (with the
@@ -53,6 +54,10 @@ class LearnerConfig:
     feature_buffer_capacity: int = 400   # feature records are large (~4.6 KB a token for SmolLM2)
     feature_window: int = 256
     unroll: int = 3                      # drafting steps trained per position (feature drafter)
+    # half of every batch comes from the newest records, so that a shift in traffic is learned
+    # within steps, not after the buffer has turned over (the rest keeps older knowledge)
+    recent_share: float = 0.5
+    recent_records: int = 32
     holdout_every: int = 8
     holdout_capacity: int = 16
     publish_every_steps: int = 10
@@ -155,7 +160,10 @@ class Learner:
     # ---- training -------------------------------------------------------------------------
     def train_step(self) -> float:
         cfg = self.config
-        records = self.rng.choices(list(self.buffer), k=cfg.batch_size)
+        buffered = list(self.buffer)
+        recent = round(cfg.batch_size * cfg.recent_share)
+        records = (self.rng.choices(buffered[-cfg.recent_records:], k=recent)
+                   + self.rng.choices(buffered, k=cfg.batch_size - recent))
         loss, num_tokens = self.objective.loss(self.model, records, self.rng)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
