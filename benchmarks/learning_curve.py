@@ -127,7 +127,8 @@ def run_curve(name: str, loaded: LoadedTarget, train: list[TrajectoryRecord], he
                             fingerprint=loaded.fingerprint)
     # the service's hyper-parameters; only the gate is off (this benchmark holds out its own records)
     config = LearnerConfig(duty_cycle=1.0, holdout_every=10**9, publish_every_steps=10**9,
-                           publish_every_seconds=math.inf, k=K, seed=seed)
+                           publish_every_seconds=math.inf, k=K, seed=seed,
+                           feature_learning_rate=args.feature_lr or LearnerConfig.feature_learning_rate)
     embedding = loaded.model.embed.weight
     with tempfile.TemporaryDirectory(prefix="learning-curve-") as tmp:
         learner = Learner(config, InProcessBus(), WeightStore(tmp), initial, loaded.fingerprint, embedding.dtype,
@@ -193,6 +194,8 @@ def main() -> None:
                    help=f"output tokens per record (default {FULL['max_tokens']})")
     p.add_argument("--curves", default=",".join(CURVES),
                    help="which curves (comma-separated: " + ",".join(CURVES) + ")")
+    p.add_argument("--feature-lr", type=float, default=None,
+                   help="the feature drafter's learning rate (default: LearnerConfig's, as the service runs)")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling seed; training seeds are seed..seed+repeats-1")
     args = p.parse_args()
     for key, value in (QUICK if args.quick else FULL).items():

@@ -69,7 +69,8 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimisers[name].step()
             if (step + 1) % args.eval_every == 0:
-                curves[name].append({"step": step + 1, "train_kl1": stats.get("kl1"), "train_top1": stats.get("top1_1")})
+                curves[name].append({"step": step + 1, "train_kl1": stats.get("kl1"),
+                                     "train_top1": stats.get("top1_1")})
     result = {"curves": curves, "tokens_per_step": "batch × ≤256", "conversations": len(corpus.sequences)}
     write_result(args.out, args, result)
     scored = {name: [c for c in curve if "accept_length" in c] for name, curve in curves.items()}

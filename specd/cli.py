@@ -103,12 +103,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=40, help="requests to replay (default 40)")
     p.add_argument("--max-tokens", type=int, default=64, help="output budget per request (default 64)")
     p.add_argument("--batch", type=int, default=4, help="requests decoded together (default 4)")
-    p.add_argument("-k", type=int, default=4)
+    p.add_argument("-k", type=int, default=None,
+                   help="fix k drafts per step (for drafter comparisons: accept length then measures the drafter); "
+                        "default: the lookahead controller picks k per step, up to 4 (the faster setting here)")
     p.add_argument("--duty-cycle", type=float, default=0.5, help="learner's share of wall time (default 0.5)")
     _add_drafter_flags(p)
-    p.add_argument("--adaptive-k", action="store_true",
-                   help="let the lookahead controller pick k per step (default: fixed k, so accept length "
-                        "measures the drafter)")
+    p.add_argument("--adaptive-k", action="store_true", help="with -k N: let the controller pick k per step, up to N")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", default=None)
     p.add_argument("--json-out", default="out/demo.json")
@@ -128,9 +128,10 @@ def run_demo_command(args: argparse.Namespace) -> int:
     else:
         items = default_shift_traffic(args.requests, args.seed)
     loaded = LoadedTarget.load(args.target)
-    config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, k=args.k, seed=args.seed,
-                        adaptive_lookahead=args.adaptive_k, drafter=_drafter_spec(args),
-                        learner=LearnerConfig(duty_cycle=args.duty_cycle, k=args.k, seed=args.seed))
+    k = args.k or 4
+    config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, k=k, seed=args.seed,
+                        adaptive_lookahead=args.k is None or args.adaptive_k, drafter=_drafter_spec(args),
+                        learner=LearnerConfig(duty_cycle=args.duty_cycle, k=k, seed=args.seed))
     result = run_demo(loaded, items, config, Path(args.store) if args.store else None)
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps(result, indent=2))

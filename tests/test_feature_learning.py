@@ -74,8 +74,9 @@ def fresh_feature_drafter(target: Transformer, seed: int = 0) -> FeatureDrafterM
 
 
 def learner_config(**fields) -> LearnerConfig:
-    settings = {"learning_rate": 3e-3, "feature_learning_rate": 3e-3, "batch_size": 8, "duty_cycle": 1.0, "publish_every_steps": 10**9,
-                "publish_every_seconds": 1e9, "holdout_every": 10**9, "min_records": 1, **fields}
+    settings = {"learning_rate": 3e-3, "feature_learning_rate": 3e-3, "batch_size": 8, "duty_cycle": 1.0,
+                "publish_every_steps": 10**9, "publish_every_seconds": 1e9, "holdout_every": 10**9,
+                "min_records": 1, **fields}
     return LearnerConfig(**settings)
 
 

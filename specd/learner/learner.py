@@ -50,7 +50,7 @@ class LearnerConfig:
     miss_weight: float = 2.0
     prompt_weight: float = 0.1
     buffer_capacity: int = 2000
-    feature_learning_rate: float = 5e-4  # the feature drafter starts trained: smaller steps keep what it knows
+    feature_learning_rate: float = 5e-5  # the feature drafter starts trained: larger steps undo it (learning_curve.py)
     feature_buffer_capacity: int = 400   # feature records are large (~4.6 KB a token for SmolLM2)
     feature_window: int = 256
     unroll: int = 3                      # drafting steps trained per position (feature drafter)
