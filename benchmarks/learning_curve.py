@@ -41,7 +41,7 @@ from specd.learner.learner import Learner, LearnerConfig
 from specd.learner.objectives import FeatureObjective
 from specd.model.target import LoadedTarget
 from specd.records import TrajectoryRecord, validate_record
-from specd.traffic import load_sharegpt
+from specd.traffic import load_humaneval, load_sharegpt
 
 # name: (arch, from the pretrained version)
 CURVES = {"feature-scratch": ("feature", False), "feature-pretrained": ("feature", True),
@@ -52,16 +52,17 @@ QUICK = {"records": 16, "held_out": 6, "per_round": 8, "steps_per_round": 2, "ma
 
 
 # ---- records ----------------------------------------------------------------------------------
-def make_records(loaded: LoadedTarget, count: int, held_out: int, max_tokens: int,
-                 seed: int) -> tuple[list[TrajectoryRecord], list[TrajectoryRecord], dict[str, Any]]:
+def make_records(loaded: LoadedTarget, count: int, held_out: int, max_tokens: int, seed: int,
+                 domain: str = "sharegpt") -> tuple[list[TrajectoryRecord], list[TrajectoryRecord], dict[str, Any]]:
     """The target's own greedy outputs on disjoint training and evaluation prompts, and the served rate."""
     from specd.demo import encode
 
-    items = load_sharegpt(count + held_out, seed)
+    load = load_sharegpt if domain == "sharegpt" else load_humaneval
+    items = load(count + held_out, seed)
     if len(items) < count + held_out:
-        raise SystemExit(f"only {len(items)} ShareGPT prompts available, {count + held_out} asked for")
+        raise SystemExit(f"only {len(items)} {domain} prompts available, {count + held_out} asked for")
     train_items, eval_items = items[:count], items[count:]
-    overlap = {i.messages for i in train_items} & {i.messages for i in eval_items}
+    overlap = {(i.messages, i.prompt) for i in train_items} & {(i.messages, i.prompt) for i in eval_items}
     assert not overlap, f"{len(overlap)} prompts are both training and evaluation prompts"
     prompts = [encode(loaded, item) for item in items]
     longest = max(len(p) for p in prompts) + max_tokens
@@ -194,6 +195,9 @@ def main() -> None:
                    help=f"output tokens per record (default {FULL['max_tokens']})")
     p.add_argument("--curves", default=",".join(CURVES),
                    help="which curves (comma-separated: " + ",".join(CURVES) + ")")
+    p.add_argument("--domain", choices=["sharegpt", "humaneval"], default="sharegpt",
+                   help="the traffic: held-out ShareGPT chats (default) or HumanEval code (the shift the "
+                        "pretrained drafter never saw)")
     p.add_argument("--feature-lr", type=float, default=None,
                    help="the feature drafter's learning rate (default: LearnerConfig's, as the service runs)")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling seed; training seeds are seed..seed+repeats-1")
@@ -208,7 +212,8 @@ def main() -> None:
     torch.set_grad_enabled(True)
 
     loaded = LoadedTarget.load(None)
-    train, held_out, served = make_records(loaded, args.records, args.held_out, args.max_tokens, args.seed)
+    train, held_out, served = make_records(loaded, args.records, args.held_out, args.max_tokens, args.seed,
+                                           args.domain)
     print(f"{len(train)} training records, {len(held_out)} evaluation records (disjoint prompts); served "
           f"{served['output_tokens']} tokens at {served['tokens_per_s']} tokens/s without a drafter", flush=True)
     missing: dict[str, str] = {}
