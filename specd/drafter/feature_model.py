@@ -49,11 +49,13 @@ class FeatureDrafterConfig:
             raise ValueError(f"draft_vocab_size must be in (0, {self.vocab_size}], got {self.draft_vocab_size}")
         if not self.capture_layers:
             raise ValueError("a feature drafter reads at least one target layer")
-        # the target captures each layer once, in layer order: a repeated or negative index would
-        # give features of another width than the drafter reads
+        # the target captures each layer once, in layer order: a repeated, negative or out-of-order
+        # index would give features of another width or order than the drafter reads
         if not all(type(layer) is int and layer >= 0 for layer in self.capture_layers) \
-                or len(set(self.capture_layers)) != len(self.capture_layers):
-            raise ValueError(f"capture_layers must be distinct non-negative layer indices, got {self.capture_layers}")
+                or len(set(self.capture_layers)) != len(self.capture_layers) \
+                or list(self.capture_layers) != sorted(self.capture_layers):
+            raise ValueError(f"capture_layers must be distinct non-negative layer indices in increasing order, "
+                             f"got {self.capture_layers}")
 
     @property
     def feature_size(self) -> int:
