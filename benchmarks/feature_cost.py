@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,14 +111,20 @@ def main() -> None:
     result["ranking"] = source
     if ranked is not None:
         result["coverage"] = coverage(loaded, ranked, sizes, args.prompts, args.tokens)
-    write_result(args.out, args, result)
+    path = write_result(args.out, args, result)
+    print(markdown(result, path.parent))
+
+
+def markdown(result: dict[str, Any], out: Path) -> str:
+    """The tables the report shows: c per draft vocabulary and batch, then the coverage."""
     rows = [[name, cell(row["c"], 3), f"{row['draft_ms']:.2f}", f"{row['target_ms']:.2f}"]
             for name, row in result["c"].items()]
-    print(markdown_table(["draft vocabulary, batch", "c (median, min–max)", "draft step ms", "target step ms"], rows))
+    text = markdown_table(["draft vocabulary, batch", "c (median, min–max)", "draft step ms", "target step ms"], rows)
     if "coverage" in result:
         share = result["coverage"]["share_inside"]
-        print(markdown_table(["N", "target output tokens inside"], [[n, f"{v:.1%}"] for n, v in share.items()]))
-
+        text += "\n\n" + markdown_table(["N", "target output tokens inside the draft vocabulary"],
+                                         [[n, f"{v:.1%}"] for n, v in share.items()])
+    return text + "\n"
 
 if __name__ == "__main__":
     main()

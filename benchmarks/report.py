@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 TITLES = {"engine_speed": "Engine decode speed", "shift": "The shift: adaptive vs static vs none",
           "service_load": "The service under load", "negative_term": "The learner's negative term",
           "learning_curve": "Learning curves: accept length against data trained",
+          "feature_cost": "The feature drafter's cost per draft token (c) and vocabulary coverage",
           "vllm_compare": "vLLM with and without drafters"}
 SIZES: dict[str, dict[str, list[str]]] = {
     "full": {
@@ -42,6 +43,7 @@ SIZES: dict[str, dict[str, list[str]]] = {
         "service_load": ["--seconds", "12", "--repeats", "3"],
         "negative_term": ["--requests", "32", "--steps", "40", "--every", "10", "--repeats", "2"],
         "learning_curve": [],  # its defaults: about 10 minutes
+        "feature_cost": ["--repeats", "3"],
         "vllm_compare": ["--only", "plain,ngram,specd_adaptive,specd_static", "--requests", "8", "--warmup", "16",
                          "--max-tokens", "64", "--repeats", "2"],
     },
@@ -51,6 +53,7 @@ SIZES: dict[str, dict[str, list[str]]] = {
         "service_load": ["--seconds", "5", "--repeats", "2", "--clients", "2"],
         "negative_term": ["--tiny", "--steps", "20", "--every", "10", "--repeats", "2"],
         "learning_curve": ["--quick"],
+        "feature_cost": ["--repeats", "2", "--vocab", "8192,49152", "--prompts", "8", "--tokens", "32"],
         "vllm_compare": ["--only", "plain,specd_adaptive,specd_static", "--requests", "2", "--warmup", "4",
                          "--max-tokens", "32", "--repeats", "2"],
     },
