@@ -15,11 +15,9 @@ stored features within a per-step budget; a row that is not caught up, or has no
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from specd.drafter.base import DraftBatch, Proposal
+from specd.drafter.base import DraftBatch, Proposal, WeightHandoff
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.errors import BadWeights
 from specd.model.sampling import sample_from, target_probs
@@ -37,8 +35,7 @@ class FeatureDrafter:
         self._history: torch.Tensor | None = None  # [max_batch, max_seq, feature_size] fp16, the target's
         self._known: list[int] = []  # per slot: positions 0..known-1 have features
         self._fed: list[int] = []    # per slot: target-fed entries 0..fed-1 cached for the current weights
-        self._pending: tuple[FeatureDrafterModel, str] | None = None
-        self._pending_lock = threading.Lock()
+        self._handoff: WeightHandoff[FeatureDrafterModel] = WeightHandoff()
         self.num_swaps = 0
 
     @property
@@ -85,8 +82,7 @@ class FeatureDrafter:
         """Hand over checked weights from any thread; they take over at the next proposal."""
         if not isinstance(model, FeatureDrafterModel):
             raise BadWeights(f"a feature drafter cannot serve {type(model).__name__} weights (version {version})")
-        with self._pending_lock:
-            self._pending = (model, version)
+        self._handoff.put(model, version)
 
     def swap_model(self, model: FeatureDrafterModel, version: str) -> None:
         """Take new weights between two steps; every slot rebuilds its cache on next proposal."""
@@ -107,8 +103,7 @@ class FeatureDrafter:
         self._take_pending()
 
     def _take_pending(self) -> None:
-        with self._pending_lock:
-            pending, self._pending = self._pending, None
+        pending = self._handoff.take()
         if pending is not None:
             self.swap_model(*pending)
 

@@ -10,13 +10,12 @@ the engine waits for it.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from specd.drafter.base import DraftBatch, Proposal
+from specd.drafter.base import DraftBatch, Proposal, WeightHandoff
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.errors import BadWeights
 from specd.model.sampling import sample_from, target_probs
@@ -100,8 +99,7 @@ class TokenDrafter:
         self._proposed_from: list[int] = []   # per row: sequence length when the drafts were made
         self._ready: list[bool] = []          # per row: its cache was complete when it drafted
         self._k = 0
-        self._pending: tuple[Transformer, str] | None = None
-        self._pending_lock = threading.Lock()
+        self._handoff: WeightHandoff[Transformer] = WeightHandoff()
         self.num_swaps = 0
 
     @property
@@ -124,8 +122,7 @@ class TokenDrafter:
         """Hand over checked weights from any thread; they take over at the next proposal."""
         if not isinstance(model, Transformer):
             raise BadWeights(f"a token drafter cannot serve {type(model).__name__} weights (version {version})")
-        with self._pending_lock:
-            self._pending = (model, version)
+        self._handoff.put(model, version)
 
     def swap_model(self, model: Transformer, version: str) -> None:
         """Take new weights between two steps; every slot rebuilds its cache on next proposal."""
@@ -140,8 +137,7 @@ class TokenDrafter:
         self._take_pending()
 
     def _take_pending(self) -> None:
-        with self._pending_lock:
-            pending, self._pending = self._pending, None
+        pending = self._handoff.take()
         if pending is not None:
             self.swap_model(*pending)
 

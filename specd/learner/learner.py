@@ -53,6 +53,7 @@ class LearnerConfig:
     feature_learning_rate: float = 5e-5  # the feature drafter starts trained: larger steps undo it (learning_curve.py)
     feature_buffer_capacity: int = 400   # feature records are large (~4.6 KB a token for SmolLM2)
     feature_window: int = 256
+    feature_prompt_weight: float = 0.5  # prompt positions carry the target's real features and labels too
     unroll: int = 3                      # drafting steps trained per position (feature drafter)
     # half of every batch comes from the newest records, so that a shift in traffic is learned
     # within steps, not after the buffer has turned over (the rest keeps older knowledge)
@@ -134,7 +135,7 @@ class Learner:
             if target is None:
                 raise ConfigurationError("a feature drafter's learner needs the target (labels, recomputed features)")
             return FeatureObjective(target, model.draft_ids, model.config.capture_layers, cfg.feature_window,
-                                    cfg.unroll, cfg.miss_weight, max(cfg.prompt_weight, 0.5),
+                                    cfg.unroll, cfg.miss_weight, cfg.feature_prompt_weight,
                                     cache_records=cfg.feature_buffer_capacity + cfg.holdout_capacity)
         return TokenObjective(cfg.window, cfg.miss_weight, cfg.prompt_weight, cfg.negative_coef)
 

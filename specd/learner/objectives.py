@@ -5,7 +5,7 @@ tokens it covers) and replays greedy drafting on held-out records (`simulate`), 
 drafter network. `TokenObjective` trains the token-level `Transformer` on the records' ids.
 `FeatureObjective` trains a `FeatureDrafterModel` on the target's features: those a record
 carries, or, for records without them (a vLLM server ships ids only), features it recomputes
-with its own copy of the target (batched, no grad), counted in `recomputed_*` so the cost is
+with its own copy of the target (one no-grad pass per record), counted in `recomputed_*` so the cost is
 visible. Features are kept per record id for as long as the learner holds the record.
 """
 
@@ -98,8 +98,7 @@ class FeatureObjective:
     @torch.inference_mode()
     def _recompute(self, records: list[TrajectoryRecord]) -> None:
         begin = time.perf_counter()
-        # longest first so that rows of a batch have similar lengths (less padding)
-        for record in sorted(records, key=lambda r: r.num_tokens, reverse=True):
+        for record in records:
             ids = torch.tensor((record.prompt_ids + record.output_ids)[:-1], device=self.target.embed.weight.device)
             features = self.target.train_features(ids[None], self.capture_layers)[0]
             self._remember(record.record_id, features.to(torch.float16).cpu())
