@@ -48,7 +48,7 @@ def main() -> None:
                                corpus.draft_ids, seed=0)
     features = extract_features(loaded, corpus, day0.config.capture_layers, config, work)
     evaluation = eval_set(loaded, day0.config.capture_layers, config, work)
-    rows = label_rows(target.lm_head.weight, day0.draft_ids)
+    rows = label_rows(target.lm_head.weight, day0.draft_ids, target.norm.weight)
     models = {name: day0.clone().float().train() for name in OBJECTIVES}
     optimisers = {name: torch.optim.AdamW(m.parameters(), lr=args.lr, betas=(0.9, 0.95)) for name, m in models.items()}
     curves: dict[str, list[dict[str, Any]]] = {name: [] for name in OBJECTIVES}

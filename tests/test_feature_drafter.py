@@ -76,11 +76,13 @@ def trained(learnable: Transformer) -> FeatureDrafterModel:
         torch.set_num_threads(threads)
 
 
-def train_briefly(target: Transformer, steps: int = 130) -> FeatureDrafterModel:
+def train_briefly(target: Transformer, steps: int = 300) -> FeatureDrafterModel:
     """A feature drafter trained for a moment on the learnable target: right often, not always."""
     model = feature_model(target, seed=2).train()
-    rows = label_rows(target.lm_head.weight, model.draft_ids)
-    optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
+    rows = label_rows(target.lm_head.weight, model.draft_ids, target.norm.weight)
+    # the next token's embedding reaches EAGLE-3's layer through attention only: this toy target's
+    # rule (the successor of the next token) takes a few hundred steps to find
+    optimiser = torch.optim.Adam(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(0)
     for _ in range(steps):
         # any token sequence will do: the labels are the target's own distributions
@@ -152,14 +154,14 @@ def test_greedy_output_identical_across_weight_swaps(wrap: str, monkeypatch: pyt
 
 def test_swap_to_weights_reading_other_layers_stays_lossless() -> None:
     target = tiny_target()
-    drafter = FeatureDrafter(feature_model(target, capture_layers=(0,)))
+    drafter = FeatureDrafter(feature_model(target, capture_layers=(1,)))
     engine = Engine(target, drafter, fixed_k(max_batch=2, num_draft_tokens=3))
     seqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.step()
-    drafter.offer(feature_model(target, capture_layers=(1,)), "other-layers")
+    drafter.offer(feature_model(target, capture_layers=(0, 1)), "other-layers")
     while engine.has_work:
         engine.step()
-    assert engine.capture_layers == (1,)
+    assert engine.capture_layers == (0, 1)
     assert [s.output_ids for s in seqs] == target_only(target)
     # rows in flight lost their features and draft nothing; requests admitted after the swap draft
     assert all(step.drafts == () for step in seqs[0].steps[1:])
@@ -227,7 +229,7 @@ def unsure(trained: FeatureDrafterModel) -> FeatureDrafterModel:
     model = copy.deepcopy(trained).double()
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for param in model.block.attn.parameters():
+        for param in model.attn.parameters():
             param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)
     return model
 

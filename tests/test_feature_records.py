@@ -31,7 +31,7 @@ from specd.records import FeatureBlock, StepRecord, TrajectoryRecord, validate_r
 from specd.testing import learnable_target
 
 VOCAB = 96
-WIDTH = 64  # a feature drafter on learnable_target reads layer 0 and the final state: 2 x 32
+WIDTH = 32  # a feature drafter on learnable_target (one layer) reads layer 0: 1 x 32
 
 
 def awkward_features(positions: int, width: int = WIDTH, seed: int = 0) -> np.ndarray:

@@ -263,7 +263,7 @@ TAMPERED = {
     "one draft id too few": (replace_entry("draft_ids", lambda ids: ids[:-1].clone()), "draft_ids"),
     "float draft ids": (replace_entry("draft_ids", lambda ids: ids.float()), "draft_ids"),
     "no draft ids": (lambda state: state.pop("draft_ids"), "draft_ids"),
-    "a NaN weight": (set_entry("fuse.weight", (0, 0), float("nan")), "non-finite"),
+    "a NaN weight": (set_entry("fc.weight", (0, 0), float("nan")), "non-finite"),
     "an infinite weight": (set_entry("head.weight", (5, 1), float("inf")), "non-finite"),
 }
 

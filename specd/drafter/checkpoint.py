@@ -1,8 +1,9 @@
 """Drafter checkpoints: one safetensors file with the drafter's shape and its target's fingerprint.
 
-Two formats: "drafter/1" (a token-level `Transformer`) and "feature-drafter/1" (a
-`FeatureDrafterModel`, its config and draft vocabulary in the file, the target's embedding never
-stored); `load_drafter` reads either. `save_drafter(..., dtype=torch.float16)` halves the file.
+Two formats: "drafter/1" (a token-level `Transformer`) and "feature-drafter/2" (a
+`FeatureDrafterModel`, EAGLE-3's layer, its config and draft vocabulary in the file, the target's
+embedding never stored); `load_drafter` reads either, and refuses "feature-drafter/1" (the
+earlier, non-EAGLE-3 layer) with a message saying so. `save_drafter(..., dtype=torch.float16)` halves the file.
 
 Contract: `save_drafter` writes weights only through safetensors (never pickle), with metadata
 holding the drafter's ModelConfig and the target fingerprint (vocabulary size and tokenizer
@@ -29,6 +30,8 @@ from specd.errors import CheckpointError
 from specd.model.checkpoint import load_state_into
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import ModelConfig, Transformer
+
+FEATURE_FORMAT = "feature-drafter/2"
 
 # either kind of learned drafter network
 DrafterModel = Transformer | FeatureDrafterModel
@@ -70,7 +73,7 @@ def _save_feature_drafter(model: FeatureDrafterModel, path: str | Path, fingerpr
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         state[name] = tensor.contiguous()
-    metadata = {"specd_format": "feature-drafter/1", "embedding": "target",
+    metadata = {"specd_format": FEATURE_FORMAT, "embedding": "target",
                 "feature_config": json.dumps(model.config.as_dict()),
                 "target_fingerprint": json.dumps(dataclasses.asdict(fingerprint)), **(extra or {})}
     save_file(state, str(path), metadata=metadata)
@@ -89,8 +92,11 @@ def load_drafter(path: str | Path, expect: TargetFingerprint | None = None,
                  target_embedding: torch.Tensor | None = None) -> DrafterModel:
     """Read and check a drafter; `target_embedding` fills in an embedding the file shares with the target."""
     metadata = read_metadata(path)
-    if metadata.get("specd_format") == "feature-drafter/1":
+    if metadata.get("specd_format") == FEATURE_FORMAT:
         return _load_feature_drafter(path, metadata, expect, dtype, device, target_embedding)
+    if metadata.get("specd_format") == "feature-drafter/1":
+        raise CheckpointError(f"{path}: a feature drafter of the earlier layout (feature-drafter/1); this specd "
+                              f"serves EAGLE-3's layer ({FEATURE_FORMAT}): pretrain or train it again")
     if metadata.get("specd_format") != "drafter/1":
         raise CheckpointError(f"{path}: not a specd drafter checkpoint (format {metadata.get('specd_format')!r})")
     try:
@@ -162,8 +168,9 @@ def _load_feature_drafter(path: str | Path, metadata: dict[str, str], expect: Ta
     _check_finite(state, path)
     draft_ids = state.get("draft_ids")
     if draft_ids is None or tuple(draft_ids.shape) != (config.draft_vocab_size,) or draft_ids.is_floating_point() \
-            or int(draft_ids.min()) < 0 or int(draft_ids.max()) >= config.vocab_size:
-        raise CheckpointError(f"{path}: draft_ids must be {config.draft_vocab_size} target ids "
+            or int(draft_ids.min()) < 0 or int(draft_ids.max()) >= config.vocab_size \
+            or len(draft_ids.unique()) != len(draft_ids):
+        raise CheckpointError(f"{path}: draft_ids must be {config.draft_vocab_size} distinct target ids "
                               f"in [0, {config.vocab_size})")
     model = FeatureDrafterModel(config, target_embedding.detach().to("cpu", torch.float32), draft_ids)
     state = {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}

@@ -1,14 +1,16 @@
 """The feature drafter's network: one decoder layer over the target's own hidden states.
 
 Contract: `FeatureDrafterModel` reads, per position t, the target's features at t (the residual
-stream after the `capture_layers` and the final normed state, concatenated, as
+streams after the `capture_layers`, the last of them the target's last layer, concatenated, as
 `Transformer.forward(..., capture_layers=...)` returns them) and the embedding of token t + 1,
 and predicts token t + 2 over a pruned draft vocabulary (`draft_ids`, target ids, most frequent
 first). Its output state stands in for the target's features at t + 1, so drafting k tokens is a
 chain of k one-position steps. Serving runs `step` on a static KV cache (the same
 overwrite-and-mask cache as the target's); training runs `unrolled` over whole sequences, where
 step j sees its own predicted states exactly as draft j does at serving time (EAGLE-3's
-training-time test). The target's embedding is borrowed, frozen, and never stored.
+training-time test). The target's embedding is borrowed, frozen, and never stored. The layer is
+EAGLE-3's exactly as vLLM computes it, so that `specd.drafter.export` can hand any version to
+vLLM's native `eagle3` proposer unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.model.transformer import Block, KVCache, ModelConfig, apply_rope, rope_tables
+from specd.model.transformer import MLP, Attention, KVCache, ModelConfig, apply_rope, rope_tables
 
 
 @dataclass(frozen=True)
@@ -59,15 +61,20 @@ class FeatureDrafterConfig:
 
     @property
     def feature_size(self) -> int:
-        return (len(self.capture_layers) + 1) * self.hidden_size
+        return len(self.capture_layers) * self.hidden_size
 
     @classmethod
     def for_target(cls, target: ModelConfig, draft_vocab_size: int,
                    capture_layers: tuple[int, ...] | None = None) -> FeatureDrafterConfig:
-        """Low, middle and high layers as in EAGLE-3, and a decoder layer shaped like the target's."""
+        """Low, middle and high layers as in EAGLE-3 plus the last one, and a decoder layer shaped like
+        the target's. The last layer must be among them: it carries the target's own next-token
+        distribution, which is the learner's label and the day-0 drafter's starting point."""
         layers = target.num_layers
         if capture_layers is None:
-            capture_layers = tuple(sorted({min(2, layers - 1), layers // 2, max(layers - 3, 0)}))
+            capture_layers = tuple(sorted({min(2, layers - 1), layers // 2, max(layers - 3, 0), layers - 1}))
+        if capture_layers[-1] != layers - 1:
+            raise ValueError(f"a feature drafter must read the target's last layer ({layers - 1}), "
+                             f"got capture_layers {tuple(capture_layers)}")
         return cls(target.vocab_size, target.hidden_size, target.num_heads, target.num_kv_heads, target.head_dim,
                    target.intermediate_size, tuple(capture_layers), min(draft_vocab_size, target.vocab_size),
                    target.rms_norm_eps, target.rope_theta, target.max_position, target.rope_llama3)
@@ -92,6 +99,13 @@ class FeatureDrafterConfig:
 
 
 class FeatureDrafterModel(nn.Module):
+    """EAGLE-3's drafter exactly as vLLM computes it (`Eagle3LlamaForCausalLM`, one layer).
+
+    state s = fc([fc_norm_i(feature chunk i)]); one step reads s and the next token's embedding e:
+    a = attention over qkv([input_norm(e), hidden_norm(s)]) (twice the width), r = s + a,
+    out = r + mlp(post_norm(r)); logits = head(norm(out)); `out` is the next step's state.
+    """
+
     draft_ids: torch.Tensor   # [draft_vocab_size] target ids, a buffer stored with the weights
     embedding: torch.Tensor   # the target's, a non-persistent buffer
 
@@ -103,11 +117,17 @@ class FeatureDrafterModel(nn.Module):
         if tuple(embedding.shape) != (config.vocab_size, hidden):
             raise ValueError(f"the target's embedding is {tuple(embedding.shape)}, "
                              f"the drafter expects {(config.vocab_size, hidden)}")
-        self.fuse = nn.Linear(config.feature_size, hidden, bias=False)
-        self.embed_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.feature_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.combine = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = Block(config.layer_config())
+        layer = config.layer_config()
+        # each layer's residual stream has its own scale (deep ones run to hundreds): every chunk
+        # gets its own RMS norm before the fusion so that no layer drowns the others
+        self.fc_norms = nn.ModuleList(nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+                                      for _ in config.capture_layers)
+        self.fc = nn.Linear(config.feature_size, hidden, bias=False)
+        self.input_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.hidden_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.attn = Attention(layer, input_size=2 * hidden)
+        self.post_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.mlp = MLP(layer)
         self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
         self.head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         if draft_ids is None:
@@ -126,16 +146,17 @@ class FeatureDrafterModel(nn.Module):
     # ---- pieces shared by serving and training --------------------------------------------
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [.., feature_size] to the drafter's state width [.., hidden]."""
-        features = features.to(self.fuse.weight.dtype)
-        # each layer's residual stream has its own scale (deep ones run to hundreds): give every
-        # chunk unit RMS first so that no layer drowns the others
-        chunks = features.unflatten(-1, (-1, self.config.hidden_size))
-        chunks = chunks * torch.rsqrt(chunks.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return self.fuse(chunks.flatten(-2))
+        chunks = features.to(self.fc.weight.dtype).split(self.config.hidden_size, dim=-1)
+        return self.fc(torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norms, chunks, strict=True)], dim=-1))
 
-    def _inputs(self, state: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    def _layer_input(self, state: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         embedded = F.embedding(next_tokens, self.embedding).to(state.dtype)
-        return self.combine(torch.cat([self.embed_norm(embedded), self.feature_norm(state)], dim=-1))
+        return torch.cat([self.input_norm(embedded), self.hidden_norm(state)], dim=-1)
+
+    def _finish(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer's output state from its input state and the attention's output."""
+        residual = state + attended
+        return residual + self.mlp(self.post_norm(residual))
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of output states."""
@@ -166,11 +187,9 @@ class FeatureDrafterModel(nn.Module):
             mask = (torch.arange(kv_len, device=positions.device) <= positions[:, :, None])[:, None]
         write_index = torch.arange(batch, device=next_tokens.device)[:, None]
         slots = slice(first_slot, first_slot + batch)
-        x = self._inputs(state, next_tokens)
-        block = self.block
-        x = x + block.attn(block.attn_norm(x), cos, sin, write_index, positions,
-                           cache.k[0, slots], cache.v[0, slots], mask)
-        return x + block.mlp(block.mlp_norm(x))
+        attended = self.attn(self._layer_input(state, next_tokens), cos, sin, write_index, positions,
+                             cache.k[0, slots], cache.v[0, slots], mask)
+        return self._finish(state, attended)
 
     # ---- training -------------------------------------------------------------------------
     def unrolled(self, features: torch.Tensor, next_tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -188,7 +207,7 @@ class FeatureDrafterModel(nn.Module):
         positions = torch.arange(length, device=features.device)
         cos_table, sin_table = self.rope(length)
         cos, sin = cos_table[positions][None, None], sin_table[positions][None, None]
-        attn = self.block.attn
+        attn = self.attn
         groups = cfg.num_heads // cfg.num_kv_heads
         state = self.fuse_features(features)
         keys: list[torch.Tensor] = []
@@ -197,8 +216,7 @@ class FeatureDrafterModel(nn.Module):
         for j in range(steps):
             if j > 0:  # this step's state at t is the previous step's output at t - 1
                 state = F.pad(outputs[-1][:, :-1], (0, 0, 1, 0))
-            x = self._inputs(state, next_tokens)
-            q, k, v = attn.qkv(self.block.attn_norm(x)).split(attn.split, dim=-1)
+            q, k, v = attn.qkv(self._layer_input(state, next_tokens)).split(attn.split, dim=-1)
             q = apply_rope(q.view(batch, length, cfg.num_heads, cfg.head_dim).transpose(1, 2), cos, sin)
             k = apply_rope(k.view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
             v = v.view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
@@ -221,8 +239,7 @@ class FeatureDrafterModel(nn.Module):
             out = weights[..., :length] @ values[0]
             for i, v_i in enumerate(chain_values):
                 out = out + weights[..., length + i:length + i + 1] * v_i
-            x = x + attn.o(out.transpose(1, 2).reshape(batch, length, -1))
-            outputs.append(x + self.block.mlp(self.block.mlp_norm(x)))
+            outputs.append(self._finish(state, attn.o(out.transpose(1, 2).reshape(batch, length, -1))))
         return outputs
 
 
@@ -241,17 +258,15 @@ def new_feature_drafter(target_config: ModelConfig, embedding: torch.Tensor, lm_
         hidden = config.hidden_size
         norm_weight = final_norm.detach().float().cpu()
         with torch.no_grad():
-            # start as "the target's own last state": the fusion passes the final state through
-            # (undoing the final norm's weight, which the drafter's output norm applies again),
-            # the layer adds little, and the output rows are the target's, so day 0 predicts the
-            # target's next-token distribution one position early instead of noise, and training
-            # bends it forward from there
-            model.fuse.weight.mul_(0.1)
-            model.fuse.weight[:, -hidden:] += torch.diag(1 / norm_weight.abs().clamp(min=1e-2))
-            model.combine.weight.mul_(0.1)
-            model.combine.weight[:, hidden:] += torch.eye(hidden)
-            model.block.attn.o.weight.mul_(0.1)
-            model.block.mlp.down.weight.mul_(0.1)
+            # start as "the target's own last state": the fusion passes the last layer's residual
+            # stream through (its chunk norm times the output norm's weight is the target's final
+            # norm), the layer adds little, and the output rows are the target's, so day 0
+            # predicts the target's next-token distribution one position early instead of noise,
+            # and training bends it forward from there
+            model.fc.weight.mul_(0.1)
+            model.fc.weight[:, -hidden:] += torch.eye(hidden)
+            model.attn.o.weight.mul_(0.1)
+            model.mlp.down.weight.mul_(0.1)
             model.head.weight.copy_(lm_head.detach().float().cpu()[draft_ids.cpu()])
             model.norm.weight.copy_(norm_weight)
     finally:

@@ -34,7 +34,7 @@ def load_pretrained(path: Path, target: Transformer, fingerprint: TargetFingerpr
     if not isinstance(model, FeatureDrafterModel):
         raise CheckpointError(f"{path}: a token-level drafter, not a feature drafter")
     config, target_config = model.config, target.config
-    if config.hidden_size != target_config.hidden_size or max(config.capture_layers) >= target_config.num_layers:
+    if config.hidden_size != target_config.hidden_size or config.capture_layers[-1] != target_config.num_layers - 1:
         raise CheckpointError(f"{path}: made for a target {config.hidden_size} wide reading layers "
                               f"{config.capture_layers}; this one is {target_config.hidden_size} wide with "
                               f"{target_config.num_layers} layers")

@@ -1,10 +1,11 @@
 """Training signal for the feature drafter: the target's distribution as the label, unrolled.
 
 Contract: pure functions over tensors. A training sequence is token ids x_0..x_{T-1} with the
-target's features f_0..f_{T-1} (captured layers, then the final normed state) and a weight per
-position. The drafter's entry at position t predicts x_{t+2}; its label is the target's own
-distribution there, recomputed from the final normed state at t + 1 through the target's frozen
-output rows for the draft vocabulary (`label_rows`), so no distribution is ever stored or sent.
+target's features f_0..f_{T-1} (captured layers, the last one the target's last layer) and a
+weight per position. The drafter's entry at position t predicts x_{t+2}; its label is the target's
+own distribution there, recomputed from the last layer's state at t + 1 through the target's final
+norm and frozen output rows for the draft vocabulary (`label_rows`), so no distribution is ever
+stored or sent.
 Every unrolled step is trained (step j on the drafter's own states, as draft j + 1 is made when
 serving), step j weighted `step_decay ** j`. The objective is forward KL ("kl") or the
 acceptance objective −log Σ min(p, q) ("accept"). `simulated_counts` replays greedy drafting
@@ -48,9 +49,16 @@ def collate(sequences: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) ->
     return FeatureBatch(tokens, features, weights)
 
 
-def label_rows(lm_head: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
-    """The target's output rows for the draft vocabulary [N, hidden], frozen, float32."""
-    return lm_head.detach().float()[draft_ids.to(lm_head.device)]
+def label_rows(lm_head: torch.Tensor, draft_ids: torch.Tensor, final_norm: torch.Tensor) -> torch.Tensor:
+    """The target's output rows for the draft vocabulary [N, hidden], its final norm's weight folded
+    in (so that logits = rms_normalised(last layer's state) @ rows.T), frozen, float32."""
+    return lm_head.detach().float()[draft_ids.to(lm_head.device)] * final_norm.detach().float().to(lm_head.device)
+
+
+def target_log_probs(features: torch.Tensor, rows: torch.Tensor, eps: float) -> torch.Tensor:
+    """The target's log-distribution over the draft vocabulary from features [.., F] (last chunk)."""
+    last = features[..., -rows.shape[1]:].float()
+    return F.log_softmax(F.rms_norm(last, (last.shape[-1],), eps=eps) @ rows.T, dim=-1)
 
 
 def feature_loss(model: FeatureDrafterModel, batch: FeatureBatch, rows: torch.Tensor, steps: int,
@@ -58,7 +66,6 @@ def feature_loss(model: FeatureDrafterModel, batch: FeatureBatch, rows: torch.Te
     """The unrolled loss and, per step, the mean KL and how often the drafter's argmax is the target's."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    hidden = model.config.hidden_size
     device = model.head.weight.device
     features = batch.features.to(device)
     tokens = batch.tokens.to(device)
@@ -67,8 +74,7 @@ def feature_loss(model: FeatureDrafterModel, batch: FeatureBatch, rows: torch.Te
         raise ValueError("a training sequence needs at least 3 tokens")
     outputs = model.unrolled(features[:, :-1], tokens[:, 1:], steps)
     with torch.no_grad():
-        final = features[:, 1:, -hidden:].float()       # the target's final state at t + 1
-        target_logp = F.log_softmax(final @ rows.T, dim=-1)  # [B, T-1, N]
+        target_logp = target_log_probs(features[:, 1:], rows, model.config.rms_norm_eps)  # at t + 1: [B, T-1, N]
         target_p = target_logp.exp()
         target_top = target_logp.argmax(-1)
     label_weight = batch.weights[:, 1:].to(device)

@@ -69,8 +69,11 @@ class FeatureObjective:
                  objective: str = "kl", cache_records: int = 600) -> None:
         self.target = target
         self.capture_layers = capture_layers
-        self.feature_size: int | None = (len(capture_layers) + 1) * target.config.hidden_size
-        self.rows = label_rows(target.lm_head.weight, draft_ids)
+        if not capture_layers or capture_layers[-1] != target.config.num_layers - 1:
+            raise ValueError(f"the feature learner's labels come from the target's last layer "
+                             f"({target.config.num_layers - 1}); the drafter reads {capture_layers}")
+        self.feature_size: int | None = len(capture_layers) * target.config.hidden_size
+        self.rows = label_rows(target.lm_head.weight, draft_ids, target.norm.weight)
         self.window, self.unroll, self.objective = window, unroll, objective
         self.miss_weight, self.prompt_weight = miss_weight, prompt_weight
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()

@@ -34,6 +34,7 @@ from specd.drafter.checkpoint import save_drafter
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams
+from specd.errors import ConfigurationError
 from specd.learner.feature_signal import collate, feature_loss, label_rows, simulated_counts
 from specd.model.target import LoadedTarget
 from specd.traffic import iter_training_conversations, load_sharegpt
@@ -115,6 +116,12 @@ def extract_features(loaded: LoadedTarget, corpus: Corpus, capture: tuple[int, .
                      work: Path) -> list[torch.Tensor]:
     """The target's features of every conversation, fp16, from shards (computing missing shards)."""
     model = loaded.model
+    layout = work / "features.json"  # which layers the cached shards hold: a mismatch is refused
+    wanted = {"capture_layers": list(capture)}
+    if layout.is_file() and json.loads(layout.read_text()) != wanted:
+        raise ConfigurationError(f"{work} caches features of {json.loads(layout.read_text())}, this drafter reads "
+                                 f"{wanted}: use another work folder")
+    layout.write_text(json.dumps(wanted))
     features: list[torch.Tensor] = []
     shards = range(0, len(corpus.sequences), config.shard_size)
     for first in tqdm(shards, desc="target features", unit="shard"):
@@ -262,7 +269,7 @@ def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path
     capture = model.config.capture_layers
     features = extract_features(loaded, corpus, capture, config, work)
     evaluation = eval_set(loaded, capture, config, work)
-    rows = label_rows(target.lm_head.weight, model.draft_ids)
+    rows = label_rows(target.lm_head.weight, model.draft_ids, target.norm.weight)
     trainer = Trainer(model, rows, config, work)
     trainer.run(corpus.sequences, features, evaluation)
     manifest = {

@@ -115,13 +115,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, input_size: int | None = None) -> None:
         super().__init__()
         self.config = config
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.split = (q_size, kv_size, kv_size)
         # q, k and v fused into one matmul: fewer, larger kernels are what a CPU decode step needs
-        self.qkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        # (a feature drafter's layer reads [embedding, state] side by side: twice the width)
+        self.qkv = nn.Linear(input_size or config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o = nn.Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
@@ -201,8 +202,8 @@ class Transformer(nn.Module):
         return cast(torch.Tensor, self.lm_head(self.norm(x)))
 
     def train_features(self, tokens: torch.Tensor, capture_layers: tuple[int, ...]) -> torch.Tensor:
-        """Features [B, T, (len(capture_layers) + 1) * hidden] of whole sequences, no cache: the
-        residual stream after each captured layer, then the final normed state (see `forward`)."""
+        """Features [B, T, len(capture_layers) * hidden] of whole sequences, no cache: the residual
+        stream after each captured layer (see `forward`)."""
         batch, length = tokens.shape
         positions = torch.arange(length, device=tokens.device).expand(batch, length)
         cos_table, sin_table = self._rope_tables(length)
@@ -214,7 +215,7 @@ class Transformer(nn.Module):
             x = x + block.mlp(block.mlp_norm(x))
             if layer in capture_layers:
                 captured.append(x)
-        return torch.cat([*captured, self.norm(x)], dim=-1)
+        return torch.cat(captured, dim=-1)
 
     def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope is None or self._rope[0].shape[0] < length or self._rope[0].device != self.embed.weight.device:
@@ -227,9 +228,10 @@ class Transformer(nn.Module):
         """Run tokens [B, T] for slots first_slot..first_slot+B-1, row b at positions start[b]+t.
 
         Returns (logits, hidden): logits [B, T, V] for "all", [B, 1, V] for "last", None for "none";
-        hidden only when asked for: the final normed states [B, T, hidden], preceded, for each
-        layer index in `capture_layers`, by the residual stream after that layer (a feature
-        drafter's input, captured by the same pass at no extra target cost).
+        hidden only when asked for: for each layer index in `capture_layers`, the residual stream
+        after that layer, side by side [B, T, len(capture_layers) * hidden] (a feature drafter's
+        input, captured by the same pass at no extra target cost; vLLM's EAGLE-3 "auxiliary hidden
+        states" at layer ids capture + 1), or the final normed states when none is named.
         """
         batch, length = tokens.shape
         positions = start[:, None] + torch.arange(length, device=tokens.device)  # [B, T]
@@ -263,4 +265,4 @@ class Transformer(nn.Module):
             logits = self.lm_head(hidden[:, -1:])
         if not return_hidden:
             return logits, None
-        return logits, (torch.cat([*captured, hidden], dim=-1) if captured else hidden)
+        return logits, (torch.cat(captured, dim=-1) if captured else hidden)
