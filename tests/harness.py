@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -221,3 +222,29 @@ class VllmServer:
     def stop(self) -> None:
         terminate(self.process, 30)
         self.process = None
+
+
+def ask_all(server: VllmServer, prompts: list[str], max_tokens: int, workers: int = 4) -> list[dict[str, Any]]:
+    """Every prompt, `workers` at a time (so that vLLM batches and compacts rows); fails naming any
+    request that failed."""
+    answers: list[Any] = [None] * len(prompts)
+
+    def worker(offset: int) -> None:
+        for i in range(offset, len(prompts), workers):
+            try:
+                answers[i] = server.chat(prompts[i], max_tokens)
+            except Exception as error:  # kept, so that the assertion names the failed request
+                answers[i] = error
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [(prompts[i], a) for i, a in enumerate(answers) if isinstance(a, Exception)]
+    assert not failed, f"requests failed: {failed}"
+    return answers
+
+
+def token_ids(answer: dict[str, Any]) -> list[int]:
+    return list(answer["choices"][0]["token_ids"])

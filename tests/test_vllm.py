@@ -17,9 +17,11 @@ from harness import (
     Broker,
     SpecdProcess,
     VllmServer,
+    ask_all,
     free_port,
     get_json,
     post_json,
+    token_ids,
     wait_for,
 )
 
@@ -82,6 +84,7 @@ def plain(tmp_path_factory, smollm2: LoadedTarget) -> Iterator[VllmServer]:
 def specd_vllm(tmp_path_factory, smollm2: LoadedTarget, broker: Broker, learner: SpecdProcess) -> Iterator[VllmServer]:
     port = free_port()
     settings = PluginSettings(broker=broker.url, deployment="vllm", learner_url=learner.url, server_id="vllm-test",
+                              route="custom",
                               report_seconds=1.0)
     env, argv = vllm_command(str(smollm2.folder), settings, k=4, port=port, extra=VLLM_ARGS)
     server = VllmServer(str(smollm2.folder), port, tmp_path_factory.mktemp("specd") / "vllm.log", argv=argv,
@@ -98,38 +101,13 @@ def specd_vllm(tmp_path_factory, smollm2: LoadedTarget, broker: Broker, learner:
     server.stop()
 
 
-def ask_all(server: VllmServer, prompts: list[str], workers: int = 4) -> list[dict[str, Any]]:
-    """Every prompt, `workers` at a time, so that vLLM batches and compacts rows."""
-    answers: list[Any] = [None] * len(prompts)
-
-    def worker(offset: int) -> None:
-        for i in range(offset, len(prompts), workers):
-            try:
-                answers[i] = server.chat(prompts[i], MAX_TOKENS)
-            except Exception as error:  # kept, so that the test names the failed request
-                answers[i] = error
-
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    failed = [(prompts[i], a) for i, a in enumerate(answers) if isinstance(a, Exception)]
-    assert not failed, f"requests failed: {failed}"
-    return answers
-
-
-def token_ids(answer: dict[str, Any]) -> list[int]:
-    return list(answer["choices"][0]["token_ids"])
-
-
 @pytest.fixture(scope="module")
 def expected(plain: VllmServer) -> dict[str, list[int]]:
-    return {prompt: token_ids(a) for prompt, a in zip(PROMPTS, ask_all(plain, PROMPTS), strict=True)}
+    return {prompt: token_ids(a) for prompt, a in zip(PROMPTS, ask_all(plain, PROMPTS, MAX_TOKENS), strict=True)}
 
 
 def test_greedy_outputs_with_specds_proposer_equal_plain_vllms(specd_vllm: VllmServer, expected) -> None:
-    answers = ask_all(specd_vllm, PROMPTS)
+    answers = ask_all(specd_vllm, PROMPTS, MAX_TOKENS)
     for prompt, answer in zip(PROMPTS, answers, strict=True):
         assert token_ids(answer) == expected[prompt], prompt
     accepted = sum(a["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] for a in answers)
@@ -137,7 +115,7 @@ def test_greedy_outputs_with_specds_proposer_equal_plain_vllms(specd_vllm: VllmS
 
 
 def test_inferred_accepted_counts_equal_vllms_per_request_metrics(specd_vllm: VllmServer, learner) -> None:
-    answers = ask_all(specd_vllm, PROMPTS)
+    answers = ask_all(specd_vllm, PROMPTS, MAX_TOKENS)
     records = specd_vllm.rpc("specd_recent_records", "64")
     by_tokens = {(tuple(r["prompt_ids"]), tuple(r["output_ids"])): r for r in records}
     for answer in answers:
@@ -205,7 +183,7 @@ def test_control_path_refuses_a_bad_version_argument(specd_vllm: VllmServer) -> 
 
 
 def test_learner_receives_the_vllm_servers_acceptance_reports(specd_vllm: VllmServer, learner) -> None:
-    ask_all(specd_vllm, PROMPTS[:2])  # traffic of its own: drafts to report, whatever ran before
+    ask_all(specd_vllm, PROMPTS[:2], MAX_TOKENS)  # traffic of its own: drafts to report, whatever ran before
 
     def reported() -> bool:
         series = get_json(learner.url + "/v1/acceptance")["series"]

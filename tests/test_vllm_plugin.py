@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,7 +140,7 @@ def test_stop_index_mirrors_vllms_stop_rules() -> None:
 
 def test_plugin_settings_round_trip_and_refuse_bad_values() -> None:
     settings = PluginSettings(broker="mqtt://127.0.0.1:1884", learner_url="http://127.0.0.1:8100", version=3,
-                              domain="code", drafter_kind="learned")
+                              domain="code", drafter_kind="learned", route="custom")
     assert PluginSettings.from_env(settings.to_env()) == settings
     with pytest.raises(ValueError, match="SPECD_VERSION"):
         PluginSettings.from_env({"SPECD_VERSION": "three"})
@@ -150,14 +151,21 @@ def test_plugin_settings_round_trip_and_refuse_bad_values() -> None:
 
 
 def test_vllm_command_runs_specds_proposer_extension_and_metrics(capsys) -> None:
-    env, argv = vllm_command("/models/t", PluginSettings(broker="mqtt://127.0.0.1:1883"), k=5)
+    env, argv = vllm_command("/models/t", PluginSettings(broker="mqtt://127.0.0.1:1883", route="custom"), k=5)
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": 5}
     assert argv[argv.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
     assert env["SPECD_BROKER"] == "mqtt://127.0.0.1:1883" and env["VLLM_SERVER_DEV_MODE"] == "1"
-    assert main(["vllm", "--print", "--json", "--store", "/tmp/store", "-k", "3", "--kv-cache-gib", "1"]) == 0
+    assert main(["vllm", "--print", "--json", "--store", "/tmp/store", "-k", "3", "--kv-cache-gib", "1",
+                 "--route", "custom"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["env"]["SPECD_STORE"] == "/tmp/store" and "1073741824" in printed["argv"]
+    # the default route exports the shipped pretrained drafter for vLLM's EAGLE-3 proposer first
+    assert main(["vllm", "--print", "--json", "--store", "/tmp/store", "-k", "3"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    spec = json.loads(printed["argv"][printed["argv"].index("--speculative-config") + 1])
+    assert spec["method"] == "eagle3" and (Path(spec["model"]) / "config.json").is_file()
+    assert printed["env"]["SPECD_ROUTE"] == "eagle3"
     assert main(["vllm", "--print"]) == 2
     assert "needs --broker" in capsys.readouterr().err
     assert main(["vllm", "--print", "--store", "/s", "-k", "0"]) == 2

@@ -115,6 +115,9 @@ class Swapper:
         if type(model) is not type(serving):
             raise CheckpointError(f"version {version} is a {type(model).__name__}; this server runs a "
                                   f"{type(serving).__name__}")
+        check = getattr(self.drafter, "check_compatible", None)  # a drafter that cannot change shape says so
+        if check is not None:
+            check(model)
         return model
 
     # ---- background thread ----------------------------------------------------------------

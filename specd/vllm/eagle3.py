@@ -1,0 +1,202 @@
+"""specd's online loop around vLLM's own EAGLE-3 proposer (the `eagle3` route).
+
+Contract: vLLM serves the feature drafter with its native `eagle3` method from a folder specd
+exported (`specd.drafter.vllm_format`); `specd.vllm.plugin` attaches an `Eagle3Companion` to
+vLLM's `EagleProposer` once it has loaded, and routes the model runner's proposal step through
+`Eagle3Companion.propose`. Around vLLM's own drafting, at each step the companion
+1. observes the previous step's outcome (per row: drafts the scheduler actually verified, from
+   `scheduled_spec_decode_tokens`, and accepted = sampled tokens - 1, the counts vLLM's own
+   per-request metrics report) and closes finished requests into trajectory records for the
+   learner (token ids only: the learner recomputes the features with its own target copy);
+2. installs a new version if the swapper thread has one ready: the tensors were read, checked
+   (sha256, fingerprint, names, shapes, finite values) and converted off the decoding thread;
+   installing copies them into the running drafter's parameters between two steps, never
+   touching the target's shared embedding. On CPU, vLLM packs linear weights into oneDNN handles
+   and leaves empty parameters behind; the companion replaces those layers' packed path with a
+   plain matmul over real parameters once, at load, so every later swap is an in-place copy in
+   eager and compiled mode alike.
+It needs `disable_padded_drafter_batch` (the proposal then runs after vLLM's bookkeeping, on the
+CPU-side sampled tokens, as `custom_class` does); `launch.speculative_config` sets it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specd.drafter.base import WeightHandoff
+from specd.drafter.checkpoint import load_drafter, read_metadata
+from specd.drafter.feature_model import FeatureDrafterModel
+from specd.drafter.vllm_format import SPECD_CHECKPOINT, vllm_parameters
+from specd.errors import CheckpointError
+from specd.hotswap.swapper import Swapper
+from specd.model.checkpoint import read_target_head
+from specd.model.fingerprint import TargetFingerprint
+from specd.vllm.launch import PluginSettings
+from specd.vllm.loop import PinnedSource, RequestBook, follow_versions
+
+log = logging.getLogger(__name__)
+
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def install(vllm_model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` (vLLM parameter names) into the running drafter, in place where possible."""
+    for name, value in tensors.items():
+        module_name, _, attribute = name.rpartition(".")
+        module = vllm_model.get_submodule(module_name)
+        current = getattr(module, attribute)
+        if attribute == "weight" and hasattr(module, "cpu_linear") and not getattr(module, "specd_plain", False):
+            # vLLM's CPU path: the weight lives in a packed handle and the parameter is empty; serve a
+            # real parameter through a plain matmul from now on (done once, before any compilation)
+            module.weight = nn.Parameter(value.to(current.dtype).clone(), requires_grad=False)
+            setattr(module, "cpu_linear", _plain_linear)  # noqa: B010 (vLLM's attribute, not nn.Module's)
+            setattr(module, "specd_plain", True)  # noqa: B010
+            continue
+        if tuple(current.shape) != tuple(value.shape):
+            raise CheckpointError(f"{name}: vLLM's drafter has shape {tuple(current.shape)}, "
+                                  f"the version {tuple(value.shape)}")
+        current.data.copy_(value.to(current.dtype))
+
+
+class VllmDrafterSlot:
+    """What the swapper hands versions to: checks and converts them on its thread, for the decoding
+    thread to install between steps."""
+
+    def __init__(self, model: FeatureDrafterModel, version: str, device: torch.device) -> None:
+        self.model, self.version, self.device = model, version, device
+        self.num_swaps = 0
+        self.handoff: WeightHandoff[tuple[FeatureDrafterModel, dict[str, torch.Tensor]]] = WeightHandoff()
+
+    def check_compatible(self, model: Any) -> None:
+        if not isinstance(model, FeatureDrafterModel) or model.config != self.model.config:
+            raise CheckpointError("vLLM's drafter takes versions of its own shape only (the same layers, "
+                                  "captured layers and draft vocabulary); this version differs")
+
+    def offer(self, model: Any, version: str) -> None:
+        self.check_compatible(model)
+        tensors = {name: tensor.to(self.device) for name, tensor in vllm_parameters(model).items()}
+        self.handoff.put((model, tensors), version)
+
+    def take(self) -> tuple[tuple[FeatureDrafterModel, dict[str, torch.Tensor]], str] | None:
+        return self.handoff.take()
+
+
+class Eagle3Companion:
+    def __init__(self, proposer: Any) -> None:
+        vllm_config = proposer.vllm_config
+        self.settings = PluginSettings.from_env()
+        self.proposer = proposer
+        self.runner: Any = getattr(proposer, "runner", None)
+        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.target_dir = Path(str(vllm_config.model_config.model))
+        self.drafter_dir = Path(str(vllm_config.speculative_config.model))
+        self.book = RequestBook(self.settings, self.max_model_len)
+        self.num_steps = 0
+        self.seconds_outside_vllm = 0.0    # observing, closing and installing: specd's cost per step
+        self.install_seconds: deque[float] = deque(maxlen=32)
+        self.slot: VllmDrafterSlot | None = None
+        self.swapper: Swapper | None = None
+        self.source: PinnedSource | None = None
+
+    @property
+    def recent(self) -> deque[dict[str, Any]]:
+        return self.book.telemetry.recent
+
+    def attach(self) -> Eagle3Companion:
+        """After vLLM loaded the exported drafter: serve its weights as real parameters, start
+        following versions and sending records."""
+        config, embed, _ = read_target_head(self.target_dir)
+        fingerprint = TargetFingerprint.of(config, self.target_dir)
+        device = next(self.proposer.model.parameters()).device
+        path = self.drafter_dir / SPECD_CHECKPOINT
+        model = load_drafter(path, fingerprint, target_embedding=embed)
+        if not isinstance(model, FeatureDrafterModel):
+            raise CheckpointError(f"{path}: not a feature drafter")
+        version = read_metadata(path).get("specd_version", "0")
+        install(self.proposer.model, vllm_parameters(model))
+        self.slot = VllmDrafterSlot(model, version, device)
+        self.source, publisher = follow_versions(self.settings)
+        self.swapper = Swapper(self.source, self.slot, fingerprint, target_embedding=embed)  # type: ignore[arg-type]
+        self.swapper.check_once()
+        self.swapper.start()
+        self.book.telemetry.start(publisher, None)
+        log.info("specd follows versions into vLLM's EAGLE-3 drafter (started from version %s)", version)
+        return self
+
+    # ---- the decoding thread ----------------------------------------------------------------
+    def propose(self, runner: Any, vllm_propose: Any, scheduler_output: Any, sampled: Any, *args: Any,
+                **kwargs: Any) -> Any:
+        begin = time.perf_counter()
+        self.runner = runner
+        if not isinstance(sampled, list):
+            raise RuntimeError("specd's eagle3 route needs the speculative config's disable_padded_drafter_batch")
+        batch = runner.input_batch
+        rows = len(sampled)
+        request_ids = [str(r) for r in batch.req_ids[:rows]]
+        lengths = np.asarray(batch.num_tokens_no_spec[:rows])
+        self._trim_to_scheduled(scheduler_output.scheduled_spec_decode_tokens)
+        assert self.slot is not None
+        self.book.observe(request_ids, sampled, lengths, np.asarray(batch.num_prompt_tokens[:rows]),
+                          batch.token_ids_cpu, self.slot.version)
+        self._install_pending()
+        vllm_began = time.perf_counter()
+        drafts = vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
+        vllm_ended = time.perf_counter()
+        rows_drafts = drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(d) for d in drafts]
+        self.book.remember(request_ids, [list(d) for d in rows_drafts[:rows]], lengths, self.slot.version)
+        self.book.close_finished(runner.requests, request_ids, sampled)
+        self.num_steps += 1
+        self.seconds_outside_vllm += (vllm_began - begin) + (time.perf_counter() - vllm_ended)
+        return drafts
+
+    def _trim_to_scheduled(self, scheduled: dict[str, list[int]]) -> None:
+        """The drafts each request actually had verified: the scheduler trims them near a request's end."""
+        for request_id in self.book.tracker.previous_rows:
+            trajectory = self.book.tracker.live.get(request_id)
+            if trajectory is not None and trajectory.drafts:
+                trajectory.drafts = trajectory.drafts[:len(scheduled.get(request_id, ()))]
+
+    def _install_pending(self) -> None:
+        assert self.slot is not None
+        pending = self.slot.take()
+        if pending is None:
+            return
+        (model, tensors), version = pending
+        begin = time.perf_counter()
+        install(self.proposer.model, tensors)
+        self.install_seconds.append(time.perf_counter() - begin)
+        self.slot.model, self.slot.version = model, version
+        self.slot.num_swaps += 1
+        log.info("vLLM's drafter now serves version %s", version)
+
+    # ---- the control path -------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        slot, swapper, source = self.slot, self.swapper, self.source
+        return {"route": "eagle3", "server_id": self.settings.server_id, "k": self.k,
+                "version": slot.version if slot else None,
+                "prepared_version": swapper.prepared_version if swapper else None,
+                "forced_version": source.forced if source else None,
+                "source_live_version": source.inner.live_version() if source else None,
+                "steps": self.num_steps, "mean_specd_ms": 1000 * self.seconds_outside_vllm / max(self.num_steps, 1),
+                "install_ms": [round(1000 * s, 2) for s in self.install_seconds],
+                "swaps": slot.num_swaps if slot else 0,
+                "refused_versions": dict(swapper.refused) if swapper else {}, **self.book.telemetry.status()}
+
+    def force_version(self, version: int | None) -> dict[str, Any]:
+        if self.source is None or self.swapper is None:
+            raise RuntimeError("the companion is not attached yet")
+        self.source.forced = version
+        self.swapper.check_once()
+        return self.status()

