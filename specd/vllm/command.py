@@ -45,8 +45,8 @@ def add_vllm_parser(sub: Any) -> None:
     p.add_argument("--drafter", choices=["hybrid", "learned"], default="hybrid",
                    help="custom route: context matches first (hybrid) or the learned drafter alone")
     p.add_argument("--drafter-dir", default=None,
-                   help="eagle3 route: the exported folder to start from (default: exported now from "
-                        "--version in --store, else the shipped pretrained drafter)")
+                   help="eagle3 route: an exported folder to start from (default: exported now from --version, "
+                        "else the live version, of --store or the learner; else the shipped pretrained drafter)")
     p.add_argument("--print", action="store_true", help="print the command instead of starting vLLM")
     p.add_argument("--json", action="store_true", help="with --print: one JSON object with env and argv")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more arguments for vLLM")

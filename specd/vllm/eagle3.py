@@ -105,6 +105,7 @@ class Eagle3Companion:
         self.book = RequestBook(self.settings, self.max_model_len)
         self.num_steps = 0
         self.seconds_outside_vllm = 0.0    # observing, closing and installing: specd's cost per step
+        self.seconds_drafting = 0.0        # vLLM's own EAGLE-3 drafting, for comparison
         self.install_seconds: deque[float] = deque(maxlen=32)
         self.slot: VllmDrafterSlot | None = None
         self.swapper: Swapper | None = None
@@ -159,6 +160,7 @@ class Eagle3Companion:
         self.book.close_finished(runner.requests, request_ids, sampled)
         self.num_steps += 1
         self.seconds_outside_vllm += (vllm_began - begin) + (time.perf_counter() - vllm_ended)
+        self.seconds_drafting += vllm_ended - vllm_began
         return drafts
 
     def _trim_to_scheduled(self, scheduled: dict[str, list[int]]) -> None:
@@ -190,6 +192,7 @@ class Eagle3Companion:
                 "forced_version": source.forced if source else None,
                 "source_live_version": source.inner.live_version() if source else None,
                 "steps": self.num_steps, "mean_specd_ms": 1000 * self.seconds_outside_vllm / max(self.num_steps, 1),
+                "mean_vllm_drafting_ms": 1000 * self.seconds_drafting / max(self.num_steps, 1),
                 "install_ms": [round(1000 * s, 2) for s in self.install_seconds],
                 "swaps": slot.num_swaps if slot else 0,
                 "refused_versions": dict(swapper.refused) if swapper else {}, **self.book.telemetry.status()}

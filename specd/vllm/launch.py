@@ -14,16 +14,20 @@ vllm.entrypoints.openai.api_server` for either, with specd's worker extension (f
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from specd.errors import ConfigurationError, SpecdError
 from specd.mqtt import MqttSettings
+
+log = logging.getLogger(__name__)
 
 PROPOSER_CLASS = "specd.vllm.proposer.SpecdProposer"
 ROUTES = ("eagle3", "custom")
@@ -132,23 +136,18 @@ def vllm_command(target: str, settings: PluginSettings, k: int = 4, host: str = 
 
 def prepare_eagle3_drafter(target_dir: str | Path, settings: PluginSettings, folder: str | Path | None = None,
                            drafter: str | Path | None = None) -> Path:
-    """Export the version vLLM's EAGLE-3 proposer starts from: `settings.version` from the store
-    when both are set, else `drafter` (a specd feature-drafter file), else the shipped pretrained
-    one (version "0"); the worker side swaps to the live version as soon as it has fetched it."""
+    """Export the version vLLM's EAGLE-3 proposer starts from (see `_start_version`) into `folder`
+    (default: a new temporary folder); the worker side then follows the live version from there."""
     from specd.drafter.checkpoint import load_drafter
     from specd.drafter.feature_model import FeatureDrafterModel
-    from specd.drafter.pretrained import SHIPPED_DRAFTER
     from specd.drafter.vllm_format import export_eagle3
-    from specd.hotswap.store import WeightStore
     from specd.model.checkpoint import read_target_head
     from specd.model.fingerprint import TargetFingerprint
 
+    folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="specd-eagle3-"))
     config, embed, _ = read_target_head(target_dir)
     fingerprint = TargetFingerprint.of(config, target_dir)
-    if settings.version is not None and settings.store is not None:
-        path, version = WeightStore(settings.store).weights_path(settings.version), str(settings.version)
-    else:
-        path, version = Path(drafter or SHIPPED_DRAFTER), "0"
+    path, version = (Path(drafter), "0") if drafter is not None else _start_version(settings, folder)
     try:
         model = load_drafter(path, fingerprint, target_embedding=embed)
     except SpecdError as error:
@@ -156,11 +155,39 @@ def prepare_eagle3_drafter(target_dir: str | Path, settings: PluginSettings, fol
     if not isinstance(model, FeatureDrafterModel):
         raise ConfigurationError(f"{path} is a token-level drafter; the eagle3 route serves feature drafters "
                                  "(use --route custom for token-level versions)")
-    folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="specd-eagle3-"))
     try:
         return export_eagle3(model, folder, target_dir, fingerprint, version)
     except ValueError as error:
         raise ConfigurationError(str(error)) from None
+
+
+def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, str]:
+    """The file and version to start from: `settings.version` (else the live one) from the store, or
+    from the learner over HTTP; the shipped pretrained drafter ("0") when there is none yet or the
+    learner cannot be reached (a warning says so)."""
+    from specd.drafter.pretrained import SHIPPED_DRAFTER
+    from specd.hotswap.remote import RemoteSource
+    from specd.hotswap.store import WeightStore, sha256_file
+
+    if settings.store is not None:
+        store = WeightStore(settings.store)
+        version = settings.version if settings.version is not None else store.live_version()
+        if version is not None:
+            return store.weights_path(version), str(version)
+    elif settings.learner_url is not None:
+        try:
+            with urllib.request.urlopen(settings.learner_url.rstrip("/") + "/v1/status", timeout=10) as response:
+                live = json.loads(response.read())["live"]
+            version = settings.version if settings.version is not None else live
+            if version is not None:
+                path, manifest = RemoteSource(folder / "fetched", settings.learner_url).fetch(int(version))
+                if sha256_file(path) != manifest.get("sha256"):
+                    raise ConfigurationError(f"version {version} from the learner does not match its sha256")
+                return path, str(version)
+        except (OSError, ValueError, KeyError, SpecdError) as error:
+            log.warning("cannot read the learner's live version (%s); vLLM starts from the shipped drafter and "
+                        "follows the learner's versions once they are announced", error)
+    return SHIPPED_DRAFTER, "0"
 
 
 def shell_line(env: Mapping[str, str], argv: list[str]) -> str:

@@ -1,4 +1,4 @@
-"""`SpecdProposer`: specd's drafter as vLLM's `custom_class` speculative proposer.
+"""`SpecdProposer`: specd's token-level hybrid drafter as vLLM's `custom_class` proposer (the custom route).
 
 Contract: vLLM (0.32) builds it as `SpecdProposer(vllm_config)` in each worker, calls
 `load_model(target_model)` once the target is loaded, then every step
@@ -81,7 +81,8 @@ class SpecdProposer:
         embed, head = embed.to(device), head.to(device)
         settings = self.settings
         self.source, publisher = follow_versions(settings)
-        # inside vLLM the token-level drafter serves for now: the target's hidden states are vLLM's
+        # the custom route serves the token-level drafter: custom_class is given no hidden states
+        # (the feature drafter runs on the eagle3 route, see specd.vllm.eagle3)
         spec = DrafterSpec(settings.drafter_kind, arch="token", layers=settings.drafter_layers,
                            head_vocab=settings.drafter_head_vocab, traffic_table=settings.traffic_table)
         # version "0" serves until the live version is loaded, a moment after start
