@@ -199,6 +199,24 @@ def test_versions_swap_and_roll_back_in_flight_without_failed_requests(eagle3: V
     assert after["swaps"] >= swaps_before + 2 and all(ms < 1000 for ms in after["install_ms"])
 
 
+def test_a_swapped_version_is_the_one_drafting(eagle3: VllmServer) -> None:
+    def acceptance() -> float:
+        metrics = [a["metrics"]["speculative_decoding"] for a in ask_all(eagle3, PROMPTS[:3], MAX_TOKENS)]
+        return sum(m["num_accepted_draft_tokens"] for m in metrics) / sum(m["num_draft_tokens"] for m in metrics)
+
+    try:
+        eagle3.rpc("specd_force_version", "2")  # its output layer is version 1's plus noise as large
+        wait_for(lambda: status(eagle3)["prepared_version"] == "2", 60, what="version 2 prepared")
+        eagle3.chat("Hello!", 4)  # the step that installs it
+        perturbed = acceptance()
+    finally:
+        eagle3.rpc("specd_force_version", "none")
+    wait_for(lambda: status(eagle3)["prepared_version"] == "1", 60, what="version 1 prepared")
+    eagle3.chat("Hello!", 4)
+    assert status(eagle3)["version"] == "1"
+    assert perturbed < 0.5 * acceptance(), "the weights vLLM drafts with did not change with the version"
+
+
 @pytest.mark.parametrize(("version", "reason"), [(3, "sha256"), (4, "non-finite")])
 def test_a_corrupt_version_is_refused_and_the_old_one_keeps_serving(eagle3: VllmServer, learner, expected,
                                                                     version: int, reason: str) -> None:

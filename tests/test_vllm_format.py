@@ -114,6 +114,25 @@ def test_install_unpacks_cpu_layers_once_then_swaps_in_place() -> None:
         install(tree, {"proj.weight": torch.randn(5, 4)})
 
 
+def test_install_in_eager_mode_packs_every_new_weight_again_as_vllm_does() -> None:
+    layer = PackedLinear(torch.zeros(3, 4))
+    tree = nn.Module()
+    tree.add_module("proj", layer)
+    packed: list[torch.Tensor] = []
+
+    def repack(module: nn.Module) -> None:  # stands in for vLLM's dispatch_cpu_unquantized_gemm
+        weight = module.weight.detach().clone()
+        packed.append(weight)
+        module.cpu_linear = lambda x, w, b: x @ weight.T
+
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        new = {"proj.weight": torch.randn(3, 4)}
+        install(tree, new, repack)
+        assert torch.equal(packed[-1], new["proj.weight"]) and torch.allclose(layer(x), x @ new["proj.weight"].T)
+    assert len(packed) == 2
+
+
 def test_vllms_drafter_slot_refuses_a_version_of_another_shape() -> None:
     target = tiny_target().float()
     slot = VllmDrafterSlot(drafter(target), "1", torch.device("cpu"))

@@ -12,9 +12,10 @@ vLLM's `EagleProposer` once it has loaded, and routes the model runner's proposa
    (sha256, fingerprint, names, shapes, finite values) and converted off the decoding thread;
    installing copies them into the running drafter's parameters between two steps, never
    touching the target's shared embedding. On CPU, vLLM packs linear weights into oneDNN handles
-   and leaves empty parameters behind; the companion replaces those layers' packed path with a
-   plain matmul over real parameters once, at load, so every later swap is an in-place copy in
-   eager and compiled mode alike.
+   and leaves empty parameters behind: in eager mode each swap packs the new weights again as
+   vLLM does at load; in compiled mode (whose graphs keep the handles they were traced with) those
+   layers are served through a plain matmul over real parameters from load on, so every swap is
+   an in-place copy.
 It needs `disable_padded_drafter_batch` (the proposal then runs after vLLM's bookkeeping, on the
 CPU-side sampled tokens, as `custom_class` does); `launch.speculative_config` sets it.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,23 +52,41 @@ def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def install(vllm_model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy `tensors` (vLLM parameter names) into the running drafter, in place where possible."""
+def install(vllm_model: nn.Module, tensors: dict[str, torch.Tensor],
+            repack: Callable[[nn.Module], None] | None = None) -> None:
+    """Copy `tensors` (vLLM parameter names) into the running drafter, in place where possible.
+
+    vLLM's CPU linear layers (`cpu_linear`) compute from a packed copy of their weight and keep an
+    empty parameter: with `repack` (eager mode) each new weight is packed again the way vLLM packs
+    it at load; without (compiled mode, whose graphs keep the packed handle they were traced
+    with) such a layer is served once through a plain matmul over a real parameter, which every
+    later swap then updates in place.
+    """
     for name, value in tensors.items():
         module_name, _, attribute = name.rpartition(".")
         module = vllm_model.get_submodule(module_name)
         current = getattr(module, attribute)
-        if attribute == "weight" and hasattr(module, "cpu_linear") and not getattr(module, "specd_plain", False):
-            # vLLM's CPU path: the weight lives in a packed handle and the parameter is empty; serve a
-            # real parameter through a plain matmul from now on (done once, before any compilation)
-            module.weight = nn.Parameter(value.to(current.dtype).clone(), requires_grad=False)
-            setattr(module, "cpu_linear", _plain_linear)  # noqa: B010 (vLLM's attribute, not nn.Module's)
-            setattr(module, "specd_plain", True)  # noqa: B010
-            continue
+        if attribute == "weight" and hasattr(module, "cpu_linear"):
+            if repack is not None:
+                module.weight = nn.Parameter(value.to(current.dtype).clone(), requires_grad=False)
+                repack(module)
+                continue
+            if not getattr(module, "specd_plain", False):
+                module.weight = nn.Parameter(value.to(current.dtype).clone(), requires_grad=False)
+                setattr(module, "cpu_linear", _plain_linear)  # noqa: B010 (vLLM's attribute, not nn.Module's)
+                setattr(module, "specd_plain", True)  # noqa: B010
+                continue
         if tuple(current.shape) != tuple(value.shape):
             raise CheckpointError(f"{name}: vLLM's drafter has shape {tuple(current.shape)}, "
                                   f"the version {tuple(value.shape)}")
         current.data.copy_(value.to(current.dtype))
+
+
+def vllm_cpu_repack() -> Callable[[nn.Module], None]:
+    """vLLM's own packing of a CPU linear layer's weight (imported inside vLLM's worker only)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    return lambda module: dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 class VllmDrafterSlot:
@@ -108,6 +128,7 @@ class Eagle3Companion:
         self.seconds_drafting = 0.0        # vLLM's own EAGLE-3 drafting, for comparison
         self.install_seconds: deque[float] = deque(maxlen=32)
         self.slot: VllmDrafterSlot | None = None
+        self.repack: Callable[[nn.Module], None] | None = None
         self.swapper: Swapper | None = None
         self.source: PinnedSource | None = None
 
@@ -126,7 +147,9 @@ class Eagle3Companion:
         if not isinstance(model, FeatureDrafterModel):
             raise CheckpointError(f"{path}: not a feature drafter")
         version = read_metadata(path).get("specd_version", "0")
-        install(self.proposer.model, vllm_parameters(model))
+        compiled = int(getattr(self.proposer.vllm_config.compilation_config, "mode", 0) or 0) != 0
+        self.repack = vllm_cpu_repack() if device.type == "cpu" and not compiled else None
+        install(self.proposer.model, vllm_parameters(model), self.repack)
         self.slot = VllmDrafterSlot(model, version, device)
         self.source, publisher = follow_versions(self.settings)
         self.swapper = Swapper(self.source, self.slot, fingerprint, target_embedding=embed)  # type: ignore[arg-type]
@@ -177,7 +200,7 @@ class Eagle3Companion:
             return
         (model, tensors), version = pending
         begin = time.perf_counter()
-        install(self.proposer.model, tensors)
+        install(self.proposer.model, tensors, self.repack)
         self.install_seconds.append(time.perf_counter() - begin)
         self.slot.model, self.slot.version = model, version
         self.slot.num_swaps += 1
