@@ -262,10 +262,10 @@ def main() -> None:
     finally:
         fleet.stop()
     path = write_result(args.out, args, result)
-    print(markdown(result, path.with_suffix(".png")))
+    print(markdown(result, path.parent, path.stem))
 
 
-def markdown(result: dict[str, Any], png: Path) -> str:
+def markdown(result: dict[str, Any], out: Path, name: str = "vllm_compare") -> str:
     rows = []
     for key, s in result["summary"].items():
         same, in_flight = s["same_as_plain"], result["runs"][key][0].get("in_flight")
@@ -284,7 +284,7 @@ def markdown(result: dict[str, Any], png: Path) -> str:
         text += "\n\nDid not run: " + "; ".join(f"{n}: {e[-160:]}" for n, e in result["errors"].items())
     groups = {f"batch {b}": {k.rsplit(' ', 1)[0]: [r["tokens_per_s"] for r in rs]
                              for k, rs in result["runs"].items() if k.endswith(f" b{b}")} for b in BATCHES}
-    path = dot_plot(groups, "vLLM configurations (each dot one round)", "tokens/s", png)
+    path = dot_plot(groups, "vLLM configurations (each dot one round)", "tokens/s", Path(out) / f"{name}.png")
     return text + f"\n\n![vllm compare]({path.name})"
 
 
