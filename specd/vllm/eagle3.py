@@ -137,8 +137,8 @@ class Eagle3Companion:
         return self.book.telemetry.recent
 
     def attach(self) -> Eagle3Companion:
-        """After vLLM loaded the exported drafter: serve its weights as real parameters, start
-        following versions and sending records."""
+        """After vLLM loaded the exported drafter: install specd's copy of it (`install`: repacked in
+        eager mode, real parameters in compiled mode), then follow versions and send records."""
         config, embed, _ = read_target_head(self.target_dir)
         fingerprint = TargetFingerprint.of(config, self.target_dir)
         device = next(self.proposer.model.parameters()).device
