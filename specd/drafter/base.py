@@ -72,7 +72,7 @@ class Drafter(Protocol):
 
 @runtime_checkable
 class FeatureReader(Protocol):
-    """A drafter fed the target's features (the residual streams after `capture_layers`, then the final state)."""
+    """A drafter fed the target's features (the residual streams after `capture_layers`, the last layer among them)."""
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
