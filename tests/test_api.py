@@ -118,6 +118,7 @@ async def test_stop_string_cuts_the_text(client) -> None:
     ({"model": "tiny", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "temperature": -2}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "temperature": 1.0, "seed": 2**80}, 400, "seed"),
     ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n = 1"),
     ({"model": "tiny", "prompt": "x" * 600, "max_tokens": 10}, 400, "context window"),
     ({"model": "tiny", "prompt": [1, 2, 99999]}, 400, "vocabulary"),

@@ -152,9 +152,17 @@ def test_out_of_vocabulary_prompt_is_refused() -> None:
 
 
 def test_bad_sampling_settings_are_refused() -> None:
-    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": 0}):
+    for bad in ({"temperature": -1.0}, {"temperature": float("inf")}, {"temperature": float("nan")},
+                {"top_p": 0.0}, {"top_p": float("nan")}, {"max_tokens": 0}, {"seed": 2**80}, {"seed": -(2**64)}):
         with pytest.raises(RequestRefused):
             SamplingParams(**bad)
+
+
+def test_seeds_at_the_edges_of_torchs_range_are_served() -> None:
+    engine = Engine(tiny_target())
+    for seed in (-(2**63), 2**64 - 1):
+        assert len(engine.generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_tokens=3, seed=seed))[0]
+                   .output_ids) == 3
 
 
 def test_requests_join_and_leave_between_steps() -> None:

@@ -11,6 +11,7 @@ cover every position 0..num_tokens-2.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,10 +31,13 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise RequestRefused(f"temperature must be 0 or more, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN and infinity fail too (JSON parsers accept them)
+            raise RequestRefused(f"temperature must be a finite number, 0 or more, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise RequestRefused(f"top_p must be in (0, 1], got {self.top_p}")
+        # torch's generators take seeds in [-2**63, 2**64); outside it the engine step would fail
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise RequestRefused(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.max_tokens < 1:
             raise RequestRefused(f"max_tokens must be at least 1, got {self.max_tokens}")
 
