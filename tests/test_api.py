@@ -10,6 +10,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -119,6 +120,7 @@ async def test_stop_string_cuts_the_text(client) -> None:
     ({"model": "tiny", "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "temperature": -2}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "temperature": 1.0, "seed": 2**80}, 400, "seed"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n = 1"),
     ({"model": "tiny", "prompt": "x" * 600, "max_tokens": 10}, 400, "context window"),
     ({"model": "tiny", "prompt": [1, 2, 99999]}, 400, "vocabulary"),
@@ -137,6 +139,20 @@ async def test_malformed_json_and_unknown_route_are_json_errors(client) -> None:
     assert (await client.get("/v1/nothing")).status == 404
     bad_messages = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": 1}]})
     assert bad_messages.status == 400
+
+
+async def test_chat_content_may_be_a_list_of_text_parts_and_other_parts_are_refused(client) -> None:
+    def body(content: Any) -> dict[str, Any]:
+        return {"model": "tiny", "max_tokens": 6, "temperature": 0,
+                "messages": [{"role": "user", "content": content}]}
+
+    as_text = await (await client.post("/v1/chat/completions", json=body("Hello there"))).json()
+    as_parts = await (await client.post("/v1/chat/completions", json=body(
+        [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]))).json()
+    assert as_parts["choices"][0]["message"] == as_text["choices"][0]["message"]
+    image = await client.post("/v1/chat/completions", json=body(
+        [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]))
+    assert image.status == 400 and "image_url" in (await image.json())["error"]["message"]
 
 
 async def test_models_and_health(client) -> None:

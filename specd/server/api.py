@@ -97,6 +97,9 @@ def _include_usage(body: dict[str, Any]) -> bool:
 def _sampling(body: dict[str, Any], default_max_tokens: int) -> tuple[SamplingParams, list[str], bool]:
     if _field(body, "n", (int,), 1) != 1:
         raise ApiError(400, "only n = 1 is supported", param="n")
+    for name in ("logprobs", "top_logprobs"):  # refused rather than silently ignored
+        if body.get(name) not in (None, False, 0):
+            raise ApiError(400, f"'{name}' is not supported by this server", param=name)
     max_tokens = _field(body, "max_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = _field(body, "max_completion_tokens", (int,), default_max_tokens)
@@ -270,16 +273,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_model(state, body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects with string content",
-                       param="messages")
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+    texts = [{"role": m["role"], "content": _text_content(m.get("content"))} for m in messages]
     try:
-        prompt_ids = state.loaded.encode_messages([{"role": m["role"], "content": m["content"]} for m in messages])
+        prompt_ids = state.loaded.encode_messages(texts)
     except Exception as error:  # a chat template can reject role orders it does not know
         raise ApiError(400, f"the chat template refused these messages: {error}", param="messages") from None
     params, stops, stream = _sampling(body, default_max_tokens=256)
     return await _respond(request, body, state, prompt_ids, params, stops, stream, chat=True)
+
+
+def _text_content(content: Any) -> str:
+    """A message's content as text: a string, or OpenAI's list of parts, of which text parts only."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        kinds = {part.get("type") for part in content}
+        if kinds <= {"text"} and all(isinstance(part.get("text"), str) for part in content):
+            return "".join(part["text"] for part in content)
+        raise ApiError(400, f"only text content parts are supported, got {sorted(map(str, kinds - {'text'}))}",
+                       param="messages")
+    raise ApiError(400, "a message's 'content' must be a string or a list of {type: text, text} parts",
+                   param="messages")
 
 
 async def models(request: web.Request) -> web.Response:
