@@ -155,6 +155,18 @@ async def test_chat_content_may_be_a_list_of_text_parts_and_other_parts_are_refu
     assert image.status == 400 and "image_url" in (await image.json())["error"]["message"]
 
 
+async def test_requests_beyond_the_queue_bound_get_429_with_retry_after(client) -> None:
+    state = api_state(client)
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 3, "temperature": 0}
+    state.max_queued = 0  # every new request would wait beyond the bound
+    busy = await client.post("/v1/completions", json=body)
+    assert busy.status == 429 and busy.headers["Retry-After"] == "1"
+    assert (await busy.json())["error"]["type"] == "rate_limit_error"
+    state.max_queued = 64
+    assert state.worker.queued == 0
+    assert (await client.post("/v1/completions", json=body)).status == 200
+
+
 async def test_models_and_health(client) -> None:
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512

@@ -69,6 +69,11 @@ class EngineWorker:
     def submit(self, submission: Submission) -> None:
         self._inbox.put(submission)
 
+    @property
+    def queued(self) -> int:
+        """Requests submitted but not decoding yet (in the inbox or the engine's waiting line)."""
+        return self._inbox.qsize() + len(self.engine.waiting)
+
     def cancel(self, request_id: str) -> None:
         self._inbox.put(request_id)
 

@@ -32,12 +32,20 @@ MAX_TOKENS_CAP = 32_768
 
 
 class ApiError(BadRequest):
-    """An error answer with its own status and OpenAI's param, code and type fields."""
+    """An error answer with its own status and OpenAI's param, code and type fields (and headers)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.http_status, self.param, self.code, self.kind = status, param, code, kind
+        self.headers = headers
+
+
+def _check_capacity(state: ApiState) -> None:
+    """Overload gets a clear answer: beyond `max_queued` waiting requests, a 429 with Retry-After."""
+    if state.max_queued is not None and state.worker.queued >= state.max_queued:
+        raise ApiError(429, f"the server is busy: {state.max_queued} requests are already waiting; retry shortly",
+                       code="rate_limit_exceeded", kind="rate_limit_error", headers={"Retry-After": "1"})
 
 
 @dataclass
@@ -47,6 +55,7 @@ class ApiState:
     metrics: ServingMetrics
     model_name: str
     status: Callable[[], dict[str, Any]] | None = None  # extra fields for /health
+    max_queued: int | None = None  # requests waiting for a batch slot beyond which new ones get a 429
 
 
 STATE = web.AppKey("state", ApiState)
@@ -58,7 +67,8 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
     try:
         return await handler(request)
     except SpecdError as error:  # the API's own refusals and every kind from the layers below
-        return web.json_response(error.as_json(), status=error.http_status)
+        return web.json_response(error.as_json(), status=error.http_status,
+                                 headers=getattr(error, "headers", None))
     except web.HTTPException as error:  # aiohttp's own 404 / 405, in OpenAI's shape
         body = {"error": {"message": error.reason, "type": "invalid_request_error", "param": None, "code": None}}
         return web.json_response(body, status=error.status)
@@ -195,6 +205,7 @@ def _domain(request: web.Request, body: dict[str, Any]) -> str | None:
 async def _respond(request: web.Request, body: dict[str, Any], state: ApiState, prompt_ids: list[int],
                    params: SamplingParams, stops: list[str], stream: bool, chat: bool) -> web.StreamResponse:
     include_usage = stream and _include_usage(body)
+    _check_capacity(state)
     begin = time.perf_counter()
     decoder = _Stream(state, prompt_ids, params, stops, _domain(request, body))
     created = int(time.time())

@@ -58,6 +58,7 @@ class ServeOptions:
     report_seconds: float = 2.0
     publish_records: bool = True       # off only to measure what the loop costs
     canary: bool = True                # embedded: roll a regression back by itself (off to measure without it)
+    max_queued: int | None = 64        # requests waiting for a batch slot before new ones get a 429 (None: no bound)
 
 
 @dataclass
@@ -113,7 +114,8 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
                                                         record_features=options.drafter.arch == "feature"))
     worker = EngineWorker(engine, wiring.bus if options.publish_records else None, options.server_id, metrics, table)
     status = _status(options, wiring, worker)
-    app = create_app(ApiState(loaded, worker, metrics, options.model_name or Path(loaded.folder).name, status))
+    app = create_app(ApiState(loaded, worker, metrics, options.model_name or Path(loaded.folder).name, status,
+                              options.max_queued))
     acceptance = AcceptanceLog()
     if wiring.store is not None:
         add_control_routes(app, ControlPlane(wiring.store, acceptance, options.token, _learner_status(wiring)))
