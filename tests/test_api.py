@@ -167,6 +167,23 @@ async def test_requests_beyond_the_queue_bound_get_429_with_retry_after(client) 
     assert (await client.post("/v1/completions", json=body)).status == 200
 
 
+async def test_client_chosen_domain_labels_are_bounded(client) -> None:
+    from specd.server.api import MAX_DOMAINS, OTHER_DOMAIN
+
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 2, "temperature": 0}
+    for i in range(MAX_DOMAINS + 5):
+        response = await client.post("/v1/completions", json=body, headers={"X-Specd-Domain": f"d{i}"})
+        assert response.status == 200
+    state = api_state(client)
+    assert len(state.domains) == MAX_DOMAINS and f"d{MAX_DOMAINS}" not in state.domains
+
+    async def counted() -> bool:
+        labels = {domain for _, domain in state.metrics.totals}
+        return OTHER_DOMAIN in labels and len(labels) == MAX_DOMAINS + 1
+
+    await eventually(counted)
+
+
 async def test_models_and_health(client) -> None:
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512

@@ -17,7 +17,7 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -56,9 +56,12 @@ class ApiState:
     model_name: str
     status: Callable[[], dict[str, Any]] | None = None  # extra fields for /health
     max_queued: int | None = None  # requests waiting for a batch slot beyond which new ones get a 429
+    domains: set[str] = field(default_factory=set)  # the client-chosen domain labels seen, at most MAX_DOMAINS
 
 
 STATE = web.AppKey("state", ApiState)
+MAX_DOMAINS = 32
+OTHER_DOMAIN = "other"
 
 
 @web.middleware
@@ -194,12 +197,22 @@ class _Stream:
                 return
 
 
-def _domain(request: web.Request, body: dict[str, Any]) -> str | None:
-    """The traffic domain a client labels its request with: OpenAI `metadata.domain` or X-Specd-Domain."""
+def _domain(state: ApiState, request: web.Request, body: dict[str, Any]) -> str | None:
+    """The traffic domain a client labels its request with: OpenAI `metadata.domain` or X-Specd-Domain.
+
+    Labels become metric labels and report keys, so their number is bounded: after MAX_DOMAINS
+    distinct ones, any new label is counted as OTHER_DOMAIN."""
     metadata = body.get("metadata")
     domain = metadata.get("domain") if isinstance(metadata, dict) else None
     domain = domain or request.headers.get("X-Specd-Domain")
-    return str(domain)[:64] if domain else None
+    if not domain:
+        return None
+    label = str(domain)[:64]
+    if label not in state.domains:
+        if len(state.domains) >= MAX_DOMAINS:
+            return OTHER_DOMAIN
+        state.domains.add(label)
+    return label
 
 
 async def _respond(request: web.Request, body: dict[str, Any], state: ApiState, prompt_ids: list[int],
@@ -207,7 +220,7 @@ async def _respond(request: web.Request, body: dict[str, Any], state: ApiState, 
     include_usage = stream and _include_usage(body)
     _check_capacity(state)
     begin = time.perf_counter()
-    decoder = _Stream(state, prompt_ids, params, stops, _domain(request, body))
+    decoder = _Stream(state, prompt_ids, params, stops, _domain(state, request, body))
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"
     base = {"id": decoder.request_id, "created": created, "model": state.model_name}
