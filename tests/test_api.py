@@ -184,6 +184,27 @@ async def test_client_chosen_domain_labels_are_bounded(client) -> None:
     await eventually(counted)
 
 
+async def test_a_request_whose_prefill_fails_gets_500_and_its_neighbours_are_served(client, monkeypatch) -> None:
+    state = api_state(client)
+    engine = state.worker.engine
+    prefill = engine._prefill
+    poison = state.loaded.encode("boom")
+
+    def faulty(seq):
+        if seq.prompt_ids == poison:
+            raise RuntimeError("a fault traced to this request")
+        prefill(seq)
+
+    monkeypatch.setattr(engine, "_prefill", faulty)
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+    fine = [client.post("/v1/completions", json={**body, "prompt": f"fine {i}"}) for i in range(3)]
+    answers = await asyncio.gather(client.post("/v1/completions", json={**body, "prompt": "boom"}), *fine)
+    assert answers[0].status == 500 and "traced to this request" in (await answers[0].json())["error"]["message"]
+    for i, answer in enumerate(answers[1:]):
+        assert answer.status == 200
+        assert (await answer.json())["choices"][0]["text"] == target_only_text(client, f"fine {i}", 8)
+
+
 async def test_models_and_health(client) -> None:
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512

@@ -165,6 +165,23 @@ def test_seeds_at_the_edges_of_torchs_range_are_served() -> None:
                    .output_ids) == 3
 
 
+def test_a_failing_prefill_fails_its_request_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tiny_target()
+    engine = Engine(target, tiny_drafter(target), fixed_k(max_batch=3, num_draft_tokens=3))
+    prefill = engine._prefill
+
+    def faulty(seq):  # a fault traced to one request's admission (as an overflowing seed was)
+        if seq.prompt_ids == PROMPTS[1]:
+            raise RuntimeError("Overflow when unpacking long")
+        prefill(seq)
+
+    monkeypatch.setattr(engine, "_prefill", faulty)
+    seqs = engine.generate(PROMPTS[:3], GREEDY)
+    assert seqs[1].finish_reason == "error" and "Overflow" in (seqs[1].error or "")
+    healthy = Engine(target, None, EngineConfig(max_batch=3)).generate([PROMPTS[0], PROMPTS[2]], GREEDY)
+    assert [seqs[0].output_ids, seqs[2].output_ids] == [s.output_ids for s in healthy]
+
+
 def test_requests_join_and_leave_between_steps() -> None:
     target = tiny_target()
     params = [SamplingParams(max_tokens=n) for n in (5, 30, 12, 3, 25, 18)]

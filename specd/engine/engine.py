@@ -21,6 +21,7 @@ with `record_features`, keeps them on the request for its trajectory record.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from specd.engine.sampling import Verdict, target_probs, verify_greedy, verify_s
 from specd.errors import RequestRefused
 from specd.model.transformer import Transformer
 from specd.records import AcceptanceCounts
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -156,8 +159,15 @@ class Engine:
             seq = self.waiting.popleft()
             if seq.is_finished:
                 done.append(seq)
-            else:
+                continue
+            try:
                 self._prefill(seq)
+            except Exception as error:  # traced to this request's admission: it fails alone
+                log.exception("prefill of %s failed", seq.request_id)
+                if self.running and self.running[-1] is seq:
+                    self.running.pop()
+                seq.finish_reason, seq.error = "error", f"{type(error).__name__}: {error}"
+                done.append(seq)
         if not self.running:
             return done
         begin = time.perf_counter()

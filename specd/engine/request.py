@@ -62,7 +62,8 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None     # "stop" (EOS) or "length" (max_tokens)
+    finish_reason: str | None = None     # "stop" (EOS), "length" (max_tokens), "cancelled" or "error"
+    error: str | None = None             # why it failed alone ("error"), the rest of the batch unharmed
     steps: list[VerifyStep] = field(default_factory=list)
     num_drafts_proposed: int = 0
     num_drafts_accepted: int = 0         # accepted and emitted (a stop can cut accepted drafts)

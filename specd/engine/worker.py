@@ -134,6 +134,9 @@ class EngineWorker:
                 if seq.request_id not in self._active:
                     continue
                 sub = self._active.pop(seq.request_id)
+                if seq.finish_reason == "error":  # this request alone failed (e.g. its prefill)
+                    sub.on_error((500, f"internal engine error: {seq.error}"))
+                    continue
                 sub.on_done(seq)
                 if self.table is not None and seq.finish_reason != "cancelled":
                     self.table.add(seq.prompt_ids + seq.output_ids)
