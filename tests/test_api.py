@@ -205,6 +205,26 @@ async def test_a_request_whose_prefill_fails_gets_500_and_its_neighbours_are_ser
         assert (await answer.json())["choices"][0]["text"] == target_only_text(client, f"fine {i}", 8)
 
 
+async def test_an_engine_fault_mid_stream_ends_the_stream_with_an_error_event_and_done(client, monkeypatch) -> None:
+    engine = api_state(client).worker.engine
+    step, calls = engine.step, []
+
+    def failing_later():
+        calls.append(1)
+        if len(calls) == 4:  # tokens have been streamed by then
+            raise RuntimeError("the engine broke")
+        return step()
+
+    monkeypatch.setattr(engine, "step", failing_later)
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 30, "temperature": 0, "stream": True}
+    response = await client.post("/v1/completions", json=body)
+    events = [line[6:] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+    assert response.status == 200 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "the engine broke" in error["message"] and error["type"] == "server_error"
+    assert any("choices" in json.loads(e) for e in events[:-2])  # it did stream before the fault
+
+
 async def test_models_and_health(client) -> None:
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512

@@ -265,6 +265,9 @@ async def _respond(request: web.Request, body: dict[str, Any], state: ApiState, 
         if include_usage:
             await send({**base, "object": chunk_kind, "choices": [], "usage": usage()})
         await send("[DONE]")
+    except ApiError as error:  # an engine fault once the stream began: say so in it, then end it
+        await send(error.as_json())
+        await send("[DONE]")
     except (ConnectionResetError, asyncio.CancelledError):
         state.worker.cancel(decoder.request_id)  # the client went away: free its batch slot
         raise
