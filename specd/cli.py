@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -292,6 +293,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queued", type=int, default=64,
                    help="requests waiting for a batch slot beyond which new ones get a 429 with Retry-After "
                         "(default 64; 0: no bound)")
+    p.add_argument("--api-key", default=os.environ.get("SPECD_API_KEY"),
+                   help="as vLLM's: the OpenAI routes answer only `Authorization: Bearer KEY` (default: "
+                        "$SPECD_API_KEY; none: open)")
     p.add_argument("--no-learner", action="store_true", help="serve the store's live version without training")
     p.add_argument("--no-records", action="store_true", help="publish no trajectory records (to measure their cost)")
     p.add_argument("--no-canary", action="store_true", help="embedded mode: never roll a version back automatically")
@@ -373,7 +377,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_queued < 0:
         raise ConfigurationError(f"--max-queued must be 0 (no bound) or more, got {args.max_queued}")
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
-                           max_context=args.max_context, max_queued=args.max_queued or None,
+                           max_context=args.max_context, max_queued=args.max_queued or None, api_key=args.api_key,
                            learner=not args.no_learner, duty_cycle=args.duty_cycle, server_id=args.server_id,
                            model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,
                            token=args.token, publish_records=not args.no_records, canary=not args.no_canary,

@@ -225,6 +225,17 @@ async def test_an_engine_fault_mid_stream_ends_the_stream_with_an_error_event_an
     assert any("choices" in json.loads(e) for e in events[:-2])  # it did stream before the fault
 
 
+async def test_an_api_key_guards_the_openai_routes_only(client) -> None:
+    api_state(client).api_key = "s3cret"
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        refused = await client.post("/v1/completions", json=body, headers=headers)
+        assert refused.status == 401 and (await refused.json())["error"]["code"] == "invalid_api_key"
+    assert (await client.get("/v1/models")).status == 401
+    assert (await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})).status == 200
+    assert (await client.get("/health")).status == 200 and (await client.get("/metrics")).status == 200
+
+
 async def test_models_and_health(client) -> None:
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512

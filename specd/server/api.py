@@ -13,6 +13,7 @@ last chunk before `[DONE]` carries the token counts, as OpenAI's does.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -57,6 +58,7 @@ class ApiState:
     status: Callable[[], dict[str, Any]] | None = None  # extra fields for /health
     max_queued: int | None = None  # requests waiting for a batch slot beyond which new ones get a 429
     domains: set[str] = field(default_factory=set)  # the client-chosen domain labels seen, at most MAX_DOMAINS
+    api_key: str | None = None  # when set, the OpenAI routes need `Authorization: Bearer <api_key>`
 
 
 STATE = web.AppKey("state", ApiState)
@@ -347,12 +349,28 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+@web.middleware
+async def _api_key(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                   ) -> web.StreamResponse:
+    """As vLLM's `--api-key`: the OpenAI routes answer only requests that carry the key."""
+    key = request.app[STATE].api_key
+    if key is not None and request.path in OPENAI_ROUTES:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key",
+                           kind="authentication_error")
+    return await handler(request)
+
+
 def create_app(state: ApiState) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=8 * 1024 * 1024)
+    app = web.Application(middlewares=[_errors, _api_key], client_max_size=8 * 1024 * 1024)
     app[STATE] = state
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
+    app.router.add_post(OPENAI_ROUTES[0], completions)
+    app.router.add_post(OPENAI_ROUTES[1], chat_completions)
+    app.router.add_get(OPENAI_ROUTES[2], models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

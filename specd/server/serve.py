@@ -59,6 +59,7 @@ class ServeOptions:
     publish_records: bool = True       # off only to measure what the loop costs
     canary: bool = True                # embedded: roll a regression back by itself (off to measure without it)
     max_queued: int | None = 64        # requests waiting for a batch slot before new ones get a 429 (None: no bound)
+    api_key: str | None = None         # the OpenAI routes need `Authorization: Bearer <api_key>` (as vLLM's)
 
 
 @dataclass
@@ -115,7 +116,7 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
     worker = EngineWorker(engine, wiring.bus if options.publish_records else None, options.server_id, metrics, table)
     status = _status(options, wiring, worker)
     app = create_app(ApiState(loaded, worker, metrics, options.model_name or Path(loaded.folder).name, status,
-                              options.max_queued))
+                              options.max_queued, api_key=options.api_key))
     acceptance = AcceptanceLog()
     if wiring.store is not None:
         add_control_routes(app, ControlPlane(wiring.store, acceptance, options.token, _learner_status(wiring)))
