@@ -248,3 +248,34 @@ def ask_all(server: VllmServer, prompts: list[str], max_tokens: int, workers: in
 
 def token_ids(answer: dict[str, Any]) -> list[int]:
     return list(answer["choices"][0]["token_ids"])
+
+
+class KeepAsking:
+    """`clients` threads that keep requests in flight (prompts in turn) until the block ends;
+    `answers` holds (prompt, answer or the exception it raised)."""
+
+    def __init__(self, server: VllmServer, prompts: list[str], max_tokens: int, clients: int = 4) -> None:
+        self.server, self.prompts, self.max_tokens = server, prompts, max_tokens
+        self.answers: list[tuple[str, Any]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._ask, args=(offset,)) for offset in range(clients)]
+
+    def _ask(self, offset: int) -> None:
+        i = offset
+        while not self._stop.is_set():
+            prompt = self.prompts[i % len(self.prompts)]
+            try:
+                self.answers.append((prompt, self.server.chat(prompt, self.max_tokens)))
+            except Exception as error:  # kept, so that the test names the failed request
+                self.answers.append((prompt, error))
+            i += 1
+
+    def __enter__(self) -> KeepAsking:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()

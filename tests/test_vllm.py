@@ -8,13 +8,12 @@ what the proposer sends.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from harness import (
     Broker,
+    KeepAsking,
     SpecdProcess,
     VllmServer,
     ask_all,
@@ -131,23 +130,7 @@ def test_inferred_accepted_counts_equal_vllms_per_request_metrics(specd_vllm: Vl
 
 def test_versions_swap_in_flight_without_failed_requests_or_changed_outputs(specd_vllm: VllmServer, learner,
                                                                              expected) -> None:
-    answers: list[tuple[str, Any]] = []
-    stop = threading.Event()
-
-    def traffic(offset: int) -> None:  # keeps requests in flight until both swaps happened
-        i = offset
-        while not stop.is_set():
-            prompt = PROMPTS[i % len(PROMPTS)]
-            try:
-                answers.append((prompt, specd_vllm.chat(prompt, MAX_TOKENS)))
-            except Exception as error:
-                answers.append((prompt, error))
-            i += 1
-
-    clients = [threading.Thread(target=traffic, args=(offset,)) for offset in range(4)]
-    for client in clients:
-        client.start()
-    try:
+    with KeepAsking(specd_vllm, PROMPTS, MAX_TOKENS) as traffic:  # requests in flight until both swaps happened
         wait_for(lambda: specd_vllm.rpc("specd_status")["live_requests"] > 0, 60, interval=0.05,
                  what="requests in flight")
         post_json(learner.url + "/v1/rollback", {"version": 1}, token="secret")  # operator's rollback: announced
@@ -162,10 +145,7 @@ def test_versions_swap_in_flight_without_failed_requests_or_changed_outputs(spec
             return any(len({s["version"] for s in r["steps"]}) > 1 for r in records)
 
         wait_for(saw_a_swap, 60, interval=0.2, what="a finished request whose drafter changed mid-flight")
-    finally:
-        stop.set()
-        for client in clients:
-            client.join()
+    answers = traffic.answers
     failed = [(prompt, answer) for prompt, answer in answers if isinstance(answer, Exception)]
     assert not failed, f"requests failed during swaps: {failed}"
     for prompt, answer in answers:

@@ -11,13 +11,23 @@ NaN weight); 1 is live. The learner never publishes here (it only receives recor
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from harness import Broker, SpecdProcess, VllmServer, ask_all, free_port, get_json, post_json, token_ids, wait_for
+from harness import (
+    Broker,
+    KeepAsking,
+    SpecdProcess,
+    VllmServer,
+    ask_all,
+    free_port,
+    get_json,
+    post_json,
+    token_ids,
+    wait_for,
+)
 
 from specd.drafter.pretrained import SHIPPED_DRAFTER, load_pretrained
 from specd.hotswap.store import WeightStore
@@ -158,24 +168,8 @@ def test_records_carry_vllms_own_accepted_counts_and_reach_the_learner(eagle3: V
 
 def test_versions_swap_and_roll_back_in_flight_without_failed_requests(eagle3: VllmServer, learner,
                                                                        expected) -> None:
-    answers: list[tuple[str, Any]] = []
-    stop = threading.Event()
-
-    def traffic(offset: int) -> None:  # keeps requests in flight until both swaps happened
-        i = offset
-        while not stop.is_set():
-            prompt = PROMPTS[i % len(PROMPTS)]
-            try:
-                answers.append((prompt, eagle3.chat(prompt, MAX_TOKENS)))
-            except Exception as error:
-                answers.append((prompt, error))
-            i += 1
-
     swaps_before = status(eagle3)["swaps"]
-    clients = [threading.Thread(target=traffic, args=(offset,)) for offset in range(4)]
-    for client in clients:
-        client.start()
-    try:
+    with KeepAsking(eagle3, PROMPTS, MAX_TOKENS) as traffic:  # requests in flight until both swaps happened
         wait_for(lambda: status(eagle3)["live_requests"] > 0, 60, interval=0.05, what="requests in flight")
         post_json(learner.url + "/v1/live", {"version": 2}, token=TOKEN)
         wait_for(lambda: status(eagle3)["version"] == "2", 60, interval=0.1, what="version 2 in vLLM")
@@ -187,10 +181,7 @@ def test_versions_swap_and_roll_back_in_flight_without_failed_requests(eagle3: V
                        for r in eagle3.rpc("specd_recent_records", "64"))
 
         wait_for(saw_a_swap, 60, interval=0.2, what="a finished request whose drafter changed mid-flight")
-    finally:
-        stop.set()
-        for client in clients:
-            client.join()
+    answers = traffic.answers
     failed = [(prompt, answer) for prompt, answer in answers if isinstance(answer, Exception)]
     assert not failed, f"requests failed during swaps: {failed}"
     for prompt, answer in answers:

@@ -43,7 +43,7 @@ from specd.hotswap.swapper import Swapper
 from specd.model.checkpoint import read_target_head
 from specd.model.fingerprint import TargetFingerprint
 from specd.vllm.launch import PluginSettings
-from specd.vllm.loop import PinnedSource, RequestBook, follow_versions
+from specd.vllm.loop import PinnedSource, RequestBook, follow_versions, force_version
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,6 @@ class Eagle3Companion:
         vllm_config = proposer.vllm_config
         self.settings = PluginSettings.from_env()
         self.proposer = proposer
-        self.runner: Any = getattr(proposer, "runner", None)
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.target_dir = Path(str(vllm_config.model_config.model))
@@ -163,7 +162,6 @@ class Eagle3Companion:
     def propose(self, runner: Any, vllm_propose: Any, scheduler_output: Any, sampled: Any, *args: Any,
                 **kwargs: Any) -> Any:
         begin = time.perf_counter()
-        self.runner = runner
         if not isinstance(sampled, list):
             raise RuntimeError("specd's eagle3 route needs the speculative config's disable_padded_drafter_batch")
         batch = runner.input_batch
@@ -221,8 +219,6 @@ class Eagle3Companion:
                 "refused_versions": dict(swapper.refused) if swapper else {}, **self.book.telemetry.status()}
 
     def force_version(self, version: int | None) -> dict[str, Any]:
-        if self.source is None or self.swapper is None:
-            raise RuntimeError("the companion is not attached yet")
-        self.source.forced = version
-        self.swapper.check_once()
+        """Serve `version` regardless of announcements (None: follow them again); it takes over within a poll."""
+        force_version(self.source, version)
         return self.status()

@@ -42,6 +42,15 @@ class PinnedSource:
         return self.inner.fetch(version)
 
 
+def force_version(source: PinnedSource | None, version: int | None) -> None:
+    """An operator's pin (None: follow announcements again). Only the choice is made here, on the
+    caller's thread (vLLM's collective_rpc runs on the decoding thread): the swapper's own thread
+    fetches and checks the version at its next poll."""
+    if source is None:
+        raise RuntimeError("specd is not loaded in this worker yet")
+    source.forced = version
+
+
 def find_model_runner() -> Any:
     """vLLM's model runner, found up the call stack: it holds the row -> request id map we need."""
     frame = sys._getframe(1)

@@ -39,7 +39,7 @@ from specd.model.checkpoint import read_target_head
 from specd.model.fingerprint import TargetFingerprint
 from specd.vllm.budget import DraftBudget
 from specd.vllm.launch import PluginSettings
-from specd.vllm.loop import PinnedSource, RequestBook, find_model_runner, follow_versions
+from specd.vllm.loop import PinnedSource, RequestBook, find_model_runner, follow_versions, force_version
 from specd.vllm.policy import Candidates, DraftPolicy
 from specd.vllm.tracking import SlotTable
 
@@ -178,8 +178,5 @@ class SpecdProposer:
 
     def force_version(self, version: int | None) -> dict[str, Any]:
         """Serve `version` regardless of announcements (None: follow them again); it takes over within a poll."""
-        if self.source is None or self.swapper is None:
-            raise RuntimeError("the proposer is not loaded yet")
-        self.source.forced = version
-        self.swapper.check_once()
+        force_version(self.source, version)
         return self.status()
