@@ -1,8 +1,10 @@
-"""The closed loop on tiny models: records, learner, gate, store, hot-swap, rollback."""
+"""The closed loop on tiny models: records, learner, gate, store, hot-swap, rollback, and a learner
+thread that survives its own failures. Races on the live version are in test_races.py."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import threading
@@ -19,9 +21,10 @@ from specd.cli import main
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
-from specd.errors import RecordRefused, StoreError
+from specd.errors import ConfigurationError, RecordRefused, StoreError
 from specd.hotswap.store import LiveVersionChanged, WeightStore
 from specd.hotswap.swapper import Swapper
+from specd.learner import learner as learner_module
 from specd.learner.learner import Learner, LearnerConfig
 from specd.learner.signal import simulated_accept_length
 from specd.model.fingerprint import TargetFingerprint
@@ -31,9 +34,9 @@ FINGERPRINT = TargetFingerprint(TINY.vocab_size, "none")
 SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
 
 
-def make_records(target, prompts, server="t", max_tokens=24):
+def make_records(target, prompts, server="t", max_tokens=24, temperature=0.0):
     engine = Engine(target, None, EngineConfig(max_batch=8))
-    seqs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    seqs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0))
     return [record_from_sequence(s, server, 0.0).to_dict() for s in seqs]
 
 
@@ -179,18 +182,26 @@ def test_swapper_delivers_new_live_version_between_steps(tmp_path: Path) -> None
     assert drafter.version == str(v2)
 
 
-def test_gate_refuses_a_worse_candidate(tmp_path: Path) -> None:
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_gate_refuses_a_worse_candidate(tmp_path: Path, temperature: float) -> None:
     target = learnable_target()
     bus, store = InProcessBus(), WeightStore(tmp_path)
     good = new_drafter_model(target, SHAPE, copy_from_target=False, seed=0).float()
     config = LearnerConfig(learning_rate=3e-3, batch_size=16, window=32, duty_cycle=1.0, publish_every_steps=10**9,
                            publish_every_seconds=10**9, holdout_every=4, gate_margin=0.05)
     learner = Learner(config, bus, store, good, FINGERPRINT)
-    for record in make_records(target, random_prompts(48, 2)):
+    for record in make_records(target, random_prompts(48, 2), temperature=temperature):
         bus.publish(record)
+    learner.intake()
+    # every fourth record is held out, sampled or not (OpenAI clients sample by default)
+    assert len(learner.holdout) == 12 and {r.temperature for r in learner.holdout} == {temperature}
     for _ in range(120):
         learner.step()
-    assert learner.maybe_publish(force=True) is not None  # trained: better than the day-0 version
+    published = learner.maybe_publish(force=True)
+    assert published is not None  # trained: better than the day-0 version, on this evidence
+    evaluation = store.manifest(published)["evaluation"]
+    assert evaluation["held_out_records"] == 12 and evaluation["sampled_records"] == (12 if temperature else 0)
+    assert evaluation["candidate"] > evaluation["live"] + 1.0
     with torch.no_grad():  # sabotage the training copy: it now predicts noise
         for p in learner.model.blocks.parameters():
             p.add_(torch.randn_like(p) * 5)
@@ -207,15 +218,16 @@ LIVE_ACCEPT_LENGTH, MARGIN = 2.0, 0.25  # binary fractions: the edge of the marg
 
 
 def learner_with_held_out_records(tmp_path: Path) -> Learner:
-    """A learner with version 1 live, three held-out greedy records and a training copy that differs from 1."""
+    """A learner with version 1 live, four held-out greedy records (the gate's minimum) and a training
+    copy that differs from 1."""
     target = learnable_target()
     config = LearnerConfig(duty_cycle=1.0, publish_every_steps=1, holdout_every=1, gate_margin=MARGIN)
     bus = InProcessBus()
     learner = Learner(config, bus, WeightStore(tmp_path), new_drafter_model(target, SHAPE, copy_from_target=False)
                       .float(), FINGERPRINT)
-    for record in make_records(target, random_prompts(3, 5)):
+    for record in make_records(target, random_prompts(config.gate_min_held_out, 5)):
         bus.publish(record)
-    learner.intake()  # every greedy record is held out for the gate
+    learner.intake()  # every record is held out for the gate
     with torch.no_grad():
         learner.model.norm.weight.add_(1.0)
     learner.stats.steps += 1  # something new to publish
@@ -244,7 +256,7 @@ def test_gate_passes_a_candidate_within_the_margin_and_rejects_one_beyond_it(
     published = learner.maybe_publish(force=True)
     manifest = store.manifest(2)
     assert manifest["evaluation"]["candidate"] == candidate and manifest["evaluation"]["live"] == LIVE_ACCEPT_LENGTH
-    assert manifest["evaluation"]["held_out_records"] == 3 and manifest["evaluation"]["passed"] is passes
+    assert manifest["evaluation"]["held_out_records"] == 4 and manifest["evaluation"]["passed"] is passes
     if passes:
         assert published == 2 and store.live_version() == 2 and manifest["status"] == "live"
     else:
@@ -301,16 +313,16 @@ def test_bus_sheds_oldest_records_when_full() -> None:
 
 def test_store_live_rollback_pin_and_gc(tmp_path: Path) -> None:
     target = tiny_target()
-    store = WeightStore(tmp_path, keep_last=2)
-    versions = [publish_live(store, new_drafter_model(target, SHAPE, seed=s)) for s in range(5)]
+    store = WeightStore(tmp_path, keep_last=2, keep_live_within_s=0)  # no protection by time here
+    versions = [publish_live(store, new_drafter_model(target, SHAPE, seed=s)) for s in range(6)]
     store.pin(versions[0])
     assert store.live_version() == versions[-1]
     assert store.rollback() == versions[-2]
     assert store.manifest(versions[-1])["status"] == "rolled-back"
     assert store.live_version() == versions[-2]
-    removed = store.gc()
-    assert versions[0] not in removed and versions[-2] not in removed  # pinned and live survive
-    assert versions[1] in removed
+    # pinned 1, live 5, the newest two (5, 6), the last two live before 5 (3, 4): only 2 goes
+    assert store.gc() == [versions[1]]
+    assert store.versions() == [v for v in versions if v != versions[1]]
     with pytest.raises(StoreError):
         store.rollback(to=999)
 
@@ -367,7 +379,9 @@ def test_catch_up_after_a_swap_is_spread_over_steps_and_stays_lossless() -> None
 def test_learner_holds_publishing_after_an_operator_rollback(tmp_path: Path) -> None:
     target = learnable_target()
     bus, store = InProcessBus(), WeightStore(tmp_path)
-    config = LearnerConfig(duty_cycle=1.0, publish_every_steps=1, holdout_every=10**9, hold_after_rollback_s=3600)
+    # half the records held out (enough for the gate); a wide margin: the first candidate surely passes
+    config = LearnerConfig(duty_cycle=1.0, publish_every_steps=1, holdout_every=2, gate_margin=10.0,
+                           hold_after_rollback_s=3600)
     learner = Learner(config, bus, store, new_drafter_model(target, SHAPE, copy_from_target=False).float(),
                       FINGERPRINT)
     for record in make_records(target, random_prompts(8, 3)):
@@ -394,3 +408,92 @@ def test_versions_reference_a_frozen_target_embedding_instead_of_copying_it(tmp_
     torch.testing.assert_close(loaded.embed.weight, target.embed.weight.float())
     with pytest.raises(CheckpointError, match="shares the target's embedding"):
         load_drafter(store.weights_path(shared), FINGERPRINT)
+
+
+def test_gate_waits_for_enough_held_out_records_then_promotes_a_good_candidate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = learnable_target()
+    bus, store = InProcessBus(), WeightStore(tmp_path)
+    config = LearnerConfig(duty_cycle=1.0, publish_every_steps=1, holdout_every=2, gate_min_held_out=4)
+    learner = Learner(config, bus, store, new_drafter_model(target, SHAPE, copy_from_target=False).float(),
+                      FINGERPRINT)
+    day0 = [p.detach().clone() for p in learner.model.parameters()]
+
+    def accept_length(model, records) -> float:  # the trained candidate beats day 0 by a full token
+        assert len(records) >= config.gate_min_held_out  # the gate never judges on less evidence
+        is_day0 = all(torch.equal(p.float(), q) for p, q in zip(model.parameters(), day0, strict=True))
+        return 1.0 if is_day0 else 2.0
+
+    monkeypatch.setattr(learner, "simulated_accept_length", accept_length)
+    records = make_records(target, random_prompts(12, 6), temperature=1.0)
+    for record in records[:4]:
+        bus.publish(record)
+    for _ in range(3):  # a publication is due after every step, but two held-out records are not evidence
+        assert learner.step()
+    assert store.versions() == [1] and store.live_version() == learner.live_version == 1
+    assert learner.stats.gate_waits == 3 and learner.stats.published == learner.stats.rejected == []
+    assert learner.health()["gate_waits"] == 3 and learner.health()["held_out_records"] == 2
+    for record in records[4:]:
+        bus.publish(record)
+    assert learner.step()
+    assert len(learner.holdout) == 6 and learner.stats.gate_waits == 3
+    assert store.live_version() == learner.live_version == 2
+    assert store.manifest(2)["evaluation"] == {"passed": True, "reason": "ok", "candidate": 2.0, "live": 1.0,
+                                               "held_out_records": 6, "sampled_records": 6}
+
+
+def test_gate_never_passes_for_lack_of_evidence_even_when_forced(tmp_path: Path) -> None:
+    target = learnable_target()
+    bus, store = InProcessBus(), WeightStore(tmp_path)
+    learner = Learner(LearnerConfig(duty_cycle=1.0, holdout_every=10**9), bus, store,
+                      new_drafter_model(target, SHAPE).float(), FINGERPRINT)
+    for record in make_records(target, random_prompts(4, 7)):
+        bus.publish(record)
+    assert learner.step()
+    assert not learner.holdout and learner.maybe_publish(force=True) is None
+    assert store.versions() == [1] and learner.stats.gate_waits == 1
+    verdict = learner.evaluate(learner.model)  # asked directly, the gate fails rather than passes
+    assert verdict["passed"] is False and verdict["reason"] == "0 held-out records, the gate needs 4"
+
+
+@pytest.mark.parametrize("fields", [{"gate_min_held_out": 0}, {"holdout_capacity": 3, "gate_min_held_out": 4},
+                                    {"holdout_every": 0}])
+def test_a_gate_that_could_pass_without_evidence_is_refused_at_configuration(fields: dict) -> None:
+    with pytest.raises(ConfigurationError):
+        LearnerConfig(**fields)
+
+
+def test_a_failing_learner_step_is_counted_and_the_loop_trains_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(learner_module, "FAILURE_BACKOFF_S", 0.01)  # the loop's pause after a failure
+    target = tiny_target()
+    bus = InProcessBus()
+    config = LearnerConfig(duty_cycle=1.0, publish_every_steps=10**9, publish_every_seconds=10**9)
+    learner = Learner(config, bus, WeightStore(tmp_path), new_drafter_model(target, SHAPE).float(), FINGERPRINT)
+    for record in make_records(target, random_prompts(4, 8)):
+        bus.publish(record)
+    real_train_step, calls, trained = learner.train_step, 0, threading.Event()
+
+    def fails_twice() -> float:
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise RuntimeError(f"boom {calls}")
+        loss = real_train_step()
+        trained.set()
+        return loss
+
+    monkeypatch.setattr(learner, "train_step", fails_twice)
+    with caplog.at_level(logging.ERROR, logger=learner_module.__name__):
+        learner.start()
+        try:
+            assert trained.wait(60), "the learner thread stopped training after its failures"
+            health = learner.health()
+        finally:
+            learner.stop()
+    assert health["running"] is True and not learner.health()["running"]
+    assert health["loop_failures"] == learner.stats.loop_failures == 2
+    assert health["last_failure"]["error"] == "RuntimeError: boom 2" and health["last_failure"]["time"] > 0
+    assert learner.stats.steps >= 1
+    failures = [r for r in caplog.records if r.exc_info is not None]
+    assert len(failures) == 2 and str(failures[-1].exc_info[1]) == "boom 2"  # logged with the traceback

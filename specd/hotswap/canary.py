@@ -7,7 +7,8 @@ negative delta), keeps a bounded time series for the dashboard, and totals per v
 `canary_verdict` compares the live version with the one before it: once the live version has
 at least `min_drafts` drafted tokens, an acceptance rate below its predecessor's by more than
 `margin` is a regression. A pinned live version is the floor and is never rolled back
-automatically.
+automatically. `apply_canary` rolls back only the version it judged: if the live version changed
+while it looked, the rollback is not made (the store's compare-and-set).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from specd.hotswap.store import WeightStore
+from specd.hotswap.store import LiveVersionChanged, WeightStore
 from specd.records import AcceptanceCounts, AcceptanceReport, validate_report
 
 
@@ -84,6 +85,10 @@ def apply_canary(store: WeightStore, log: AcceptanceLog, config: CanaryConfig) -
     history = store.live_state()["history"]
     evidence = canary_verdict(log, live, history[-1] if history else None,
                               bool(store.manifest(live).get("pinned")), config)
-    if evidence is not None:
-        evidence["restored"] = store.rollback(None, evidence)
+    if evidence is None:
+        return None
+    try:
+        evidence["restored"] = store.rollback(None, evidence, if_live=live)
+    except LiveVersionChanged:  # someone else changed the live version meanwhile: the evidence is about the old one
+        return None
     return evidence

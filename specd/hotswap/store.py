@@ -9,10 +9,16 @@ Every write goes to a temporary file in the same directory and is renamed into p
 leaves either the old file or the new one, never half of one; a version directory appears only
 once complete. Status is one of candidate / live / retired / rejected / rolled-back; `pinned` is a
 separate flag: pinned versions are never garbage-collected and act as the rollback floor.
-Changes of the live version (`set_live`, `rollback`) hold an exclusive lock on `live.lock`, so a
-learner, an operator's CLI and the canary in other processes never interleave them, and
-`set_live(..., if_live=n)` promotes only while n is still live (a compare-and-set): a promotion
-decided before someone else's rollback cannot overwrite it.
+Changes of the live version (`set_live`, `rollback`) and `gc` hold an exclusive lock on
+`live.lock`, so a learner, an operator's CLI and the canary in other processes (or threads) never
+interleave them; `set_live(..., if_live=n)` and `rollback(..., if_live=n)` act only while n is still
+live (a compare-and-set): a decision taken before someone else's change cannot overwrite it.
+Manifest updates (read, change, write) hold `manifest.lock`, so concurrent updates of different
+fields of one manifest never lose one another; the lock order is live.lock, then manifest.lock.
+`gc` never collects the live version, a pinned one, one of the newest `keep_last`, one of the last
+`keep_last` live versions (rollback's default choices), or one that was live within the last
+`keep_live_within_s` seconds (servers may still be loading or serving it); a collected version
+disappears in one rename, and rollback chooses only versions whose weights are present.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -66,10 +73,22 @@ def _write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def _last_live(manifest: dict[str, Any]) -> float | None:
+    """When a version was last live, as far as its manifest says (None: never; gc keeps the live one anyway)."""
+    times = [t for t in (manifest.get("live_until"), manifest.get("live_since")) if isinstance(t, (int, float))]
+    return max(times, default=None)
+
+
 class WeightStore:
-    def __init__(self, root: str | Path, keep_last: int = 5) -> None:
+    def __init__(self, root: str | Path, keep_last: int = 5, keep_live_within_s: float = 300.0) -> None:
+        if keep_last < 1 or keep_live_within_s < 0:
+            raise StoreError(f"keep_last must be at least 1 and keep_live_within_s at least 0, "
+                             f"got {keep_last} and {keep_live_within_s}")
         self.root = Path(root)
         self.keep_last = keep_last
+        # five minutes: longer than servers take to fetch, check and swap to a new version, so the
+        # one they still serve (and may roll back to) is never deleted under them
+        self.keep_live_within_s = keep_live_within_s
         (self.root / "versions").mkdir(parents=True, exist_ok=True)
 
     # ---- reading --------------------------------------------------------------------------
@@ -82,6 +101,10 @@ class WeightStore:
     def versions(self) -> list[int]:
         return sorted(int(p.name) for p in (self.root / "versions").iterdir()
                       if p.name.isdigit() and (p / "manifest.json").is_file())
+
+    def _loadable(self) -> set[int]:
+        """Versions whose manifest and weights are both present: the only ones made live again."""
+        return {v for v in self.versions() if self.weights_path(v).is_file()}
 
     def manifest(self, version: int) -> dict[str, Any]:
         path = self.version_dir(version) / "manifest.json"
@@ -117,24 +140,28 @@ class WeightStore:
         return version
 
     def update(self, version: int, **fields: Any) -> dict[str, Any]:
-        manifest = self.manifest(version)
+        """Change fields of a manifest; concurrent updates (threads or processes) are serialised."""
         if "status" in fields and fields["status"] not in STATUSES:
             raise StoreError(f"unknown status {fields['status']!r}")
-        manifest.update(fields)
-        _write_json_atomic(self.version_dir(version) / "manifest.json", manifest)
+        with self._lock("manifest.lock"):
+            manifest = self.manifest(version)
+            manifest.update(fields)
+            _write_json_atomic(self.version_dir(version) / "manifest.json", manifest)
         return manifest
 
     @contextlib.contextmanager
-    def _live_lock(self) -> Iterator[None]:
-        with (self.root / "live.lock").open("a") as handle:
+    def _lock(self, name: str) -> Iterator[None]:
+        """An exclusive store-wide lock. Each acquisition opens the file itself: flock locks belong to
+        an open file, so this excludes other threads of this process as well as other processes."""
+        with (self.root / name).open("a") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
             yield
 
+    def _live_lock(self) -> contextlib.AbstractContextManager[None]:
+        return self._lock("live.lock")
+
     def set_live(self, version: int, reason: str = "promoted", if_live: int | _AnyLive | None = ANY_LIVE) -> None:
         """Make `version` live; with `if_live`, only while that version is still the live one."""
-        manifest = self.manifest(version)
-        if manifest["status"] == "rejected":
-            raise StoreError(f"version {version} was rejected by the gate: {manifest.get('reason')}")
         with self._live_lock():
             self._set_live_locked(version, reason, if_live)
 
@@ -143,35 +170,53 @@ class WeightStore:
         previous = state["version"]
         if not isinstance(if_live, _AnyLive) and previous != if_live:
             raise LiveVersionChanged(f"version {previous} is live now, not {if_live}: {version} is not promoted")
+        manifest = self.manifest(version)
+        if manifest["status"] == "rejected":
+            raise StoreError(f"version {version} was rejected by the gate: {manifest.get('reason')}")
+        if version not in self._loadable():
+            raise VersionNotFound(f"version {version} has no weights in {self.root}")
         if previous == version:
             return
+        now = time.time()
         if previous is not None:
-            self.update(previous, status="retired")
+            self._leave_live(previous, now, status="retired")
             state["history"].append(previous)
-        self.update(version, status="live", live_since=time.time(), live_reason=reason)
+        self.update(version, status="live", live_since=now, live_reason=reason)
         _write_json_atomic(self.root / "live.json", {"version": version, "history": state["history"][-100:]})
 
-    def rollback(self, to: int | None = None, evidence: dict[str, Any] | None = None) -> int:
-        """Make `to` (default: the previous live version) live again; the current one is rolled back."""
-        with self._live_lock():
-            return self._rollback_locked(to, evidence)
+    def _leave_live(self, version: int, now: float, **fields: Any) -> None:
+        """Mark the version that stops being live; `live_until` keeps it from gc for a while."""
+        with contextlib.suppress(VersionNotFound):  # deleted by hand: nothing to mark
+            self.update(version, live_until=now, **fields)
 
-    def _rollback_locked(self, to: int | None, evidence: dict[str, Any] | None) -> int:
+    def rollback(self, to: int | None = None, evidence: dict[str, Any] | None = None,
+                 if_live: int | _AnyLive | None = ANY_LIVE) -> int:
+        """Make `to` (default: the previous live version) live again; the current one is rolled back.
+        With `if_live`, only while that version is still the live one (LiveVersionChanged otherwise)."""
+        with self._live_lock():
+            return self._rollback_locked(to, evidence, if_live)
+
+    def _rollback_locked(self, to: int | None, evidence: dict[str, Any] | None,
+                         if_live: int | _AnyLive | None) -> int:
         state = self.live_state()
         current = state["version"]
+        if not isinstance(if_live, _AnyLive) and current != if_live:
+            raise LiveVersionChanged(f"version {current} is live now, not {if_live}: nothing is rolled back")
         if current is None:
             raise StoreError("nothing is live: there is nothing to roll back")
-        history = [v for v in state["history"] if v != current and v in self.versions()]
+        loadable = self._loadable()  # a version whose files are gone is never chosen
+        history = [v for v in state["history"] if v != current and v in loadable]
         if to is None:
             if not history:
                 raise StoreError(f"version {current} has no earlier live version to roll back to")
             to = history[-1]
-        elif to not in self.versions():
-            raise VersionNotFound(f"version {to} does not exist in {self.root}")
+        elif to not in loadable:
+            raise VersionNotFound(f"version {to} does not exist (or has no weights) in {self.root}")
         if to == current:
             raise StoreError(f"version {to} is already live")
-        self.update(current, status="rolled-back", rollback_evidence=evidence or {"by": "operator"})
-        self.update(to, status="live", live_since=time.time(), live_reason=f"rollback from {current}")
+        now = time.time()
+        self._leave_live(current, now, status="rolled-back", rollback_evidence=evidence or {"by": "operator"})
+        self.update(to, status="live", live_since=now, live_reason=f"rollback from {current}")
         remaining = history[:history.index(to)] if to in history else history
         _write_json_atomic(self.root / "live.json", {"version": to, "history": remaining})
         return to
@@ -180,14 +225,32 @@ class WeightStore:
         self.update(version, pinned=pinned)
 
     def gc(self) -> list[int]:
-        """Delete versions that are not live, not pinned, and not among the last `keep_last`."""
-        versions = self.versions()
-        live = self.live_version()
-        keep = set(versions[-self.keep_last:]) | {live}
-        removed = []
-        for version in versions:
-            if version in keep or self.manifest(version).get("pinned"):
-                continue
-            shutil.rmtree(self.version_dir(version), ignore_errors=True)
-            removed.append(version)
-        return removed
+        """Delete the versions nobody may need (see the module's contract); returns their numbers."""
+        # under the live lock: a rollback (or promotion) never chooses a version gc is deleting,
+        # and every version made live before gc looks is seen live
+        with self._live_lock():
+            state = self.live_state()
+            versions = self.versions()
+            keep = set(versions[-self.keep_last:]) | set(state["history"][-self.keep_last:]) | {state["version"]}
+            cutoff = time.time() - self.keep_live_within_s
+            removed = []
+            for version in versions:
+                if version in keep:
+                    continue
+                with self._lock("manifest.lock"):  # a concurrent pin lands before this look, or finds it gone
+                    try:
+                        manifest = self.manifest(version)
+                    except VersionNotFound:  # deleted by hand meanwhile
+                        continue
+                    last_live = _last_live(manifest)
+                    if manifest.get("pinned") or (last_live is not None and last_live >= cutoff):
+                        continue
+                    self._delete(version)
+                removed.append(version)
+            return removed
+
+    def _delete(self, version: int) -> None:
+        # one rename takes the whole version out of `versions()`; a crash mid-delete leaves only trash
+        trash = self.root / "versions" / f".deleting.{version:06d}.{uuid.uuid4().hex[:8]}"
+        os.rename(self.version_dir(version), trash)
+        shutil.rmtree(trash, ignore_errors=True)

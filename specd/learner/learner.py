@@ -7,12 +7,19 @@ token-level drafter on ids, or the feature drafter on the target's features (car
 or recomputed from ids with the learner's own copy of the target). Intake
 validates every record and counts refusals by reason. Training samples windows from a bounded
 buffer of recent trajectories (`recent_share` of each batch from the newest `recent_records`);
-every `holdout_every`-th record is held out for the gate instead.
+every `holdout_every`-th record, greedy or sampled, is held out for the gate
+(`specd.learner.gate`) instead.
 Every `publish_every_steps` steps or `publish_every_seconds` seconds the trained drafter becomes
-a candidate: published if its simulated accept length on the held-out records is not worse than
+a candidate, but only once at least `gate_min_held_out` records are held out: until then the
+learner publishes nothing, counts the wait (`stats.gate_waits`) and trains on. A candidate is
+published and made live if its simulated accept length on the held-out records is not worse than
 the live version's by more than `gate_margin` and its weights are finite, rejected (with the
-reason in its manifest) otherwise. `duty_cycle` caps the share of wall time spent training, so
-a learner beside serving leaves the cores to decoding.
+reason in its manifest) otherwise. Promotion is a compare-and-set against the live version the
+learner last saw: if an operator or the canary changed it meanwhile, theirs stands, the learner
+trains on from it and publishes nothing for `hold_after_rollback_s`. `duty_cycle` caps the share
+of wall time spent training, so a learner beside serving leaves the cores to decoding. The thread
+survives any Exception in a step: it is logged with its traceback, counted
+(`stats.loop_failures`, `stats.last_failure`, both in `health()`), and the loop backs off a second.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ import torch
 from specd.bus import Bus
 from specd.drafter.checkpoint import DrafterModel, clone_drafter, load_drafter
 from specd.drafter.feature_model import FeatureDrafterModel
-from specd.errors import ConfigurationError, RecordRefused
+from specd.errors import ConfigurationError, RecordRefused, SpecdError
 from specd.hotswap.store import LiveVersionChanged, WeightStore
+from specd.learner.gate import Gate
 from specd.learner.objectives import FeatureObjective, Objective, TokenObjective
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
@@ -39,6 +47,8 @@ from specd.records import TrajectoryRecord, validate_record
 from specd.threads import lower_thread_priority
 
 log = logging.getLogger(__name__)
+
+FAILURE_BACKOFF_S = 1.0  # after a failed step: a persistent fault is retried once a second, not in a hot loop
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class LearnerConfig:
     publish_every_steps: int = 10
     publish_every_seconds: float = 15.0
     gate_margin: float = 0.05       # a candidate may trail the live version by this much accept length
+    gate_min_held_out: int = 4      # below this many held-out records the gate waits: no evidence, no pass
     hold_after_rollback_s: float = 60.0  # after someone else changes the live version, publish nothing this long
     k: int = 4
     min_records: int = 2
@@ -73,9 +84,17 @@ class LearnerConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.duty_cycle <= 1:
-            raise ValueError(f"duty_cycle must be in (0, 1], got {self.duty_cycle}")
+            raise ConfigurationError(f"duty_cycle must be in (0, 1], got {self.duty_cycle}")
         if self.batch_size < 1 or self.window < 2:
-            raise ValueError("batch_size must be at least 1 and window at least 2")
+            raise ConfigurationError("batch_size must be at least 1 and window at least 2")
+        if self.holdout_every < 1:
+            raise ConfigurationError(f"holdout_every must be at least 1, got {self.holdout_every}")
+        if self.gate_min_held_out < 1:
+            raise ConfigurationError(f"gate_min_held_out must be at least 1 (the gate never passes a candidate "
+                                     f"without held-out evidence), got {self.gate_min_held_out}")
+        if self.holdout_capacity < self.gate_min_held_out:
+            raise ConfigurationError(f"holdout_capacity ({self.holdout_capacity}) must be at least gate_min_held_out "
+                                     f"({self.gate_min_held_out}), or no candidate could ever pass the gate")
 
 
 @dataclass
@@ -89,6 +108,9 @@ class LearnerStats:
     published: list[dict[str, Any]] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     training_seconds: float = 0.0
+    gate_waits: int = 0              # publications due but skipped: too few held-out records
+    loop_failures: int = 0           # steps of the learner thread that raised
+    last_failure: dict[str, Any] | None = None  # {"error": "Type: message", "time": unix seconds}
 
 
 class Learner:
@@ -115,19 +137,24 @@ class Learner:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
         self.buffer: deque[TrajectoryRecord] = deque(maxlen=capacity)
-        self.holdout: deque[TrajectoryRecord] = deque(maxlen=config.holdout_capacity)
+        self.gate = Gate(config.holdout_every, config.holdout_capacity, config.gate_min_held_out, config.gate_margin)
         self.stats = LearnerStats()
         self.rng = random.Random(config.seed)
         self._last_publish = time.monotonic()
         self._steps_at_publish = 0
         self._staleness: dict[str, Any] | None = None
         self._hold_until = 0.0
+        self._gate_waiting = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.live_version = live
-        if self.live_version is None:  # day 0: the untrained drafter is version 1
-            self.live_version = self._publish(self.model, {"evaluation": None, "reason": "initial"})
-            store.set_live(self.live_version, "initial")
+        if live is None:  # day 0: the untrained drafter is version 1, live while nothing else is
+            first = self._publish(self.model, {"evaluation": None, "reason": "initial"})
+            try:
+                store.set_live(first, "initial", if_live=None)
+                self.live_version = first
+            except LiveVersionChanged:  # another learner or an operator was first: resume from theirs
+                self._adopt(store.live_version())
 
     def _objective(self, model: DrafterModel, target: Transformer | None) -> Objective:
         cfg = self.config
@@ -154,9 +181,15 @@ class Learner:
                 continue
             self.stats.records_in += 1
             taken += 1
-            held_out = record.temperature == 0 and self.stats.records_in % self.config.holdout_every == 0
-            (self.holdout if held_out else self.buffer).append(record)
+            # sampled records are held out too: they are evidence for the gate (see specd.learner.gate)
+            if not self.gate.hold_out(record, self.stats.records_in):
+                self.buffer.append(record)
         return taken
+
+    @property
+    def holdout(self) -> deque[TrajectoryRecord]:
+        """The records held out for the gate, never trained on."""
+        return self.gate.held_out
 
     # ---- training -------------------------------------------------------------------------
     def train_step(self) -> float:
@@ -207,20 +240,33 @@ class Learner:
 
     # ---- gate and publishing --------------------------------------------------------------
     def _follow_external_change(self) -> bool:
-        """An operator or the canary changed the live version: train on from it and hold publishing."""
+        """An operator or the canary changed the live version: train on from it and hold publishing.
+        True while publishing is held."""
         live = self.store.live_version()
         if live is None or live == self.live_version:
             return time.monotonic() < self._hold_until
         log.warning("live version changed to %s outside the learner; holding publications for %.0f s",
                     live, self.config.hold_after_rollback_s)
+        self._adopt(live)
+        self._hold_until = time.monotonic() + self.config.hold_after_rollback_s
+        return True
+
+    def _adopt(self, live: int | None) -> None:
+        """Take `live` as the version last seen (the next promotion's compare-and-set is against it)
+        and train on from its weights where they fit the learner's drafter."""
         self.live_version = live
-        restored = load_drafter(self.store.weights_path(live), self.fingerprint, target_embedding=self.target_embedding)
+        if live is None:
+            return
+        try:
+            restored = load_drafter(self.store.weights_path(live), self.fingerprint,
+                                    target_embedding=self.target_embedding)
+        except (SpecdError, OSError) as error:  # e.g. deleted by hand: the gate will fail on it, visibly
+            log.warning("cannot load live version %s (%s); training goes on from the learner's own", live, error)
+            return
         if type(restored) is type(self.model) and restored.config == self.model.config:
             self.model.load_state_dict(restored.float().state_dict())
         else:
             log.warning("live version %s is another kind of drafter; training goes on from the learner's own", live)
-        self._hold_until = time.monotonic() + self.config.hold_after_rollback_s
-        return True
 
     def maybe_publish(self, force: bool = False) -> int | None:
         cfg = self.config
@@ -231,13 +277,23 @@ class Learner:
         if not (force or due) or self.stats.steps == self._steps_at_publish:
             return None
         self._steps_at_publish, self._last_publish = self.stats.steps, time.monotonic()
+        if not self.gate.has_evidence:  # never a pass for lack of evidence: train on, try again when due
+            self.stats.gate_waits += 1
+            # logged once per stretch of waiting (due publications can come many times a second)
+            log.log(logging.DEBUG if self._gate_waiting else logging.INFO,
+                    "gate waits: %d held-out records, it needs %d (publications skipped: %d)",
+                    len(self.holdout), self.config.gate_min_held_out, self.stats.gate_waits)
+            self._gate_waiting = True
+            return None
+        self._gate_waiting = False
+        seen = self.live_version  # what the candidate is compared with, and the condition of its promotion
         candidate = clone_drafter(self.model).eval()
         verdict = self.evaluate(candidate)
         info = {"evaluation": verdict, "records_trained": self.stats.records_trained,
                 "tokens_trained": self.stats.tokens_trained, "learner_steps": self.stats.steps,
                 "staleness": self._staleness}
         version = self._publish(candidate, info)
-        if verdict["passed"] and not self._promote(version):
+        if verdict["passed"] and not self._promote(version, seen):
             verdict = {**verdict, "passed": False, "reason": "the live version changed during the evaluation"}
         if verdict["passed"]:
             self.live_version = version
@@ -250,41 +306,32 @@ class Learner:
         self.store.gc()
         return version if verdict["passed"] else None
 
-    def _promote(self, version: int) -> bool:
+    def _promote(self, version: int, seen: int | None) -> bool:
         """Make a passed candidate live unless an operator or the canary changed the live version
-        while it was evaluated: theirs stands, and the learner follows it."""
+        from `seen` while it was evaluated: theirs stands, and the learner follows it."""
         try:
-            self.store.set_live(version, "gate passed", if_live=self.live_version)
+            self.store.set_live(version, "gate passed", if_live=seen)
         except LiveVersionChanged:
             self._follow_external_change()
             return False
         return True
 
     def evaluate(self, candidate: DrafterModel) -> dict[str, Any]:
-        if not all(bool(torch.isfinite(p).all()) for p in candidate.parameters()):
-            return {"passed": False, "reason": "non-finite weights"}
-        held_out = list(self.holdout)
-        if not held_out:
-            return {"passed": True, "reason": "no held-out records yet", "candidate": None, "live": None}
-        live_model = self._live_model()
-        ours = self.simulated_accept_length(candidate, held_out)
-        theirs = self.simulated_accept_length(live_model, held_out) if live_model is not None else 1.0
-        passed = ours >= theirs - self.config.gate_margin
-        reason = "ok" if passed else f"accept length {ours:.3f} is worse than live {theirs:.3f} beyond the margin"
-        return {"passed": passed, "reason": reason, "candidate": ours, "live": theirs,
-                "held_out_records": len(held_out)}
+        """The gate's verdict on `candidate` against the live version the learner last saw."""
+        return self.gate.verdict(candidate, self._live_model(), self.simulated_accept_length)
 
     def simulated_accept_length(self, model: DrafterModel, records: list[TrajectoryRecord]) -> float:
-        """Tokens per target pass the drafter would reach on these greedy records."""
+        """Tokens per target pass the drafter would reach on these records, greedy or sampled
+        (an unbiased estimate on sampled ones: see `specd.learner.gate`)."""
         if type(model) is not type(self.model):  # a live version of another kind cannot be replayed here
             return 1.0
         return self.objective.simulate(model, records, self.config.k).accept_length or 0.0
 
     def _live_model(self) -> DrafterModel | None:
-        live = self.store.live_version()
-        if live is None:
+        if self.live_version is None:
             return None
-        return load_drafter(self.store.weights_path(live), self.fingerprint, target_embedding=self.target_embedding)
+        return load_drafter(self.store.weights_path(self.live_version), self.fingerprint,
+                            target_embedding=self.target_embedding)
 
     def _publish(self, model: DrafterModel, info: dict[str, Any]) -> int:
         serving_copy = clone_drafter(model).to(self.serving_dtype)
@@ -302,9 +349,19 @@ class Learner:
             try:
                 if not self.step():
                     self.intake(timeout=0.2)
-            except Exception:  # a learner bug must not take serving down with it
-                log.exception("learner step failed; continuing")
-                self._stop.wait(1.0)
+            except Exception as error:  # a learner bug must not take serving down with it, nor pass unseen
+                self.stats.loop_failures += 1
+                self.stats.last_failure = {"error": f"{type(error).__name__}: {error}", "time": time.time()}
+                log.exception("learner step failed (%d failures so far); retrying in %.0f s",
+                              self.stats.loop_failures, FAILURE_BACKOFF_S)
+                self._stop.wait(FAILURE_BACKOFF_S)
+
+    def health(self) -> dict[str, Any]:
+        """For a status endpoint: is the thread running, its failures, and is the gate waiting for evidence."""
+        return {"running": self._thread is not None and self._thread.is_alive(),
+                "loop_failures": self.stats.loop_failures, "last_failure": self.stats.last_failure,
+                "gate_waits": self.stats.gate_waits, "held_out_records": len(self.holdout),
+                "gate_min_held_out": self.config.gate_min_held_out}
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,7 +1,8 @@
 """What the learner trains and how it measures a drafter, per drafter architecture.
 
 Contract: an objective turns sampled trajectory records into one loss (and the number of label
-tokens it covers) and replays greedy drafting on held-out records (`simulate`), for its kind of
+tokens it covers) and replays the drafter's greedy drafting on held-out records, greedy or sampled
+alike (`simulate`; why sampled ones are fair evidence: `specd.learner.gate`), for its kind of
 drafter network. `TokenObjective` trains the token-level `Transformer` on the records' ids.
 `FeatureObjective` trains a `FeatureDrafterModel` on the target's features: those a record
 carries, or, for records without them (a vLLM server ships ids only), features it recomputes
