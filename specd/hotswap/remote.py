@@ -3,30 +3,56 @@
 Contract: `announce(payload)` is called (from the MQTT thread) with the retained live-version
 message `{"version": n, "url": learner_url}`; `fetch(n)` (from the swapper thread, never the
 decoding thread) downloads the manifest and weights from the learner's HTTP API into a local
-cache folder, writing to a temporary file renamed into place, and returns the path. The swapper
-then checks the sha256 and everything else before the weights can reach the engine.
+cache folder and returns the path. A file in the cache is complete and matches its manifest's
+sha256, or is not there:
+- a download streams into a hidden temporary file (`.NNNNNN.safetensors.*.part`), fsynced and
+  renamed into place only once whole and matching; a failed or interrupted download removes it;
+- a download that could not complete (unreachable, timeout, HTTP error, cut short) raises
+  `TransportError`, which the swapper retries;
+- a complete download whose sha256 differs from the manifest is deleted and raises
+  `CheckpointError`: the learner served those bytes, so the version is refused for good;
+- a cached file that no longer matches (a disk fault, a crash before our fsync) is deleted and
+  downloaded again once, as if it had never been cached.
+`prune(keep_versions)` bounds the cache: it keeps the newest `keep` versions and those named
+(the swapper names the serving and wanted ones), and deletes the rest, with any temporary file
+a crash left behind. The swapper still checks the sha256 and everything else before the weights
+can reach the engine.
 """
 
 from __future__ import annotations
 
+import hashlib
+import http.client
 import json
+import logging
 import os
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from specd.errors import ConfigurationError, TransportError
+from specd.errors import CheckpointError, TransportError
+from specd.hotswap.store import sha256_file
+
+log = logging.getLogger(__name__)
+
+PART_SUFFIX = ".part"
+STALE_PART_SECONDS = 3600.0  # a temporary file this old belongs to no download still running
 
 
 class RemoteSource:
-    def __init__(self, cache: str | Path, learner_url: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, cache: str | Path, learner_url: str | None = None, timeout: float = 30.0,
+                 keep: int = 4) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
         self.cache = Path(cache)
         self.cache.mkdir(parents=True, exist_ok=True)
         self.learner_url = learner_url
         self.timeout = timeout
+        self.keep = keep
         self._live: int | None = None
         self._lock = threading.Lock()
 
@@ -42,25 +68,86 @@ class RemoteSource:
         with self._lock:
             return self._live
 
-    def _get(self, path: str) -> bytes:
+    def path(self, version: int) -> Path:
+        return self.cache / f"{version:06d}.safetensors"
+
+    def cached_versions(self) -> list[int]:
+        return sorted(int(p.name.split(".")[0]) for p in self.cache.glob("[0-9]*.safetensors")
+                      if p.name.split(".")[0].isdigit())
+
+    # ---- fetching ---------------------------------------------------------------------------
+    def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
+        try:
+            manifest = json.loads(self._read(f"/v1/versions/{version}"))
+        except ValueError:
+            raise TransportError(f"version {version}: the learner's manifest is not JSON") from None
+        expected = str(manifest.get("sha256"))
+        target = self.path(version)
+        if target.is_file():
+            if sha256_file(target) == expected:
+                return target, manifest
+            log.warning("cached %s does not match its manifest; fetching it again", target.name)
+            target.unlink(missing_ok=True)
+        digest = self._download(f"/v1/versions/{version}/weights", target, expected)
+        if digest != expected:
+            raise CheckpointError(f"version {version}: the learner sent weights with sha256 {digest[:12]}…, "
+                                  f"its manifest says {expected[:12]}…")
+        return target, manifest
+
+    def _url(self, path: str) -> str:
         if not self.learner_url:
-            raise ConfigurationError("no learner URL to fetch drafter weights from")
-        url = self.learner_url.rstrip("/") + path
+            raise TransportError("no learner URL to fetch drafter weights from (none set, none announced)")
+        return self.learner_url.rstrip("/") + path
+
+    def _read(self, path: str) -> bytes:
+        url = self._url(path)
         try:
             with urllib.request.urlopen(url, timeout=self.timeout) as response:
                 return bytes(response.read())
-        except (urllib.error.URLError, TimeoutError) as error:
+        except (OSError, http.client.HTTPException) as error:  # URLError, timeouts, a body cut short
             raise TransportError(f"cannot fetch {url}: {error}") from None
 
-    def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
+    def _download(self, path: str, target: Path, expected: str) -> str:
+        """Stream `path` into `target` if its sha256 is `expected` (a mismatch leaves nothing); the digest."""
+        url = self._url(path)
+        fd, tmp = tempfile.mkstemp(dir=self.cache, prefix=f".{target.name}.", suffix=PART_SUFFIX)
+        digest = hashlib.sha256()
         try:
-            manifest = json.loads(self._get(f"/v1/versions/{version}"))
-        except ValueError:
-            raise TransportError(f"version {version}: the learner's manifest is not JSON") from None
-        target = self.cache / f"{version:06d}.safetensors"
-        if not target.is_file():
-            fd, tmp = tempfile.mkstemp(dir=self.cache, prefix=target.name + ".")
             with os.fdopen(fd, "wb") as handle:
-                handle.write(self._get(f"/v1/versions/{version}/weights"))
-            os.replace(tmp, target)
-        return target, manifest
+                try:
+                    with urllib.request.urlopen(url, timeout=self.timeout) as response:
+                        promised, received = response.headers.get("Content-Length"), 0
+                        for chunk in iter(lambda: response.read(1 << 20), b""):
+                            digest.update(chunk)
+                            handle.write(chunk)
+                            received += len(chunk)
+                except (OSError, http.client.HTTPException) as error:  # IncompleteRead is not an OSError
+                    raise TransportError(f"cannot fetch {url}: {error}") from None
+                # read(n) ends quietly at a connection closed early: only the length tells a cut body
+                if promised is not None and promised.isdigit() and received != int(promised):
+                    raise TransportError(f"cannot fetch {url}: {received} of {promised} bytes arrived")
+                handle.flush()
+                os.fsync(handle.fileno())  # renamed only once on disk: a crash cannot leave a short file
+            if digest.hexdigest() == expected:
+                os.replace(tmp, target)
+        finally:
+            Path(tmp).unlink(missing_ok=True)  # gone already when renamed into place
+        return digest.hexdigest()
+
+    # ---- bounding the cache -----------------------------------------------------------------
+    def prune(self, keep_versions: set[int]) -> None:
+        """Delete cached versions other than the newest `keep` and `keep_versions`."""
+        versions = self.cached_versions()
+        kept = set(versions[-self.keep:]) | keep_versions
+        deleted = [v for v in versions if v not in kept]
+        for version in deleted:
+            self.path(version).unlink(missing_ok=True)
+        now = time.time()
+        for part in self.cache.glob(f".*{PART_SUFFIX}"):  # left by a process that died mid-download
+            try:
+                if now - part.stat().st_mtime > STALE_PART_SECONDS:
+                    part.unlink()
+            except FileNotFoundError:
+                pass
+        if deleted:
+            log.info("pruned cached drafter versions %s", deleted)

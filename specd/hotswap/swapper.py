@@ -6,8 +6,16 @@ differs from the drafter's, it reads the weights, checks them (sha256
 against the manifest, safetensors metadata, the target's fingerprint, tensor names and shapes,
 finite values) and hands the ready model to `TokenDrafter.offer`; the drafter switches to it at
 the start of its next proposal, i.e. between two decoding steps. Disk reads and checks never
-happen on the decoding thread. Weights that fail a check are refused: the reason is logged and
-kept in `refused`, and the drafter keeps the version it has.
+happen on the decoding thread. Two kinds of failure:
+- transient: the weights could not be fetched (`TransportError`, `OSError`: an unreachable
+  learner, a timeout, an HTTP error, a download cut short). The version is tried again after a
+  jittered exponential backoff (at most `retry_base` seconds, doubling up to `retry_cap`); each
+  failure is logged at warning and counted in `fetch_failures`, and `retrying` maps the version
+  to its failed attempts. A different live version (newer, or an operator's pin) supersedes them;
+- permanent: weights that were fetched and fail a check (any other `SpecdError`). The reason is
+  logged and kept in `refused`, and the version is never fetched again.
+Either way the drafter keeps the version it has. After each fetch that completed, a source that
+keeps files (`RemoteSource`) is pruned, keeping the serving and wanted versions.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,10 +32,10 @@ import torch
 
 from specd.drafter.checkpoint import DrafterModel, load_drafter
 from specd.drafter.factory import ServingDrafter
-from specd.errors import CheckpointError, SpecdError
+from specd.errors import CheckpointError, SpecdError, TransportError
 from specd.hotswap.store import WeightStore, sha256_file
 from specd.model.fingerprint import TargetFingerprint
-from specd.threads import lower_thread_priority
+from specd.threads import backoff_delay, lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +55,9 @@ class VersionSource(Protocol):
     def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
         """A local path to the version's weights and its manifest."""
 
+    def prune(self, keep_versions: set[int]) -> None:
+        """Forget fetched files no longer needed, never those of `keep_versions`."""
+
 
 class LocalStore:
     """A weight store on this machine's disk (the embedded default, or a shared volume)."""
@@ -59,18 +71,30 @@ class LocalStore:
     def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
         return self.store.weights_path(version), self.store.manifest(version)
 
+    def prune(self, keep_versions: set[int]) -> None:
+        """Nothing to do: the files are the store's, and its own collection bounds them."""
+
+
+# the weights could not be fetched: worth another try (every other SpecdError is a refusal)
+TRANSIENT = (TransportError, OSError)
+
 
 class Swapper:
     def __init__(self, source: WeightStore | VersionSource, drafter: ServingDrafter,
                  fingerprint: TargetFingerprint, poll_seconds: float = 0.2,
-                 target_embedding: torch.Tensor | None = None) -> None:
+                 target_embedding: torch.Tensor | None = None, retry_base: float = 0.5,
+                 retry_cap: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.source: VersionSource = LocalStore(source) if isinstance(source, WeightStore) else source
         self.drafter = drafter
         self.fingerprint = fingerprint
         self.target_embedding = target_embedding  # fills in versions that share the target's embedding
         self.poll_seconds = poll_seconds
+        self.retry_base, self.retry_cap, self.clock = retry_base, retry_cap, clock
         self.prepared: list[SwapEvent] = []
         self.refused: dict[int, str] = {}
+        self.retrying: dict[int, int] = {}  # version -> failed fetches in a row (one version at a time)
+        self.fetch_failures = 0             # every transient failure since start
+        self.retry_at = 0.0                 # `clock` time before which the retried version is not fetched
         self._wanted: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -88,19 +112,54 @@ class Swapper:
             log.warning("cannot read the store's live version: %s", error)
             return False
         if live is None or str(live) in (self.drafter.version, self._wanted) or live in self.refused:
+            self.retrying.clear()  # whatever was retried is not wanted any more
+            return False
+        if live not in self.retrying:
+            self.retrying.clear()  # a newer live version (or a pin) supersedes retries of another
+        elif self.clock() < self.retry_at:
             return False
         begin = time.perf_counter()
         try:
             model = self._load_checked(live)
-        except (SpecdError, OSError) as error:  # bad weights, a refusing store, an unreachable learner
-            self.refused[live] = str(error)
-            log.error("refused drafter version %s, keeping %s: %s", live, self.drafter.version, error)
+        except TRANSIENT as error:
+            self._retry_later(live, error)
             return False
+        except SpecdError as error:  # fetched, but not what the manifest promised or not for this server
+            self._refuse(live, error)
+            return False
+        self.retrying.clear()
         self._wanted = str(live)
         self.drafter.offer(model, str(live))
         self.prepared.append(SwapEvent(str(live), time.perf_counter() - begin))
         log.info("drafter version %s ready; it takes over at the next step", live)
+        self._prune()
         return True
+
+    def _retry_later(self, version: int, error: Exception) -> None:
+        attempts = self.retrying.get(version, 0) + 1
+        self.retrying[version] = attempts
+        self.fetch_failures += 1
+        delay = backoff_delay(attempts - 1, self.retry_base, self.retry_cap)  # the first wait: up to retry_base
+        self.retry_at = self.clock() + delay
+        log.warning("cannot fetch drafter version %s (attempt %d), trying again in %.1f s: %s",
+                    version, attempts, delay, error)
+
+    def _refuse(self, version: int, error: Exception) -> None:
+        self.retrying.clear()
+        self.refused[version] = str(error)
+        log.error("refused drafter version %s, keeping %s: %s", version, self.drafter.version, error)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Bound the fetched files, keeping the version that serves and the one handed over to serve next."""
+        keep = set()
+        for version in (self.drafter.version, self._wanted):
+            if version is not None and version.isdigit():
+                keep.add(int(version))
+        try:
+            self.source.prune(keep)
+        except OSError as error:  # a cache we cannot tidy must not stop swaps
+            log.warning("cannot prune fetched drafter versions: %s", error)
 
     def _load_checked(self, version: int) -> DrafterModel:
         path, manifest = self.source.fetch(version)

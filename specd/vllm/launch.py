@@ -9,14 +9,22 @@ and "custom" (specd's `custom_class` proposer with the token-level hybrid drafte
 `vllm_command` returns the exact environment and argv of `python -m
 vllm.entrypoints.openai.api_server` for either, with specd's worker extension (for `POST
 /collective_rpc`) and per-request spec-decode metrics switched on.
+Temporary folders (the EAGLE-3 export here, the worker's weight cache in `loop`) come from
+`temporary_folder`: each names its owner process, and a later one of the same kind removes those
+whose owner is gone. The worker's cache is also removed when the worker exits. The export is
+not: vLLM reads it after `specd vllm` has exec'd into vLLM's server (the process id, so the
+owner, stays the same), and `--print` hands it to a command run later; it goes once its owner
+(vLLM's server, or the printing process) has ended and the next export is made.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import multiprocessing.util
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import urllib.request
@@ -137,28 +145,32 @@ def vllm_command(target: str, settings: PluginSettings, k: int = 4, host: str = 
 def prepare_eagle3_drafter(target_dir: str | Path, settings: PluginSettings, folder: str | Path | None = None,
                            drafter: str | Path | None = None) -> Path:
     """Export the version vLLM's EAGLE-3 proposer starts from (see `_start_version`) into `folder`
-    (default: a new temporary folder); the worker side then follows the live version from there."""
+    (default: a new temporary folder owned by this process, which outlives it: see the module's
+    docstring); the worker side then follows the live version from there."""
     from specd.drafter.checkpoint import load_drafter
     from specd.drafter.feature_model import FeatureDrafterModel
     from specd.drafter.vllm_format import export_eagle3
     from specd.model.checkpoint import read_target_head
     from specd.model.fingerprint import TargetFingerprint
 
-    folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="specd-eagle3-"))
+    folder = Path(folder) if folder is not None else temporary_folder("specd-eagle3-", remove_at_exit=False)
     config, embed, _ = read_target_head(target_dir)
     fingerprint = TargetFingerprint.of(config, target_dir)
-    path, version = (Path(drafter), "0") if drafter is not None else _start_version(settings, folder)
     try:
-        model = load_drafter(path, fingerprint, target_embedding=embed)
-    except SpecdError as error:
-        raise ConfigurationError(f"cannot start vLLM's EAGLE-3 drafter from {path}: {error}") from None
-    if not isinstance(model, FeatureDrafterModel):
-        raise ConfigurationError(f"{path} is a token-level drafter; the eagle3 route serves feature drafters "
-                                 "(use --route custom for token-level versions)")
-    try:
-        return export_eagle3(model, folder, target_dir, fingerprint, version)
-    except ValueError as error:
-        raise ConfigurationError(str(error)) from None
+        path, version = (Path(drafter), "0") if drafter is not None else _start_version(settings, folder)
+        try:
+            model = load_drafter(path, fingerprint, target_embedding=embed)
+        except SpecdError as error:
+            raise ConfigurationError(f"cannot start vLLM's EAGLE-3 drafter from {path}: {error}") from None
+        if not isinstance(model, FeatureDrafterModel):
+            raise ConfigurationError(f"{path} is a token-level drafter; the eagle3 route serves feature drafters "
+                                     "(use --route custom for token-level versions)")
+        try:
+            return export_eagle3(model, folder, target_dir, fingerprint, version)
+        except ValueError as error:
+            raise ConfigurationError(str(error)) from None
+    finally:
+        shutil.rmtree(folder / "fetched", ignore_errors=True)  # a fetched start version: the export holds a copy
 
 
 def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, str]:
@@ -188,6 +200,44 @@ def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, str]:
             log.warning("cannot read the learner's live version (%s); vLLM starts from the shipped drafter and "
                         "follows the learner's versions once they are announced", error)
     return SHIPPED_DRAFTER, "0"
+
+
+OWNER_FILE = ".specd-owner"  # the process id that removes the folder when it exits
+
+
+def temporary_folder(prefix: str, remove_at_exit: bool = True) -> Path:
+    """A new folder in the system's temporary directory that names this process as its owner:
+    removed when this process exits (unless `remove_at_exit` is False), and in any case by a later
+    call with the same `prefix` once the owner is gone (killed, or exec'd into vLLM and ended since)."""
+    for orphan in Path(tempfile.gettempdir()).glob(prefix + "*"):
+        owner = _owner(orphan)
+        if owner is not None and not _alive(owner):
+            shutil.rmtree(orphan, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    (folder / OWNER_FILE).write_text(str(os.getpid()))
+    if remove_at_exit:
+        # multiprocessing's finaliser, not atexit: it also runs when a forked multiprocessing child
+        # (as vLLM's engine core may be) ends through os._exit, and only in the process that made it
+        multiprocessing.util.Finalize(None, shutil.rmtree, args=(str(folder),), kwargs={"ignore_errors": True},
+                                      exitpriority=0)
+    return folder
+
+
+def _owner(folder: Path) -> int | None:
+    try:
+        return int((folder / OWNER_FILE).read_text())
+    except (OSError, ValueError):  # not a folder of ours, or one still being made
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def shell_line(env: Mapping[str, str], argv: list[str]) -> str:

@@ -3,6 +3,8 @@
 Contract: `follow_versions(settings, ...)` opens where drafter versions come from (a local store,
 or retained MQTT announcements plus HTTP fetches from the learner) and the MQTT publisher that
 sends records and reports; `PinnedSource` lets an operator force a version over them.
+Without `SPECD_CACHE_DIR`, fetched versions go to a temporary folder removed when the worker
+exits; either way the swapper prunes it to the recent, serving and pinned versions.
 `RequestBook` turns vLLM's steps into trajectory records: `observe` (the previous step's outcome,
 from the sampled tokens per row), `remember` (the drafts just made) and `close_finished` (requests
 that stopped this step or left vLLM become records for the telemetry threads). It reads vLLM's
@@ -12,7 +14,6 @@ buffers and the runner's request map only; nothing here imports vLLM.
 from __future__ import annotations
 
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from specd.hotswap.remote import RemoteSource
 from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import LocalStore, VersionSource
 from specd.mqtt import MqttPublisher
-from specd.vllm.launch import PluginSettings
+from specd.vllm.launch import PluginSettings, temporary_folder
 from specd.vllm.telemetry import Telemetry
 from specd.vllm.tracking import StepTracker, stop_index
 
@@ -40,6 +41,10 @@ class PinnedSource:
 
     def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
         return self.inner.fetch(version)
+
+    def prune(self, keep_versions: set[int]) -> None:
+        forced = set() if self.forced is None else {self.forced}
+        self.inner.prune(keep_versions | forced)
 
 
 def force_version(source: PinnedSource | None, version: int | None) -> None:
@@ -68,7 +73,7 @@ def follow_versions(settings: PluginSettings) -> tuple[PinnedSource, MqttPublish
     if settings.store is not None:
         inner = LocalStore(WeightStore(settings.store))
     else:
-        cache = Path(settings.cache or tempfile.mkdtemp(prefix="specd-vllm-"))
+        cache = Path(settings.cache) if settings.cache else temporary_folder("specd-vllm-")
         inner = RemoteSource(cache / "fetched", settings.learner_url)
     publisher = None
     if settings.mqtt is not None:
