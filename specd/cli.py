@@ -344,9 +344,26 @@ def _add_learner(sub: argparse._SubParsersAction) -> None:
                    help="share of wall time spent training (default 0.5: servers may share the machine)")
     p.add_argument("--publish-every", type=float, default=15.0, help="seconds between candidates (default 15)")
     p.add_argument("--client-id", default="specd-learner", help="MQTT client id of the persistent session")
+    p.add_argument("--spool-max-mb", type=float, default=1024,
+                   help="bound on the received-records spool on disk, in MiB (default 1024)")
+    p.add_argument("--dedup-window", type=int, default=200_000,
+                   help="recent record ids remembered to drop QoS 1 redeliveries (default 200000)")
+    p.add_argument("--holdout-every", type=int, default=8,
+                   help="hold every N-th record out of training, for the gate (default 8)")
+    p.add_argument("--gate-min-held-out", type=int, default=4,
+                   help="held-out records the gate needs before any candidate may pass (default 4)")
     _add_drafter_flags(p)
     _add_broker(p)
     p.set_defaults(run=run_learner)
+
+
+def _spool_config(max_mb: float, dedup_window: int):
+    from specd.server.spool import SpoolConfig
+
+    try:
+        return SpoolConfig(max_bytes=int(max_mb * (1 << 20)), dedup_window=dedup_window)
+    except ValueError as error:
+        raise ConfigurationError(str(error)) from None
 
 
 def run_learner(args: argparse.Namespace) -> int:
@@ -363,7 +380,10 @@ def run_learner(args: argparse.Namespace) -> int:
                              public_url=args.public_url or f"http://{args.host}:{args.port}",
                              token=args.token or os.environ.get("SPECD_TOKEN"), drafter=_drafter_spec(args),
                              learner=LearnerConfig(k=args.k, duty_cycle=args.duty_cycle,
-                                                   publish_every_seconds=args.publish_every))
+                                                   publish_every_seconds=args.publish_every,
+                                                   holdout_every=args.holdout_every,
+                                                   gate_min_held_out=args.gate_min_held_out),
+                             spool=_spool_config(args.spool_max_mb, args.dedup_window))
     app = build_sidecar(options, LoadedTarget.load(args.target))
     web.run_app(app, host=args.host, port=args.port, print=lambda line: print(line, flush=True))
     return 0

@@ -10,8 +10,18 @@ Contract:
   oldest are shed (and counted) beyond the bound, and the client reconnects with jittered
   exponential backoff. Its `counters` count trajectory records only; acceptance reports share
   the buffer but are cumulative, so a shed one (counted in `reports_shed`) is replaced by the next.
-- `MqttSubscriber` keeps a persistent session (fixed client id, clean_session False, QoS 1), so
-  records published while the learner is away are delivered when it returns.
+- The publisher's thread is supervised: any exception that ends a connection (a broker that is
+  down or refuses the credentials, a failed send, a bug) is logged and counted in its
+  `health` under the task `mqtt-publisher`, and the thread reconnects with backoff; the record
+  being sent stays at the head of the buffer and is sent again. An announcement that its
+  callback cannot take is counted under `mqtt-announcements` and skipped.
+- `subscribe_forever` (the learner's side) keeps a persistent session (fixed client id,
+  clean_session False, QoS 1), so records published while the learner is away are delivered
+  when it returns. It acknowledges a message (PUBACK) only after `handle` returned: paho would
+  otherwise acknowledge on receipt, before the learner has stored it, and a learner killed in
+  between would lose a message the broker no longer holds. When `handle` raises, the message is
+  not acknowledged: the failure is counted under `mqtt-subscriber`, the session reconnects and
+  the broker delivers the message again.
 - Username/password and TLS (a CA file, optional client certificate) pass straight through.
 """
 
@@ -20,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import ssl
 import threading
 import time
@@ -34,8 +43,14 @@ import aiomqtt
 
 from specd.bus import BusCounters
 from specd.errors import ConfigurationError
+from specd.threads import BackgroundHealth, backoff_delay, supervised_thread
 
 log = logging.getLogger(__name__)
+
+# names under which the transport's background work reports its failures
+PUBLISHER_TASK = "mqtt-publisher"
+ANNOUNCEMENTS_TASK = "mqtt-announcements"
+SUBSCRIBER_TASK = "mqtt-subscriber"
 
 
 @dataclass(frozen=True)
@@ -74,16 +89,15 @@ class MqttSettings:
                               timeout=5)
 
 
-def backoff(attempt: int, base: float = 0.2, cap: float = 5.0) -> float:
-    """Jittered exponential backoff: uniform in [0, min(cap, base * 2^attempt)]."""
-    return random.uniform(0, min(cap, base * 2 ** attempt))
+backoff = backoff_delay  # jittered exponential backoff, shared with every supervised loop
 
 
 class MqttPublisher:
     """A never-blocking `Bus` whose records (and reports) reach the broker from a background thread."""
 
     def __init__(self, settings: MqttSettings, server_id: str, capacity: int = 10_000,
-                 on_announcement: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_announcement: Callable[[dict[str, Any]], None] | None = None,
+                 health: BackgroundHealth | None = None) -> None:
         self.settings = settings
         self.server_id = server_id
         self.capacity = capacity
@@ -92,6 +106,8 @@ class MqttPublisher:
         self.connected = threading.Event()
         self._pending: deque[tuple[str, bytes, bool]] = deque()   # (topic, payload, is a record)
         self.reports_shed = 0
+        self.health = health or BackgroundHealth()
+        self.health.register(PUBLISHER_TASK)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -125,7 +141,8 @@ class MqttPublisher:
 
     # ---- the thread -----------------------------------------------------------------------
     def start(self) -> MqttPublisher:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="specd-mqtt", daemon=True)
+        # `_main` survives its own failures; the supervisor restarts the thread's body if even that fails
+        self._thread = supervised_thread("specd-mqtt", lambda: asyncio.run(self._main()), self.health, self._stop)
         self._thread.start()
         return self
 
@@ -149,13 +166,13 @@ class MqttPublisher:
                     attempt = 0
                     self.connected.set()
                     await client.subscribe(self.settings.topic("live"), qos=1)
-                    listener = asyncio.create_task(self._listen(client))
-                    try:
-                        await self._drain(client)
-                    finally:
-                        listener.cancel()
+                    await _first_of(self._drain(client), self._listen(client))
             except aiomqtt.MqttError as error:
                 log.warning("MQTT broker unreachable (%s); %d records waiting", error, len(self._pending))
+                self.health.failed(PUBLISHER_TASK, error)
+            except Exception as error:  # a failed send or a bug: reconnect and send the head again
+                log.exception("MQTT publisher failed; %d records waiting", len(self._pending))
+                self.health.failed(PUBLISHER_TASK, error)
             self.connected.clear()
             if not self._stop.is_set():
                 await asyncio.sleep(backoff(attempt))
@@ -182,24 +199,50 @@ class MqttPublisher:
                 continue
             try:
                 self.on_announcement(json.loads(bytes(message.payload)))
-            except (ValueError, TypeError) as error:
-                log.warning("ignored a malformed announcement: %s", error)
+            except Exception as error:  # one bad announcement must not stop the next ones
+                log.warning("ignored an announcement that could not be taken: %s", error)
+                self.health.failed(ANNOUNCEMENTS_TASK, error)
+
+
+async def _first_of(*bodies: Awaitable[None]) -> None:
+    """Run the bodies together until the first ends; cancel the rest and raise what it raised."""
+    tasks = [asyncio.ensure_future(body) for body in bodies]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # the others' errors, if any, are moot
+    for task in done:
+        task.result()
 
 
 async def subscribe_forever(settings: MqttSettings, client_id: str,
-                            handle: Callable[[str, bytes], Awaitable[None]], stop: asyncio.Event) -> None:
-    """The learner's side: a persistent QoS 1 session on records and reports, reconnecting forever."""
+                            handle: Callable[[str, bytes], Awaitable[None]], stop: asyncio.Event,
+                            health: BackgroundHealth | None = None) -> None:
+    """The learner's side: a persistent QoS 1 session on records and reports, reconnecting forever;
+    a message is acknowledged only once `handle` has returned."""
+    health = health or BackgroundHealth()
+    health.register(SUBSCRIBER_TASK)
     attempt = 0
     while not stop.is_set():
         try:
-            async with settings.client(identifier=client_id, clean_session=False) as client:
+            client = settings.client(identifier=client_id, clean_session=False)
+            # aiomqtt has no ack API; its paho client does (paho >= 2.0): PUBACK only after `handle`
+            client._client.manual_ack_set(True)
+            async with client:
                 attempt = 0
                 await client.subscribe(settings.topic("records") + "/+", qos=1)
                 await client.subscribe(settings.topic("reports") + "/+", qos=1)
                 async for message in client.messages:
                     await handle(str(message.topic), bytes(message.payload))
+                    client._client.ack(message.mid, message.qos)
         except aiomqtt.MqttError as error:
             log.warning("MQTT broker unreachable (%s); retrying", error)
+            health.failed(SUBSCRIBER_TASK, error)
+        except Exception as error:  # `handle` failed: the message stays unacknowledged and comes again
+            log.exception("MQTT subscriber failed; reconnecting")
+            health.failed(SUBSCRIBER_TASK, error)
         if not stop.is_set():
             await asyncio.sleep(backoff(attempt))
             attempt += 1

@@ -279,3 +279,76 @@ class KeepAsking:
         self._stop.set()
         for thread in self._threads:
             thread.join()
+
+
+class TlsBroker(Broker):
+    """Mosquitto with TLS only (a self-signed CA made here, a certificate for 127.0.0.1 and localhost)
+    and a password file holding one user; anonymous clients are refused."""
+
+    def __init__(self, folder: Path, username: str, password: str) -> None:
+        super().__init__(folder)
+        self.username, self.password = username, password
+        self.ca = folder / "ca.pem"
+        certificate, key = folder / "server.pem", folder / "server.key"
+        write_test_certificates(self.ca, certificate, key)
+        passwords = folder / "passwords"
+        passwords.write_text(mosquitto_password_line(username, password) + "\n")
+        passwords.chmod(0o600)
+        (folder / "mosquitto.conf").write_text(
+            f"listener {self.port} 127.0.0.1\ncafile {self.ca}\ncertfile {certificate}\nkeyfile {key}\n"
+            f"password_file {passwords}\nallow_anonymous false\nuser root\n")
+
+    @property
+    def url(self) -> str:
+        return f"mqtts://{self.username}:{self.password}@127.0.0.1:{self.port}"
+
+
+def write_test_certificates(ca_path: Path, certificate_path: Path, key_path: Path) -> None:
+    """A CA and a server certificate it signed, valid for a day, for 127.0.0.1 and localhost."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "specd test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    server = (x509.CertificateBuilder()
+              .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+              .issuer_name(ca_name).public_key(server_key.public_key()).serial_number(x509.random_serial_number())
+              .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+              .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                          x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                             critical=False)
+              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+              .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+              .sign(ca_key, hashes.SHA256()))
+    ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    certificate_path.write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    key_path.chmod(0o600)
+
+
+def mosquitto_password_line(username: str, password: str) -> str:
+    """A password-file line as `mosquitto_passwd` writes it in the format every Mosquitto since 1.4
+    reads ($6$: base64 salt, base64 SHA-512 of password + salt), so the test needs no second tool."""
+    import base64
+    import hashlib
+
+    salt = os.urandom(12)
+    digest = hashlib.sha512(password.encode() + salt).digest()
+    return f"{username}:$6${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"

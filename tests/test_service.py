@@ -61,7 +61,8 @@ def start_learner(tmp_path: Path, broker: Broker, deployment: str, checkpoint: P
                   port: int | None = None) -> SpecdProcess:
     port = port or free_port()
     args = ["learner", "--store", str(tmp_path / "learner-store"), "--broker", broker.url, "--deployment", deployment,
-            "--target", str(checkpoint), "--publish-every", "2", "--token", "secret"]
+            "--target", str(checkpoint), "--publish-every", "2", "--token", "secret",
+            "--holdout-every", "2"]  # 8 records hold 4 out: enough evidence for the gate
     return SpecdProcess(args, port, tmp_path / f"learner-{port}.log").start()
 
 

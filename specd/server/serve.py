@@ -10,11 +10,16 @@ and stops them when it shuts down. Two modes, chosen by `mqtt`:
   a retained announcement, and weights are fetched over HTTP from the learner that announced it.
 Each mode is one function that returns the same `Wiring`; the app is then assembled once.
 It binds 127.0.0.1 unless told otherwise.
+Background loops (the report loop, the MQTT publisher's thread) are supervised: a failure is
+logged, counted in one `BackgroundHealth` shown under `background` in `/health` (and, embedded,
+in the control plane's `/v1/status`) and as `specd_background_failures_total{task}` in
+`/metrics`, and the loop is restarted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +42,11 @@ from specd.model.bundled import cache_dir
 from specd.model.target import LoadedTarget
 from specd.mqtt import MqttPublisher, MqttSettings
 from specd.server.api import ApiState, create_app
+from specd.server.learner_metrics import LearnerCollector
 from specd.server.metrics import ServingMetrics
+from specd.threads import BackgroundHealth, supervise
+
+REPORTS_TASK = "reports"
 
 
 @dataclass(frozen=True)
@@ -74,13 +83,15 @@ class Wiring:
     store: WeightStore | None = None   # embedded: the local store, its learner and control plane
     learner: Learner | None = None
     publisher: MqttPublisher | None = None
+    health: BackgroundHealth = field(default_factory=BackgroundHealth)
 
 
 def _sidecar_wiring(options: ServeOptions, mqtt: MqttSettings, loaded: LoadedTarget, store_dir: Path) -> Wiring:
     remote = RemoteSource(store_dir / "fetched", options.learner_url)
-    publisher = MqttPublisher(mqtt, options.server_id, on_announcement=remote.announce)
+    health = BackgroundHealth()
+    publisher = MqttPublisher(mqtt, options.server_id, on_announcement=remote.announce, health=health)
     model = initial_model(loaded.model, options.drafter, fingerprint=loaded.fingerprint)
-    return Wiring(publisher, publisher.counters, remote, model, "0", publisher=publisher)
+    return Wiring(publisher, publisher.counters, remote, model, "0", publisher=publisher, health=health)
 
 
 def _embedded_wiring(options: ServeOptions, loaded: LoadedTarget, store_dir: Path) -> Wiring:
@@ -105,7 +116,7 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
     drafter = build_drafter(options.drafter, wiring.model, wiring.version)
     table = getattr(drafter, "table", None)
     swapper = Swapper(wiring.source, drafter, loaded.fingerprint, target_embedding=loaded.model.embed.weight)
-    metrics = ServingMetrics()
+    metrics = ServingMetrics(background=wiring.health)
     metrics.sources.update({"specd_records_shed": lambda: wiring.counters.shed,
                             "specd_drafter_swaps": lambda: drafter.num_swaps,
                             "specd_drafter_refused": lambda: len(swapper.refused)})
@@ -119,7 +130,11 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
                               options.max_queued, api_key=options.api_key))
     acceptance = AcceptanceLog()
     if wiring.store is not None:
-        add_control_routes(app, ControlPlane(wiring.store, acceptance, options.token, _learner_status(wiring)))
+        learner = wiring.learner
+        add_control_routes(app, ControlPlane(wiring.store, acceptance, options.token, _learner_status(wiring),
+                                             submit=learner.submit if learner is not None else None))
+        if learner is not None:  # embedded: the learner's metrics beside the serving ones, on one /metrics
+            metrics.registry.register(LearnerCollector(learner, wiring.store))
     app.cleanup_ctx.append(_lifecycle(options, wiring, worker, swapper, metrics, acceptance))
     return app
 
@@ -131,7 +146,8 @@ def _status(options: ServeOptions, wiring: Wiring, worker: EngineWorker) -> Call
                 "records_published": worker.num_records_published,
                 "records_delivered": counters.delivered, "records_shed": counters.shed,
                 "broker_connected": publisher.connected.is_set() if publisher else None,
-                "learner_steps": learner.stats.steps if learner is not None else None}
+                "learner_steps": learner.stats.steps if learner is not None else None,
+                "background": wiring.health.snapshot()}
     return status
 
 
@@ -142,7 +158,10 @@ def _learner_status(wiring: Wiring) -> Callable[[], dict[str, Any]]:
             return {}
         return {"records_in": learner.stats.records_in, "records_waiting": counters.published - counters.delivered,
                 "records_refused": sum(learner.stats.refused.values()), "learner_steps": learner.stats.steps,
-                "mean_record_age_s": learner.staleness.get("mean_record_age_s")}
+                "mean_record_age_s": learner.staleness.get("mean_record_age_s"),
+                # the learner loop counts its own failures (read defensively: older learners lack them)
+                "learner_loop_failures": getattr(learner.stats, "loop_failures", 0),
+                "background": wiring.health.snapshot()}
     return status
 
 
@@ -150,7 +169,8 @@ def _lifecycle(options: ServeOptions, wiring: Wiring, worker: EngineWorker, swap
                metrics: ServingMetrics, acceptance: AcceptanceLog) -> Callable[[web.Application], AsyncIterator[None]]:
     async def report_loop(stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await asyncio.sleep(options.report_seconds)
+            with contextlib.suppress(TimeoutError):  # a stop ends the wait at once
+                await asyncio.wait_for(stop.wait(), timeout=options.report_seconds)
             for report in metrics.reports(options.server_id):
                 if wiring.publisher is not None:
                     wiring.publisher.report(report.to_dict())
@@ -167,7 +187,8 @@ def _lifecycle(options: ServeOptions, wiring: Wiring, worker: EngineWorker, swap
         swapper.start()
         if wiring.learner is not None:
             wiring.learner.start()
-        reports = asyncio.create_task(report_loop(stop), name="specd-reports")
+        reports = asyncio.create_task(supervise(REPORTS_TASK, lambda: report_loop(stop), wiring.health, stop),
+                                      name="specd-reports")
         yield
         stop.set()
         reports.cancel()

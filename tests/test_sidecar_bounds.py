@@ -1,0 +1,260 @@
+"""Nothing grows without bound: the learner sidecar's spool and duplicate filter (bounded, compacted,
+crash-safe, counting every unique record across restarts), its acknowledgement of a message only
+after the record is stored, and the server's per-version metric labels (bounded, scrapable while the
+engine thread writes)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from specd.server.metrics import OLDER, ServingMetrics
+from specd.server.spool import RecordSpool, SpoolConfig
+
+
+def record(i: int, size: int = 0) -> dict:
+    return {"record_id": f"r{i}", "server_id": "s", "pad": "x" * size}
+
+
+def open_spool(folder: Path, keep: int = 10, **config) -> tuple[RecordSpool, list[dict]]:
+    spool = RecordSpool(folder, SpoolConfig(**config), keep=lambda: keep)
+    return spool, spool.load()
+
+
+def ids(records: list[dict]) -> list[str]:
+    return [r["record_id"] for r in records]
+
+
+# ---- the spool and its duplicate filter ---------------------------------------------------------
+
+def test_duplicates_are_dropped_within_a_bounded_window(tmp_path) -> None:
+    spool, _ = open_spool(tmp_path, dedup_window=5)
+    assert [spool.add(record(i)) for i in range(8)] == [True] * 8
+    assert not spool.add(record(7)) and not spool.add(record(3))   # recent: a QoS 1 redelivery
+    assert spool.add(record(0))           # fell out of the window: the filter forgot it, as designed
+    assert len(spool._recent) == len(spool._recent_set) == 5
+    assert spool.records_in == 9 and spool.duplicates == 2
+
+
+def test_a_redelivery_after_a_restart_is_still_dropped_and_the_count_continues(tmp_path) -> None:
+    spool, _ = open_spool(tmp_path)
+    for i in range(5):
+        spool.add(record(i))
+    spool.close()
+    again, replayed = open_spool(tmp_path)
+    assert ids(replayed) == [f"r{i}" for i in range(5)]
+    assert again.records_in == 5
+    assert not again.add(record(4))
+    assert again.add(record(5)) and again.records_in == 6
+
+
+def test_compaction_keeps_only_the_newest_useful_records_and_the_cumulative_count(tmp_path) -> None:
+    spool, _ = open_spool(tmp_path, keep=10, dedup_window=50)
+    for i in range(3000):  # past 2 * max(keep, 1000) spooled records: compaction is due
+        spool.add(record(i))
+        if spool.needs_compaction():
+            spool.compact()
+    assert spool.compactions >= 1
+    assert spool.num_records <= 2000
+    assert len(tmp_path.joinpath("received-ids.jsonl").read_text().splitlines()) <= 100   # 2 * dedup_window
+    spool.close()
+    again, replayed = open_spool(tmp_path, keep=10, dedup_window=50)
+    assert again.records_in == 3000            # every unique record ever received, across compaction
+    assert ids(replayed)[-1] == "r2999" and len(replayed) == again.num_records
+    assert not again.add(record(2999))         # the filter survived the compaction and the restart
+
+
+def test_the_spool_stays_within_its_byte_cap(tmp_path) -> None:
+    cap = 20_000
+    spool, _ = open_spool(tmp_path, keep=10_000, max_bytes=cap)
+    for i in range(200):
+        spool.add(record(i, size=500))
+        if spool.needs_compaction():
+            spool.compact()
+        assert tmp_path.joinpath("received.jsonl").stat().st_size <= cap + 600
+    assert spool.dropped_for_space > 0 and spool.records_in == 200
+    spool.close()
+    _, replayed = open_spool(tmp_path, keep=10_000, max_bytes=cap)
+    assert ids(replayed)[-1] == "r199"         # the newest are the ones kept
+
+
+def test_a_crash_mid_compaction_loses_nothing(tmp_path, monkeypatch) -> None:
+    spool, _ = open_spool(tmp_path, keep=3)
+    for i in range(10):
+        spool.add(record(i))
+    real_replace = os.replace
+
+    def crash_before_the_spool_is_renamed(source, destination):
+        if str(destination).endswith("received.jsonl"):
+            raise KeyboardInterrupt("killed")  # the new spool is written and fsync'd, not yet renamed
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", crash_before_the_spool_is_renamed)
+    with pytest.raises(KeyboardInterrupt):
+        spool.compact()
+    monkeypatch.setattr(os, "replace", real_replace)
+    again, replayed = open_spool(tmp_path, keep=3)
+    assert ids(replayed) == [f"r{i}" for i in range(10)]    # the old spool, whole
+    assert again.records_in == 10                            # and counted once
+    again.compact()
+    again.close()
+    third, replayed = open_spool(tmp_path, keep=3)
+    assert ids(replayed) == ["r7", "r8", "r9"] and third.records_in == 10
+
+
+def test_lines_cut_by_a_crash_are_repaired_at_load(tmp_path) -> None:
+    spool, _ = open_spool(tmp_path)
+    for i in range(3):
+        spool.add(record(i))
+    spool.close()
+    # killed after spooling r3 whole but before its id line; and mid-write of r4
+    with tmp_path.joinpath("received.jsonl").open("a") as handle:
+        handle.write(json.dumps(record(3)) + "\n" + json.dumps(record(4))[:10])
+    again, replayed = open_spool(tmp_path)
+    assert ids(replayed) == ["r0", "r1", "r2", "r3"]
+    assert again.records_in == 4               # r3 is counted although its id line was lost
+    assert not again.add(record(3))            # its redelivery (it was never acknowledged) is dropped
+    assert again.add(record(4))                # r4 never got stored: its redelivery is taken
+    again.close()
+    _, replayed = open_spool(tmp_path)
+    assert ids(replayed) == ["r0", "r1", "r2", "r3", "r4"]   # the cut line did not swallow r4
+
+
+def test_the_sidecar_counts_records_across_restarts_and_spools_only_what_it_keeps(tmp_path) -> None:
+    from specd.server.sidecar import Sidecar, SidecarOptions
+    from specd.testing import tiny_loaded_target
+
+    loaded = tiny_loaded_target()
+    options = SidecarOptions(store=str(tmp_path / "store"))
+
+    async def deliver(sidecar: Sidecar, numbers: range) -> None:
+        for i in numbers:
+            await sidecar.handle("specd/default/records/s", json.dumps(record(i)).encode())
+
+    first = Sidecar(options, loaded)
+    asyncio.run(deliver(first, range(5)))
+    asyncio.run(deliver(first, range(3, 5)))       # redelivered
+    assert first.status()["records_in"] == 5 and first.status()["records_duplicate"] == 2
+    first.spool.close()
+    second = Sidecar(options, loaded)
+    assert second.bus.backlog == 5                 # the learner gets its records again
+    asyncio.run(deliver(second, range(4, 7)))
+    status = second.status()
+    assert status["records_in"] == 7
+    assert status["background"]["canary"]["failures"] == 0
+    assert status["learner_loop_failures"] == getattr(second.learner.stats, "loop_failures", 0)
+    assert second._records_of_use() >= second.learner.buffer.maxlen
+
+
+@pytest.mark.mqtt
+def test_a_message_is_acknowledged_only_after_its_handler_stored_it(tmp_path) -> None:
+    """A handler that dies before storing (as a killed learner would) gets the message again:
+    the broker still holds it because no PUBACK was sent."""
+    from harness import Broker
+
+    from specd.mqtt import MqttPublisher, MqttSettings, subscribe_forever
+    from specd.threads import BackgroundHealth
+
+    broker = Broker(tmp_path / "broker").start()
+    settings = MqttSettings.from_url(broker.url, deployment="manual-ack")
+    deliveries: list[str] = []
+    probes: list[bytes] = []
+    health = BackgroundHealth()
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    async def handle(topic: str, payload: bytes) -> None:
+        if "/reports/" in topic:
+            probes.append(payload)
+            return
+        deliveries.append(json.loads(payload)["record_id"])
+        if len(deliveries) == 1:
+            raise OSError("disk full")  # stands for a learner that dies before the record is spooled
+
+    task = loop.create_task(subscribe_forever(settings, "ack-test-learner", handle, stop, health))
+
+    def subscriber() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(task)
+
+    thread = threading.Thread(target=subscriber, daemon=True)
+    thread.start()
+    publisher = MqttPublisher(settings, "server-a").start()
+    try:
+        deadline = time.monotonic() + 20   # the subscription is in place once a probe report gets through
+        while not probes and time.monotonic() < deadline:
+            publisher.report({"probe": True})
+            time.sleep(0.2)
+        assert probes, "the subscriber never received a probe"
+        publisher.publish(record(1))
+        deadline = time.monotonic() + 30
+        while len(deliveries) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert deliveries[:2] == ["r1", "r1"], deliveries   # delivered again after the failed handling
+        assert health.snapshot()["mqtt-subscriber"]["failures"] >= 1
+        assert "disk full" in str(health.snapshot()["mqtt-subscriber"]["last_error"])
+    finally:
+        publisher.stop()
+        loop.call_soon_threadsafe(stop.set)
+        loop.call_soon_threadsafe(task.cancel)
+        thread.join(10)
+        with contextlib.suppress(Exception):
+            loop.close()
+        broker.stop()
+
+
+# ---- per-version metric labels ------------------------------------------------------------------
+
+def labelled_versions(metrics: ServingMetrics) -> set[str]:
+    text = metrics.exposition().decode()
+    return set(re.findall(r'specd_spec_decode_num_draft_tokens_total\{version="([^"]+)"\}', text))
+
+
+def test_only_the_most_recent_versions_keep_their_own_metric_labels(tmp_path) -> None:
+    metrics = ServingMetrics(max_versions=8)
+    for version in range(1, 101):
+        metrics.observe_verification(str(version), drafts=4, accepted=2, emitted=3)
+    assert labelled_versions(metrics) == {str(v) for v in range(93, 101)} | {OLDER}
+    text = metrics.exposition().decode()
+    # nothing is lost from the sums: the evicted versions' counts live on under "older"
+    assert f'specd_spec_decode_num_draft_tokens_total{{version="{OLDER}"}} 368.0' in text
+    assert {version for report in metrics.reports("s") for version in report.versions} == \
+        {str(v) for v in range(93, 101)}
+    # the version served again (a rollback) is recent again and is not the next evicted
+    metrics.observe_verification("93", 4, 4, 5)
+    metrics.observe_verification("101", 4, 4, 5)
+    assert "93" in labelled_versions(metrics) and "94" not in labelled_versions(metrics)
+
+
+def test_metrics_scrape_while_the_engine_thread_counts(tmp_path) -> None:
+    metrics = ServingMetrics(max_versions=4)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def engine() -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                metrics.observe_verification(str(i % 50), 4, i % 5, 2, domain=f"d{i % 7}")
+                i += 1
+        except BaseException as error:  # kept: the assertion below names it
+            errors.append(error)
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    try:
+        for _ in range(500):
+            assert b"specd_spec_decode_acceptance_rate" in metrics.exposition()
+            metrics.reports("s")
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors
