@@ -150,8 +150,6 @@ def test_bad_weights_are_refused_and_serving_keeps_old_version(tmp_path: Path, p
     if problem in CORRUPTIONS:
         CORRUPTIONS[problem](path)
         store.update(version, sha256=__import__("specd.hotswap.store", fromlist=["x"]).sha256_file(path))
-    if problem == "sha-mismatch":
-        store.update(version, sha256="0" * 64)
     if problem == "wrong-shape":
         from safetensors.torch import load_file, save_file
 
@@ -162,6 +160,8 @@ def test_bad_weights_are_refused_and_serving_keeps_old_version(tmp_path: Path, p
         save_file(tensors, str(path), metadata=metadata)
         store.update(version, sha256=__import__("specd.hotswap.store", fromlist=["x"]).sha256_file(path))
     store.set_live(version)
+    if problem == "sha-mismatch":  # changed after it went live (the store refuses it before: tested below)
+        store.update(version, sha256="0" * 64)
     assert swapper.check_once() is False
     assert version in swapper.refused
     engine = Engine(target, drafter, fixed_k(num_draft_tokens=3))
@@ -497,3 +497,24 @@ def test_a_failing_learner_step_is_counted_and_the_loop_trains_on(
     assert learner.stats.steps >= 1
     failures = [r for r in caplog.records if r.exc_info is not None]
     assert len(failures) == 2 and str(failures[-1].exc_info[1]) == "boom 2"  # logged with the traceback
+
+
+def test_store_refuses_to_make_live_weights_that_no_longer_match_their_manifest(tmp_path: Path) -> None:
+    target = tiny_target()
+    store = WeightStore(tmp_path)
+    v1 = publish_live(store, new_drafter_model(target, SHAPE, seed=0))
+    v2 = store.publish(new_drafter_model(target, SHAPE, seed=1), FINGERPRINT, v1, {})
+    path = store.weights_path(v2)
+    data = bytearray(path.read_bytes())
+    data[-8:] = bytes(8)  # a disk fault in the tensor data
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="does not match"):
+        store.set_live(v2)
+    assert store.live_version() == v1
+    v3 = publish_live(store, new_drafter_model(target, SHAPE, seed=2))
+    store.weights_path(v1).write_bytes(store.weights_path(v1).read_bytes()[:-4])
+    with pytest.raises(StoreError, match="does not match"):
+        store.rollback(v1)
+    assert store.live_version() == v3 and store.live_state().get("rollbacks", 0) == 0
+    publish_live(store, new_drafter_model(target, SHAPE, seed=3))
+    assert store.rollback() == v3 and store.live_state()["rollbacks"] == 1  # counted for the dashboard

@@ -7,7 +7,10 @@ embedded `specd serve`:
   GET  /v1/versions/{n}/weights     the safetensors file (servers check its sha256)
   GET  /v1/acceptance               acceptance time series per version and server
   GET  /v1/status                   learner and store status
-  POST /v1/live      {"version": n}            make n live
+  POST /v1/live      {"version": n}            make n live; a candidate (a version that never went
+                                               through the gate) is first put through the learner's
+                                               gate where there is one: 409 if it fails, 503 with
+                                               Retry-After while the gate lacks evidence
   POST /v1/rollback  {"version": n?}           roll back (default: the previous live version)
   POST /v1/pin       {"version": n, "pinned": true|false}
   GET  /  and /dashboard            the dashboard page
@@ -18,8 +21,10 @@ for an operation the store refuses, 400 for a malformed body).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -38,6 +43,9 @@ class ControlPlane:
     token: str | None = None
     status: Callable[[], dict[str, Any]] = field(default=lambda: {})
     on_change: Callable[[], None] = field(default=lambda: None)  # e.g. announce the new live version
+    # the learner's gate for candidates an operator wants live (None: no learner here, no gate)
+    submit: Callable[[int], Future[dict[str, Any]]] | None = None
+    gate_timeout_s: float = 300.0
 
 
 PLANE = web.AppKey("control_plane", ControlPlane)
@@ -109,10 +117,13 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response({"live": plane.store.live_version(), **plane.status()})
 
 
-async def _operate(request: web.Request, operation: Callable[[ControlPlane, dict[str, Any]], Any]) -> web.Response:
-    body = await _authorised_body(request)
-    if isinstance(body, web.Response):
-        return body
+async def _operate(request: web.Request, operation: Callable[[ControlPlane, dict[str, Any]], Any],
+                   body: dict[str, Any] | None = None) -> web.Response:
+    if body is None:
+        authorised = await _authorised_body(request)
+        if isinstance(authorised, web.Response):
+            return authorised
+        body = authorised
     plane = request.app[PLANE]
     try:
         operation(plane, body)
@@ -123,7 +134,33 @@ async def _operate(request: web.Request, operation: Callable[[ControlPlane, dict
 
 
 async def set_live(request: web.Request) -> web.Response:
-    return await _operate(request, lambda p, b: p.store.set_live(_optional_int(b, "version", True) or 0, "operator"))
+    body = await _authorised_body(request)
+    if isinstance(body, web.Response):
+        return body
+    plane = request.app[PLANE]
+    try:
+        version = _optional_int(body, "version", True) or 0
+        status = plane.store.manifest(version).get("status")
+    except (BadRequest, StoreError) as error:
+        return _specd_error(error)
+    if plane.submit is None or status != "candidate":  # a version that has been live before is trusted
+        return await _operate(request, lambda p, b: p.store.set_live(version, "operator"), body)
+    try:  # evaluated on the learner's thread; this loop keeps serving meanwhile
+        verdict = await asyncio.wait_for(asyncio.wrap_future(plane.submit(version)), plane.gate_timeout_s)
+    except TimeoutError:
+        return _error(504, f"the gate did not decide on version {version} within {plane.gate_timeout_s:.0f} s")
+    except (SpecdError, OSError) as error:
+        return _error(409, f"version {version} cannot be evaluated: {error}")
+    if verdict.get("waiting"):
+        response = _error(503, f"version {version} is not live: {verdict['reason']}")
+        response.headers["Retry-After"] = "30"
+        return response
+    if not verdict.get("passed"):
+        message = f"version {version} is not live: the gate refused it: {verdict['reason']}"
+        return web.json_response({"error": {"message": message, "type": "invalid_request_error"},
+                                  "evaluation": verdict}, status=409)
+    plane.on_change()
+    return web.json_response({"live": plane.store.live_version(), "evaluation": verdict})
 
 
 async def rollback(request: web.Request) -> web.Response:

@@ -4,7 +4,8 @@ Contract: a store is a directory:
     versions/000001/drafter.safetensors   weights (never rewritten once published)
     versions/000001/manifest.json         parent, sha256, created, drafter config, target
                                           fingerprint, records/tokens trained, evaluation, status
-    live.json                             {"version": n, "history": [earlier live versions]}
+    live.json                             {"version": n, "history": [earlier live versions],
+                                           "rollbacks": how many rollbacks ever}
 Every write goes to a temporary file in the same directory and is renamed into place, so a crash
 leaves either the old file or the new one, never half of one; a version directory appears only
 once complete. Status is one of candidate / live / retired / rejected / rolled-back; `pinned` is a
@@ -19,6 +20,7 @@ fields of one manifest never lose one another; the lock order is live.lock, then
 `keep_last` live versions (rollback's default choices), or one that was live within the last
 `keep_live_within_s` seconds (servers may still be loading or serving it); a collected version
 disappears in one rename, and rollback chooses only versions whose weights are present.
+A version goes live (promotion or rollback) only if its weights still match the manifest's sha256.
 """
 
 from __future__ import annotations
@@ -177,12 +179,21 @@ class WeightStore:
             raise VersionNotFound(f"version {version} has no weights in {self.root}")
         if previous == version:
             return
+        self._check_weights(version, manifest)
         now = time.time()
         if previous is not None:
             self._leave_live(previous, now, status="retired")
             state["history"].append(previous)
         self.update(version, status="live", live_since=now, live_reason=reason)
-        _write_json_atomic(self.root / "live.json", {"version": version, "history": state["history"][-100:]})
+        _write_json_atomic(self.root / "live.json", {**state, "version": version, "history": state["history"][-100:]})
+
+    def _check_weights(self, version: int, manifest: dict[str, Any]) -> None:
+        """Refuse to make live weights that no longer match their manifest (a disk fault, a bad copy):
+        every server would refuse them and keep serving the old version while the store said otherwise."""
+        digest = sha256_file(self.weights_path(version))
+        if digest != manifest.get("sha256"):
+            raise StoreError(f"version {version}: its weights' sha256 {digest[:12]}… does not match the "
+                             f"manifest's {str(manifest.get('sha256'))[:12]}…; it cannot go live")
 
     def _leave_live(self, version: int, now: float, **fields: Any) -> None:
         """Mark the version that stops being live; `live_until` keeps it from gc for a while."""
@@ -214,11 +225,13 @@ class WeightStore:
             raise VersionNotFound(f"version {to} does not exist (or has no weights) in {self.root}")
         if to == current:
             raise StoreError(f"version {to} is already live")
+        self._check_weights(to, self.manifest(to))
         now = time.time()
         self._leave_live(current, now, status="rolled-back", rollback_evidence=evidence or {"by": "operator"})
         self.update(to, status="live", live_since=now, live_reason=f"rollback from {current}")
         remaining = history[:history.index(to)] if to in history else history
-        _write_json_atomic(self.root / "live.json", {"version": to, "history": remaining})
+        _write_json_atomic(self.root / "live.json", {"version": to, "history": remaining,
+                                                     "rollbacks": int(state.get("rollbacks", 0)) + 1})
         return to
 
     def pin(self, version: int, pinned: bool = True) -> None:

@@ -25,10 +25,12 @@ survives any Exception in a step: it is logged with its traceback, counted
 from __future__ import annotations
 
 import logging
+import queue
 import random
 import threading
 import time
 from collections import Counter, deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +148,7 @@ class Learner:
         self._hold_until = 0.0
         self._gate_waiting = False
         self._stop = threading.Event()
+        self._submitted: queue.SimpleQueue[tuple[int, Future[dict[str, Any]]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.live_version = live
         if live is None:  # day 0: the untrained drafter is version 1, live while nothing else is
@@ -327,11 +330,52 @@ class Learner:
             return 1.0
         return self.objective.simulate(model, records, self.config.k).accept_length or 0.0
 
-    def _live_model(self) -> DrafterModel | None:
-        if self.live_version is None:
+    def _live_model(self, version: int | None = None) -> DrafterModel | None:
+        version = self.live_version if version is None else version
+        if version is None:
             return None
-        return load_drafter(self.store.weights_path(self.live_version), self.fingerprint,
-                            target_embedding=self.target_embedding)
+        return load_drafter(self.store.weights_path(version), self.fingerprint, target_embedding=self.target_embedding)
+
+    # ---- versions from outside: an operator's POST /v1/live of a candidate ----------------------
+    def submit(self, version: int) -> Future[dict[str, Any]]:
+        """Put a version the learner did not train through the gate; it goes live (compare-and-set on
+        the live version when it was evaluated) only if it passes. The verdict has `waiting` True
+        when the gate lacks evidence. Runs on the learner's thread, which owns the objective's caches."""
+        future: Future[dict[str, Any]] = Future()
+        self._submitted.put((version, future))
+        if self._thread is None or not self._thread.is_alive():  # no loop to hand it to
+            self._vet_submitted()
+        return future
+
+    def _vet_submitted(self) -> None:
+        while True:
+            try:
+                version, future = self._submitted.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._vet(version))
+                except Exception as error:  # the caller gets it (a 4xx/5xx), the loop goes on
+                    future.set_exception(error)
+
+    def _vet(self, version: int) -> dict[str, Any]:
+        if not self.gate.has_evidence:
+            return {"passed": False, "waiting": True, "reason": f"the gate has {len(self.holdout)} held-out "
+                    f"records and needs {self.config.gate_min_held_out}; try again later"}
+        seen = self.store.live_version()
+        candidate = load_drafter(self.store.weights_path(version), self.fingerprint,
+                                 target_embedding=self.target_embedding)
+        verdict = self.gate.verdict(candidate, self._live_model(seen), self.simulated_accept_length)
+        if verdict["passed"]:
+            try:
+                self.store.set_live(version, "operator, gate passed", if_live=seen)
+            except LiveVersionChanged:
+                verdict = {**verdict, "passed": False, "reason": "the live version changed during the evaluation"}
+        else:
+            self.store.update(version, status="rejected", reason=verdict["reason"], evaluation=verdict)
+        log.info("submitted version %s: %s", version, verdict)
+        return verdict
 
     def _publish(self, model: DrafterModel, info: dict[str, Any]) -> int:
         serving_copy = clone_drafter(model).to(self.serving_dtype)
@@ -347,6 +391,7 @@ class Learner:
         lower_thread_priority()  # training yields to decoding whenever both want a core
         while not self._stop.is_set():
             try:
+                self._vet_submitted()
                 if not self.step():
                     self.intake(timeout=0.2)
             except Exception as error:  # a learner bug must not take serving down with it, nor pass unseen

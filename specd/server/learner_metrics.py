@@ -1,0 +1,66 @@
+"""Prometheus metrics of the learner and its weight store, read at scrape time.
+
+Contract: `LearnerCollector(learner, store)` is a prometheus_client collector that reads the
+learner's counters and the store's manifests when scraped (nothing is updated from the learner's
+thread, so a scrape never races it beyond reading integers). The learner sidecar serves it on
+its own `/metrics`; an embedded `specd serve` registers it beside the serving metrics.
+Names:
+  specd_learner_records_received_total      records taken from the bus (held out or trained on)
+  specd_learner_records_refused_total       records refused at validation
+  specd_learner_steps_total                 training steps
+  specd_learner_tokens_trained_total        tokens trained on
+  specd_learner_versions_published_total    candidates that passed the gate and went live
+  specd_learner_versions_rejected_total     candidates the gate refused
+  specd_learner_loop_failures_total         exceptions caught in the learner's loop
+  specd_learner_record_age_seconds          learner lag: mean age of the last trained batch
+  specd_learner_versions_behind             learner lag: drafter versions between the batch's records and live
+  specd_live_version                        the store's live version number
+  specd_rollbacks_total                     versions rolled back (by an operator or the canary)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from specd.hotswap.store import WeightStore
+    from specd.learner.learner import Learner
+
+
+class LearnerCollector(Collector):
+    def __init__(self, learner: Learner, store: WeightStore) -> None:
+        self.learner = learner
+        self.store = store
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self.learner.stats
+        counters = [
+            ("specd_learner_records_received", "records taken from the bus", stats.records_in),
+            ("specd_learner_records_refused", "records refused at validation", sum(dict(stats.refused).values())),
+            ("specd_learner_steps", "training steps", stats.steps),
+            ("specd_learner_tokens_trained", "tokens trained on", stats.tokens_trained),
+            ("specd_learner_versions_published", "candidates that passed the gate", len(stats.published)),
+            ("specd_learner_versions_rejected", "candidates the gate refused", len(stats.rejected)),
+            ("specd_learner_loop_failures", "exceptions caught in the learner loop",
+             getattr(stats, "loop_failures", 0)),
+            ("specd_rollbacks", "rollbacks by an operator or the canary",
+             int(self.store.live_state().get("rollbacks", 0))),
+        ]
+        for name, help_text, value in counters:
+            yield CounterMetricFamily(name, help_text, value=float(value))
+        staleness = self.learner.staleness
+        for name, help_text, key in (
+                ("specd_learner_record_age_seconds", "mean age of the last trained batch's records",
+                 "mean_record_age_s"),
+                ("specd_learner_versions_behind", "drafter versions between the last batch's records and live",
+                 "mean_versions_behind")):
+            value = staleness.get(key)  # NaN until the learner has trained: unknown, not zero
+            yield GaugeMetricFamily(name, help_text, value=math.nan if value is None else float(value))
+        live = self.store.live_version()
+        if live is not None:
+            yield GaugeMetricFamily("specd_live_version", "the store's live drafter version", value=float(live))

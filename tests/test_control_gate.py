@@ -1,0 +1,132 @@
+"""An operator's POST /v1/live of a version the learner never trained goes through the learner's gate.
+
+A learner on the learnable toy target holds greedy records out; versions are planted in its store
+as an outside publisher (or a careless operator) would. Previously live versions stay trusted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from specd.bus import InProcessBus
+from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.request import SamplingParams, record_from_sequence
+from specd.hotswap.canary import AcceptanceLog
+from specd.hotswap.control import ControlPlane, add_control_routes
+from specd.hotswap.store import WeightStore
+from specd.learner.learner import Learner, LearnerConfig
+from specd.model.fingerprint import TargetFingerprint
+from specd.testing import TINY, learnable_target
+
+pytestmark = pytest.mark.asyncio
+
+FINGERPRINT = TargetFingerprint(TINY.vocab_size, "none")
+SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
+TOKEN = "secret"
+
+
+def learner_on(tmp_path: Path, records: int) -> Learner:
+    target = learnable_target()
+    bus = InProcessBus()
+    config = LearnerConfig(duty_cycle=1.0, holdout_every=1, gate_min_held_out=4, gate_margin=0.05)
+    learner = Learner(config, bus, WeightStore(tmp_path), new_drafter_model(target, SHAPE).float(), FINGERPRINT)
+    engine = Engine(target, None, EngineConfig(max_batch=4))
+    prompts = [[1 + i, 2 + i, 3 + i] for i in range(records)]
+    for seq in engine.generate(prompts, SamplingParams(max_tokens=16)):
+        bus.publish(record_from_sequence(seq, "t", 0.0).to_dict())
+    learner.intake()
+    return learner
+
+
+def plant(learner: Learner, accept_length: float) -> int:
+    """A version in the learner's store whose replayed accept length is `accept_length` (marked on its norm)."""
+    model = new_drafter_model(learnable_target(), SHAPE).float()
+    with torch.no_grad():
+        model.norm.weight.fill_(accept_length)
+    return learner.store.publish(model, FINGERPRINT, learner.store.live_version(), {"planted": True})
+
+
+async def control_client(learner: Learner) -> TestClient:
+    app = web.Application()
+    add_control_routes(app, ControlPlane(learner.store, AcceptanceLog(), TOKEN, submit=learner.submit))
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    return client
+
+
+def judged_by_norm(learner: Learner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replay stands in as each model's norm value (live, day 0, has norm 1.0): the verdict is known."""
+    monkeypatch.setattr(learner, "simulated_accept_length",
+                        lambda model, records: float(model.norm.weight.detach().float().mean()))
+
+
+async def test_a_worse_candidate_is_refused_by_the_gate_and_never_goes_live(tmp_path, monkeypatch) -> None:
+    learner = learner_on(tmp_path, records=6)
+    judged_by_norm(learner, monkeypatch)
+    worse = plant(learner, 0.5)
+    client = await control_client(learner)
+    try:
+        response = await client.post("/v1/live", json={"version": worse}, headers={"Authorization": f"Bearer {TOKEN}"})
+        answer = await response.json()
+    finally:
+        await client.close()
+    assert response.status == 409 and "gate refused" in answer["error"]["message"]
+    assert answer["evaluation"]["candidate"] == 0.5 and answer["evaluation"]["live"] == 1.0
+    assert learner.store.live_version() == 1 and learner.store.manifest(worse)["status"] == "rejected"
+
+
+async def test_a_better_candidate_passes_the_gate_and_goes_live(tmp_path, monkeypatch) -> None:
+    learner = learner_on(tmp_path, records=6)
+    judged_by_norm(learner, monkeypatch)
+    better = plant(learner, 1.5)
+    client = await control_client(learner)
+    try:
+        response = await client.post("/v1/live", json={"version": better}, headers={"Authorization": f"Bearer {TOKEN}"})
+        answer = await response.json()
+        assert response.status == 200 and answer["live"] == better and answer["evaluation"]["passed"]
+        # a version that was live before is trusted: rolling forward to it again needs no gate
+        assert (await client.post("/v1/live", json={"version": 1},
+                                  headers={"Authorization": f"Bearer {TOKEN}"})).status == 200
+    finally:
+        await client.close()
+    assert learner.store.live_version() == 1
+
+
+async def test_without_held_out_evidence_the_gate_answers_503_and_nothing_goes_live(tmp_path, monkeypatch) -> None:
+    learner = learner_on(tmp_path, records=2)  # 2 held out, the gate needs 4
+    judged_by_norm(learner, monkeypatch)
+    better = plant(learner, 1.5)
+    client = await control_client(learner)
+    try:
+        response = await client.post("/v1/live", json={"version": better}, headers={"Authorization": f"Bearer {TOKEN}"})
+        answer = await response.json()
+    finally:
+        await client.close()
+    assert response.status == 503 and response.headers["Retry-After"] == "30"
+    assert "needs 4" in answer["error"]["message"]
+    assert learner.store.live_version() == 1 and learner.store.manifest(better)["status"] == "candidate"
+
+
+async def test_a_corrupt_version_cannot_go_live_by_hand(tmp_path, monkeypatch) -> None:
+    learner = learner_on(tmp_path, records=6)
+    judged_by_norm(learner, monkeypatch)
+    corrupt = plant(learner, 1.5)
+    path = learner.store.weights_path(corrupt)
+    data = bytearray(path.read_bytes())
+    data[-8:] = bytes(8)
+    path.write_bytes(bytes(data))
+    client = await control_client(learner)
+    try:
+        response = await client.post("/v1/live", json={"version": corrupt},
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        answer = await response.json()
+    finally:
+        await client.close()
+    assert response.status == 409 and "does not match" in str(answer)
+    assert learner.store.live_version() == 1
