@@ -124,6 +124,10 @@ async def test_stop_string_cuts_the_text(client) -> None:
     ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n = 1"),
     ({"model": "tiny", "prompt": "x" * 600, "max_tokens": 10}, 400, "context window"),
     ({"model": "tiny", "prompt": [1, 2, 99999]}, 400, "vocabulary"),
+    ({"model": "tiny", "prompt": "x", "temperature": 10**400}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": -(10**400)}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "x\ud800"}, 400, "lone surrogate"),
+    ({"model": "tiny", "prompt": "x", "metadata": {"domain": ["code"]}}, 400, "metadata.domain"),
 ])
 async def test_bad_requests_get_openai_style_4xx(client, body, status, needle) -> None:
     response = await client.post("/v1/completions", json=body)
@@ -139,6 +143,10 @@ async def test_malformed_json_and_unknown_route_are_json_errors(client) -> None:
     assert (await client.get("/v1/nothing")).status == 404
     bad_messages = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": 1}]})
     assert bad_messages.status == 400
+    for body, needle in ((b"[" * 5000, "nested too deeply"), (b"[1, 2]", "must be a JSON object"),
+                         (b'{"max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON")):
+        response = await client.post("/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        assert response.status == 400 and needle in (await response.json())["error"]["message"]
 
 
 async def test_chat_content_may_be_a_list_of_text_parts_and_other_parts_are_refused(client) -> None:
@@ -153,6 +161,16 @@ async def test_chat_content_may_be_a_list_of_text_parts_and_other_parts_are_refu
     image = await client.post("/v1/chat/completions", json=body(
         [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]))
     assert image.status == 400 and "image_url" in (await image.json())["error"]["message"]
+    odd_type = await client.post("/v1/chat/completions", json=body([{"type": ["text"], "text": "x"}]))
+    assert odd_type.status == 400 and "only text content parts" in (await odd_type.json())["error"]["message"]
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-50, "seed": 5}])
+async def test_a_temperature_or_top_p_too_small_for_float32_decodes_greedily(client, settings) -> None:
+    # such settings mean greedy; taken literally they overflowed float32 into NaN probabilities
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 12, **settings}
+    answer = await (await client.post("/v1/completions", json=body)).json()
+    assert answer["choices"][0]["text"] == target_only_text(client, "hello", 12)
 
 
 async def test_requests_beyond_the_queue_bound_get_429_with_retry_after(client) -> None:
@@ -165,6 +183,17 @@ async def test_requests_beyond_the_queue_bound_get_429_with_retry_after(client) 
     state.max_queued = 64
     assert state.worker.queued == 0
     assert (await client.post("/v1/completions", json=body)).status == 200
+
+
+async def test_cancellations_waiting_in_the_inbox_do_not_count_as_queued_requests(client) -> None:
+    from specd.engine.worker import EngineWorker, Submission
+
+    worker = EngineWorker(api_state(client).worker.engine)  # not started: everything stays in its inbox
+    for i in range(5):
+        worker.cancel(f"gone-{i}")
+    assert worker.queued == 0
+    worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print))
+    assert worker.queued == 1
 
 
 async def test_client_chosen_domain_labels_are_bounded(client) -> None:

@@ -105,14 +105,15 @@ class Engine:
         """Queue a request, or raise RequestRefused saying why it cannot be served."""
         if not prompt_ids:
             raise RequestRefused("the prompt is empty: give at least one token")
-        vocab = self.target.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestRefused(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        # the length first: it costs nothing, and a huge prompt is refused without a pass over it
         if len(prompt_ids) + params.max_tokens > self.max_context:
             raise RequestRefused(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"context window of {self.max_context} tokens")
+        vocab = self.target.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRefused(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
         self.waiting.append(seq)
         return seq
@@ -129,7 +130,7 @@ class Engine:
         return seqs
 
     def cancel(self, request_id: str) -> None:
-        """End a request at the next step boundary (finish reason "cancelled")."""
+        """End a request at the next step boundary (finish reason "cancelled"), running or waiting."""
         for seq in (*self.waiting, *self.running):
             if seq.request_id == request_id and not seq.is_finished:
                 seq.finish_reason = "cancelled"
@@ -154,12 +155,9 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Admit, decode one step for every running row, retire finished rows; returns them."""
-        done = self._retire()  # rows cancelled since the last step
+        done = self._retire() + self._drop_cancelled_waiting()  # cancelled since the last step
         while self.waiting and len(self.running) < self.config.max_batch:
             seq = self.waiting.popleft()
-            if seq.is_finished:
-                done.append(seq)
-                continue
             try:
                 self._prefill(seq)
             except Exception as error:  # traced to this request's admission: it fails alone
@@ -205,6 +203,13 @@ class Engine:
         stats.seconds, stats.k = time.perf_counter() - begin, k
         self.step_stats.append(stats)
         return done + self._retire()
+
+    def _drop_cancelled_waiting(self) -> list[Sequence]:
+        """Requests cancelled while waiting leave the line at once, not when a slot frees up for them."""
+        cancelled = [seq for seq in self.waiting if seq.is_finished]
+        if cancelled:
+            self.waiting = deque(seq for seq in self.waiting if not seq.is_finished)
+        return cancelled
 
     def _prefill(self, seq: Sequence) -> None:
         slot = len(self.running)

@@ -1,12 +1,14 @@
 """Per-request objects: sampling settings and the `Sequence` that travels through the engine.
 
 Contract: `SamplingParams` is validated on construction, so a bad setting is refused before it
-reaches the engine. A `Sequence` carries one request's prompt, output and the log of its
-verification steps (position, drafts, how many were accepted, drafter version): that log is the
-raw material of the learner's trajectory records (`record_from_sequence`), and its counts are
-the request's statistics. An engine that records features appends the target's features of each
-step's verified positions (`feature_chunks`, fp16 on the CPU); the record carries them when they
-cover every position 0..num_tokens-2.
+reaches the engine; settings too small for float32 on the device (a temperature under
+`GREEDY_BELOW`, a top_p under `MIN_TOP_P`) are replaced by the ones that mean the same. A
+`Sequence` carries one request's prompt, output and the log of its verification steps (position,
+drafts, how many were accepted, drafter version): that log is the raw material of the learner's
+trajectory records (`record_from_sequence`), and its counts are the request's statistics. An
+engine that records features appends the target's features of each step's verified positions
+(`feature_chunks`, fp16 on the CPU); the record carries them when they cover every position
+0..num_tokens-2.
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ import torch
 
 from specd.errors import RequestRefused
 from specd.records import AcceptanceCounts, FeatureBlock, StepRecord, TrajectoryRecord
+
+# As vLLM: temperatures below 1e-5 mean greedy. Far below it, logits / temperature overflow float32
+# to inf and the probabilities become NaN (a tiny target then emitted its last token forever).
+GREEDY_BELOW = 1e-5
+# A top_p under float32's smallest subnormal rounds to 0 on the device and keeps no token at all;
+# any top_p this small keeps just the most likely token, as 1e-6 does (for vocabularies under 10**6).
+MIN_TOP_P = 1e-6
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,10 @@ class SamplingParams:
             raise RequestRefused(f"temperature must be a finite number, 0 or more, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise RequestRefused(f"top_p must be in (0, 1], got {self.top_p}")
+        if 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        if self.top_p < MIN_TOP_P:
+            object.__setattr__(self, "top_p", MIN_TOP_P)
         # torch's generators take seeds in [-2**63, 2**64); outside it the engine step would fail
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise RequestRefused(f"seed must be in [-2**63, 2**64), got {self.seed}")

@@ -6,8 +6,9 @@ request's `on_tokens` callback and the end through `on_done` (or a refusal throu
 Callbacks run on the worker thread and must only hand data over (e.g. `call_soon_threadsafe`).
 Finished requests are turned into trajectory records and published on the bus, which never
 blocks, and added to the traffic table when there is one. `cancel` ends a request at the next
-step boundary (a client that went away, a stop string). Nothing here waits on disk or network
-inside a step.
+step boundary, decoding or still queued (a client that went away, a stop string), and its slot
+or place in line is free from then on. `queued` counts requests only, not cancellations. Nothing
+here waits on disk or network inside a step.
 """
 
 from __future__ import annotations
@@ -60,19 +61,23 @@ class EngineWorker:
         self.bus = bus
         self.metrics = metrics
         self.server_id = server_id
-        self._inbox: queue.Queue[Submission | str] = queue.Queue()
+        self._inbox: queue.Queue[Submission | str] = queue.Queue()  # requests and the ids of cancelled ones
+        self._num_inbox_requests = 0  # the Submissions in the inbox (cancellations wait there too)
+        self._count_lock = threading.Lock()
         self._active: dict[str, Submission] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_records_published = 0
 
     def submit(self, submission: Submission) -> None:
+        with self._count_lock:
+            self._num_inbox_requests += 1
         self._inbox.put(submission)
 
     @property
     def queued(self) -> int:
         """Requests submitted but not decoding yet (in the inbox or the engine's waiting line)."""
-        return self._inbox.qsize() + len(self.engine.waiting)
+        return self._num_inbox_requests + len(self.engine.waiting)
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(request_id)
@@ -99,6 +104,8 @@ class EngineWorker:
                 if item and item in self._active:
                     self.engine.cancel(item)
                 continue
+            with self._count_lock:
+                self._num_inbox_requests -= 1
             try:
                 item.seq = self.engine.add_request(item.prompt_ids, item.params, item.request_id)
             except RequestRefused as error:

@@ -2,22 +2,27 @@
 
 Contract: handlers are small async functions over one `EngineWorker`; requests from all clients
 are batched together by the engine. Every client mistake (malformed JSON, wrong types, unknown
-model, prompt over the context window, absurd max_tokens, n > 1) is answered with an OpenAI-style
-JSON error and a 4xx status, mapped in one place (`_errors` middleware, which also maps every other
-`SpecdError` to its kind's status); a 500 is only ever an
-engine fault, and it carries a message, not a traceback. `stream: true` sends server-sent events
-(`data: {chunk}` lines, then `data: [DONE]`); with `stream_options: {"include_usage": true}` the
-last chunk before `[DONE]` carries the token counts, as OpenAI's does.
+model, prompt over the context window, absurd max_tokens, n > 1, a body over `MAX_BODY_BYTES`) is
+answered with an OpenAI-style JSON error and a 4xx status (`specd.server.api_fields` checks each
+field), mapped in one place (`_errors` middleware, which also maps every other `SpecdError` to its
+kind's status); a 500 is only ever an engine fault, and it carries a message, not a traceback.
+One client cannot stall or harm another: bodies are parsed and prompts tokenised off the event
+loop, and a client that goes away (streaming or not) has its request cancelled, freeing its batch
+slot at the engine's next step. `stream: true` sends server-sent events (`data: {chunk}` lines,
+then `data: [DONE]`), their text detokenised incrementally (`specd.server.detokenize`); with
+`stream_options: {"include_usage": true}` the last chunk before `[DONE]` carries the token
+counts, as OpenAI's does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,21 +30,18 @@ from aiohttp import web
 
 from specd.engine.request import SamplingParams, Sequence
 from specd.engine.worker import EngineWorker, Submission
-from specd.errors import BadRequest, RequestRefused, SpecdError
+from specd.errors import SpecdError
 from specd.model.target import LoadedTarget
+from specd.server import api_fields as fields
+from specd.server.api_fields import MAX_TOKENS_CAP, ApiError
+from specd.server.detokenize import IncrementalDetokenizer, StopStrings
 from specd.server.metrics import ServingMetrics
 
-MAX_TOKENS_CAP = 32_768
+__all__ = ["MAX_TOKENS_CAP", "STATE", "ApiError", "ApiState", "create_app"]
 
-
-class ApiError(BadRequest):
-    """An error answer with its own status and OpenAI's param, code and type fields (and headers)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.http_status, self.param, self.code, self.kind = status, param, code, kind
-        self.headers = headers
+MAX_BODY_BYTES = 8 * 1024 * 1024   # a 4096-token context needs far less; larger bodies get a 413
+INLINE_JSON_BYTES = 64 * 1024      # bodies up to this are parsed on the loop: a thread hop would cost more
+CONNECTION_CHECK_S = 0.05          # how often a request waiting for tokens checks that its client is there
 
 
 def _check_capacity(state: ApiState) -> None:
@@ -79,80 +81,38 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return web.json_response(body, status=error.status)
 
 
-# ---- request parsing --------------------------------------------------------------------------
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
-
-
-def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-        expected = " or ".join(k.__name__ for k in kinds)
-        raise ApiError(400, f"'{name}' must be of type {expected}, got {type(value).__name__}", param=name)
-    return value
-
-
-def _include_usage(body: dict[str, Any]) -> bool:
-    """OpenAI's `stream_options: {"include_usage": true}`: a last chunk with the token counts."""
-    options = _field(body, "stream_options", (dict,), {})
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
-    return include
-
-
-def _sampling(body: dict[str, Any], default_max_tokens: int) -> tuple[SamplingParams, list[str], bool]:
-    if _field(body, "n", (int,), 1) != 1:
-        raise ApiError(400, "only n = 1 is supported", param="n")
-    for name in ("logprobs", "top_logprobs"):  # refused rather than silently ignored
-        if body.get(name) not in (None, False, 0):
-            raise ApiError(400, f"'{name}' is not supported by this server", param=name)
-    max_tokens = _field(body, "max_tokens", (int,), None)
-    if max_tokens is None:
-        max_tokens = _field(body, "max_completion_tokens", (int,), default_max_tokens)
-    if not 1 <= max_tokens <= MAX_TOKENS_CAP:
-        raise ApiError(400, f"'max_tokens' must be between 1 and {MAX_TOKENS_CAP}, got {max_tokens}",
-                       param="max_tokens")
-    stop = _field(body, "stop", (str, list), [])
-    stops = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-        raise ApiError(400, "'stop' must be a string or a list of up to 4 non-empty strings", param="stop")
-    try:
-        params = SamplingParams(temperature=float(_field(body, "temperature", (int, float), 1.0)),
-                                top_p=float(_field(body, "top_p", (int, float), 1.0)), max_tokens=max_tokens,
-                                seed=_field(body, "seed", (int,), None))
-    except RequestRefused as error:
-        raise ApiError(400, str(error)) from None
-    return params, stops, bool(_field(body, "stream", (bool,), False))
-
-
-def _check_model(state: ApiState, body: dict[str, Any]) -> None:
-    model = _field(body, "model", (str,), state.model_name)
-    if model != state.model_name:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{state.model_name}'",
-                       param="model", code="model_not_found")
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"the request body is over this server's limit of {request.client_max_size} bytes",
+                       code="request_too_large") from None
+    if len(raw) <= INLINE_JSON_BYTES:
+        return fields.parse_json(raw)
+    return await asyncio.to_thread(fields.parse_json, raw)  # a large body would stall every other stream
 
 
 # ---- decoding ---------------------------------------------------------------------------------
-class _Stream:
-    """Tokens from the engine thread to one request's coroutine, cut at stop strings."""
+class ClientGone(Exception):
+    """The client closed its connection before its answer was complete."""
 
-    def __init__(self, state: ApiState, prompt_ids: list[int], params: SamplingParams, stops: list[str],
-                 domain: str | None) -> None:
-        self.state, self.stops = state, stops
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport  # None once aiohttp has seen the connection close
+    return transport is None or transport.is_closing()
+
+
+class _Stream:
+    """Tokens from the engine thread to one request's coroutine, as text cut at stop strings."""
+
+    def __init__(self, state: ApiState, request: web.Request, prompt_ids: list[int], params: SamplingParams,
+                 stops: list[str], domain: str | None) -> None:
+        self.state, self.request = state, request
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.request_id = f"specd-{uuid.uuid4().hex[:16]}"
-        self.ids: list[int] = []
-        self.text_sent = ""
+        self.detokenizer = IncrementalDetokenizer(state.loaded.decode)
+        self.stops = StopStrings(stops)
         self.finish_reason: str | None = None
         self.seq: Sequence | None = None
 
@@ -164,11 +124,28 @@ class _Stream:
         state.worker.submit(Submission(prompt_ids, params, put("tokens"), put("done"), put("error"),
                                        domain=domain, request_id=self.request_id))
 
-    async def deltas(self):
+    @property
+    def ids(self) -> list[int]:
+        """The output token ids received so far."""
+        return self.detokenizer.ids
+
+    async def _next_event(self) -> tuple[str, Any]:
+        """The engine's next report; raises ClientGone as soon as the client has closed its connection
+        (checked at every report, so at every step while decoding, and every CONNECTION_CHECK_S while queued)."""
+        while True:
+            if _client_gone(self.request):
+                raise ClientGone
+            try:
+                async with asyncio.timeout(CONNECTION_CHECK_S):
+                    return await self.events.get()
+            except TimeoutError:
+                continue
+
+    async def deltas(self) -> AsyncGenerator[str, None]:
         """Yield text pieces as they are decoded; sets finish_reason at the end."""
         last = time.perf_counter()
         while True:
-            kind, value = await self.events.get()
+            kind, value = await self._next_event()
             if kind == "error":
                 status, message = value
                 raise ApiError(status, message, kind="invalid_request_error" if status < 500 else "server_error")
@@ -176,27 +153,25 @@ class _Stream:
                 now = time.perf_counter()
                 self.state.metrics.inter_token_latency.observe((now - last) / max(len(value), 1))
                 last = now
-                self.ids.extend(value)
-            else:
+                text = self.stops.feed(self.detokenizer.push(value))
+            else:  # done: every token was reported before, but take any the report did not carry
                 self.seq = value
-                self.ids = list(value.output_ids)
-            text = self.state.loaded.decode(self.ids)
-            cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-            if cut >= 0:
-                self.state.worker.cancel(self.request_id)
+                rest = self.detokenizer.push(value.output_ids[len(self.ids):]) + self.detokenizer.finish()
+                text = self.stops.feed(rest) + self.stops.finish()
+            if self.stops.is_stopped:
                 self.finish_reason = "stop"
-                yield text[len(self.text_sent):cut]
-                return
-            # hold back a possible partial stop string and an incomplete UTF-8 character
-            hold = max((len(s) - 1 for s in self.stops), default=0)
-            ready = text[:len(text) - hold] if kind == "tokens" else text
-            ready = ready.rstrip("\ufffd") if kind == "tokens" else ready
-            if len(ready) > len(self.text_sent):
-                piece, self.text_sent = ready[len(self.text_sent):], ready
-                yield piece
-            if kind == "done":
+                self.state.worker.cancel(self.request_id)  # tokens past the stop string are not wanted
+            elif kind == "done":
                 self.finish_reason = "length" if value.finish_reason == "length" else "stop"
+            if text:
+                yield text
+            if self.finish_reason is not None:
                 return
+
+    def abandon(self) -> None:
+        """Cancel the request unless it ended: its client is gone or its answer failed midway."""
+        if self.finish_reason is None:
+            self.state.worker.cancel(self.request_id)
 
 
 def _domain(state: ApiState, request: web.Request, body: dict[str, Any]) -> str | None:
@@ -206,10 +181,13 @@ def _domain(state: ApiState, request: web.Request, body: dict[str, Any]) -> str 
     distinct ones, any new label is counted as OTHER_DOMAIN."""
     metadata = body.get("metadata")
     domain = metadata.get("domain") if isinstance(metadata, dict) else None
+    if domain is not None and not isinstance(domain, str):
+        raise ApiError(400, f"'metadata.domain' must be a string, got {type(domain).__name__}", param="metadata")
     domain = domain or request.headers.get("X-Specd-Domain")
     if not domain:
         return None
-    label = str(domain)[:64]
+    # a label travels on as UTF-8 (reports, records, dashboards): a lone surrogate from JSON becomes '?'
+    label = domain[:64].encode("utf-8", "replace").decode("utf-8")
     if label not in state.domains:
         if len(state.domains) >= MAX_DOMAINS:
             return OTHER_DOMAIN
@@ -219,10 +197,10 @@ def _domain(state: ApiState, request: web.Request, body: dict[str, Any]) -> str 
 
 async def _respond(request: web.Request, body: dict[str, Any], state: ApiState, prompt_ids: list[int],
                    params: SamplingParams, stops: list[str], stream: bool, chat: bool) -> web.StreamResponse:
-    include_usage = stream and _include_usage(body)
-    _check_capacity(state)
+    include_usage = stream and fields.include_usage(body)
+    _check_capacity(state)  # again: others may have queued while this prompt was being tokenised
     begin = time.perf_counter()
-    decoder = _Stream(state, prompt_ids, params, stops, _domain(state, request, body))
+    decoder = _Stream(state, request, prompt_ids, params, stops, _domain(state, request, body))
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"
     base = {"id": decoder.request_id, "created": created, "model": state.model_name}
@@ -237,94 +215,67 @@ async def _respond(request: web.Request, body: dict[str, Any], state: ApiState, 
         return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(decoder.ids),
                 "total_tokens": len(prompt_ids) + len(decoder.ids)}
 
-    if not stream:
-        text = "".join([piece async for piece in decoder.deltas()])
+    response: web.StreamResponse | None = None
+    try:
+        if not stream:
+            text = "".join([piece async for piece in decoder.deltas()])
+            state.metrics.request_latency.observe(time.perf_counter() - begin)
+            return web.json_response({**base, "object": kind, "usage": usage(),
+                                      "choices": [choice(text, decoder.finish_reason, False)]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(payload: dict[str, Any] | str) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            await response.write(f"data: {data}\n\n".encode())
+
+        async with contextlib.aclosing(decoder.deltas()) as pieces:
+            first = await anext(pieces, "")  # errors before the first token still get a JSON error
+            await response.prepare(request)
+            try:
+                if chat:
+                    await send({**base, "object": chunk_kind, "choices": [
+                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+                if first:
+                    await send({**base, "object": chunk_kind, "choices": [choice(first, None, True)]})
+                async for piece in pieces:
+                    await send({**base, "object": chunk_kind, "choices": [choice(piece, None, True)]})
+                await send({**base, "object": chunk_kind, "choices": [choice("", decoder.finish_reason, True)]})
+                if include_usage:
+                    await send({**base, "object": chunk_kind, "choices": [], "usage": usage()})
+                await send("[DONE]")
+            except ApiError as error:  # an engine fault once the stream began: say so in it, then end it
+                await send(error.as_json())
+                await send("[DONE]")
         state.metrics.request_latency.observe(time.perf_counter() - begin)
-        return web.json_response({**base, "object": kind, "choices": [choice(text, decoder.finish_reason, False)],
-                                  "usage": usage()})
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-    pieces = decoder.deltas()
-    try:
-        first = await pieces.__anext__()  # errors before the first token still get a JSON error
-    except StopAsyncIteration:
-        first = ""
-    await response.prepare(request)
-
-    async def send(payload: dict[str, Any] | str) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload)
-        await response.write(f"data: {data}\n\n".encode())
-
-    try:
-        if chat:
-            await send({**base, "object": chunk_kind, "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-        if first:
-            await send({**base, "object": chunk_kind, "choices": [choice(first, None, True)]})
-        async for piece in pieces:
-            await send({**base, "object": chunk_kind, "choices": [choice(piece, None, True)]})
-        await send({**base, "object": chunk_kind, "choices": [choice("", decoder.finish_reason, True)]})
-        if include_usage:
-            await send({**base, "object": chunk_kind, "choices": [], "usage": usage()})
-        await send("[DONE]")
-    except ApiError as error:  # an engine fault once the stream began: say so in it, then end it
-        await send(error.as_json())
-        await send("[DONE]")
-    except (ConnectionResetError, asyncio.CancelledError):
-        state.worker.cancel(decoder.request_id)  # the client went away: free its batch slot
-        raise
-    state.metrics.request_latency.observe(time.perf_counter() - begin)
-    return response
+        return response
+    except (ClientGone, ConnectionError):
+        # nobody reads the answer any more; aiohttp ignores a failed write of this one
+        return response if response is not None else web.Response(status=499, reason="Client Closed Request")
+    finally:
+        decoder.abandon()  # frees the batch slot of a request cut short (client gone, handler cancelled)
 
 
 # ---- handlers ---------------------------------------------------------------------------------
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _json_body(request)
-    _check_model(state, body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        prompt_ids = list(prompt)
-    elif isinstance(prompt, str):
-        prompt_ids = state.loaded.encode(prompt)
-    else:
-        raise ApiError(400, "'prompt' must be a string, a list with one string, or a list of token ids",
-                       param="prompt")
-    params, stops, stream = _sampling(body, default_max_tokens=16)
+    fields.check_model(body, state.model_name)
+    params, stops, stream = fields.sampling(body, default_max_tokens=16)
+    _check_capacity(state)  # before tokenising: an overloaded server refuses cheaply
+    # tokenising a long prompt takes a while: off the loop, other clients' streams keep flowing
+    prompt_ids = await asyncio.to_thread(fields.completion_prompt_ids, state.loaded, body.get("prompt"))
     return await _respond(request, body, state, prompt_ids, params, stops, stream, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _json_body(request)
-    _check_model(state, body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-    texts = [{"role": m["role"], "content": _text_content(m.get("content"))} for m in messages]
-    try:
-        prompt_ids = state.loaded.encode_messages(texts)
-    except Exception as error:  # a chat template can reject role orders it does not know
-        raise ApiError(400, f"the chat template refused these messages: {error}", param="messages") from None
-    params, stops, stream = _sampling(body, default_max_tokens=256)
+    fields.check_model(body, state.model_name)
+    params, stops, stream = fields.sampling(body, default_max_tokens=256)
+    _check_capacity(state)
+    prompt_ids = await asyncio.to_thread(fields.chat_prompt_ids, state.loaded, body.get("messages"))
     return await _respond(request, body, state, prompt_ids, params, stops, stream, chat=True)
-
-
-def _text_content(content: Any) -> str:
-    """A message's content as text: a string, or OpenAI's list of parts, of which text parts only."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
-        kinds = {part.get("type") for part in content}
-        if kinds <= {"text"} and all(isinstance(part.get("text"), str) for part in content):
-            return "".join(part["text"] for part in content)
-        raise ApiError(400, f"only text content parts are supported, got {sorted(map(str, kinds - {'text'}))}",
-                       param="messages")
-    raise ApiError(400, "a message's 'content' must be a string or a list of {type: text, text} parts",
-                   param="messages")
 
 
 async def models(request: web.Request) -> web.Response:
@@ -366,7 +317,7 @@ async def _api_key(request: web.Request, handler: Callable[[web.Request], Awaita
 
 
 def create_app(state: ApiState) -> web.Application:
-    app = web.Application(middlewares=[_errors, _api_key], client_max_size=8 * 1024 * 1024)
+    app = web.Application(middlewares=[_errors, _api_key], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app.router.add_post(OPENAI_ROUTES[0], completions)
     app.router.add_post(OPENAI_ROUTES[1], chat_completions)
