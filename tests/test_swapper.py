@@ -30,6 +30,7 @@ from specd.hotswap.remote import RemoteSource
 from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import LocalStore, Swapper
 from specd.model.fingerprint import TargetFingerprint
+from specd.threads import BackgroundHealth
 from specd.vllm.launch import OWNER_FILE, temporary_folder
 from specd.vllm.loop import PinnedSource, force_version
 
@@ -222,6 +223,32 @@ def test_force_version_only_pins_and_the_swapper_thread_fetches(store: WeightSto
     force_version(pinned, 4)  # what collective_rpc runs on vLLM's decoding thread
     assert flaky.fetches == [] and swapper.prepared_version is None
     assert swapper.check_once() is True and flaky.fetches == [4]
+
+
+def test_an_unexpected_failure_restarts_the_swapper_thread_and_is_counted(store: WeightStore) -> None:
+    store.set_live(1)
+    swapper = Swapper(store, serving(), FINGERPRINT, poll_seconds=0.01)
+    real_check, calls = swapper.check_once, []
+
+    def fails_once() -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in a check")
+        return real_check()
+
+    swapper.check_once = fails_once  # type: ignore[method-assign]
+    health = BackgroundHealth()
+    swapper.start(health)
+    try:
+        store.set_live(3)
+        deadline = time.monotonic() + 20
+        while swapper.prepared_version != "3" and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        swapper.stop()
+    assert swapper.prepared_version == "3"  # swaps go on after the failure
+    task = health.snapshot()["swapper"]
+    assert task["failures"] == 1 and task["restarts"] == 1 and "a bug in a check" in str(task["last_error"])
 
 
 def test_the_cache_keeps_the_newest_versions_and_the_serving_one(

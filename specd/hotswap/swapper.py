@@ -35,9 +35,12 @@ from specd.drafter.factory import ServingDrafter
 from specd.errors import CheckpointError, SpecdError, TransportError
 from specd.hotswap.store import WeightStore, sha256_file
 from specd.model.fingerprint import TargetFingerprint
-from specd.threads import backoff_delay, lower_thread_priority
+from specd.threads import BackgroundHealth, backoff_delay, lower_thread_priority, supervised_thread
 
 log = logging.getLogger(__name__)
+
+
+SWAPPER_TASK = "swapper"
 
 
 @dataclass
@@ -180,8 +183,10 @@ class Swapper:
         return model
 
     # ---- background thread ----------------------------------------------------------------
-    def start(self) -> Swapper:
-        self._thread = threading.Thread(target=self._run, name="specd-swapper", daemon=True)
+    def start(self, health: BackgroundHealth | None = None) -> Swapper:
+        """Follow the live version on a thread; an unexpected failure is logged, counted in `health`
+        (task `swapper`) and the thread restarts, so swaps never silently stop."""
+        self._thread = supervised_thread(SWAPPER_TASK, self._run, health or BackgroundHealth(), self._stop)
         self._thread.start()
         return self
 

@@ -184,7 +184,7 @@ def _lifecycle(options: ServeOptions, wiring: Wiring, worker: EngineWorker, swap
         if wiring.publisher is not None:
             wiring.publisher.start()
         worker.start()
-        swapper.start()
+        swapper.start(wiring.health)
         if wiring.learner is not None:
             wiring.learner.start()
         reports = asyncio.create_task(supervise(REPORTS_TASK, lambda: report_loop(stop), wiring.health, stop),

@@ -1,0 +1,206 @@
+"""The soak's fault schedule, the versions it plants, and the memory watch.
+
+Contract: `Faults.run(seconds, tally, flood)` performs the schedule in soak.py's docstring at its
+fractions of the run, logging each event with its time (`log`), and watches which drafter
+version every server serves (twice a second) and which version is live at the learner.
+The corrupt version is a copy of the live one whose weights no longer match their sha256; the
+worse version is a copy with its weights drowned in noise; an operator tries to make each live
+(`POST /v1/live`), which must refuse both (the corrupt one by its checksum, the worse one by
+the gate). `version_outcomes()` says whether either went live or was served anyway.
+`MemoryWatch` samples each process's resident memory every two seconds; its summary compares
+the last instance of each process after its warm-up share with its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from harness import Broker, SpecdProcess, get_json
+from soak_traffic import Tally
+
+from specd.drafter.checkpoint import load_drafter
+from specd.errors import VersionNotFound
+from specd.hotswap.store import WeightStore
+from specd.model.target import LoadedTarget
+
+SCHEDULE = [(0.15, "restart the broker"), (0.30, "kill and restart the learner"),
+            (0.45, "publish a corrupt version"), (0.55, "publish a worse version"),
+            (0.65, "roll back by hand"), (0.75, "flood server 2")]
+
+
+def post(url: str, body: dict[str, Any], token: str) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=330) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+class Faults:
+    def __init__(self, work: Path, broker: Broker, learner: SpecdProcess, servers: list[SpecdProcess], token: str,
+                 target: LoadedTarget) -> None:
+        self.work, self.broker, self.learner, self.servers, self.token = work, broker, learner, servers, token
+        self.target = target
+        self.log: list[dict[str, Any]] = []
+        self.planted: dict[str, int] = {}
+        self.served: set[str] = set()
+        self.live_seen: set[int] = set()
+        self._begin = time.monotonic()
+        self._stop = threading.Event()
+        self._pending: list[threading.Thread] = []
+
+    def note(self, event: str) -> None:
+        print(f"[soak {time.monotonic() - self._begin:6.1f} s] {event}", flush=True)
+        self.log.append({"at": time.monotonic() - self._begin, "event": event})
+
+    # ---- the schedule ---------------------------------------------------------------------
+    async def run(self, seconds: float, tally: Tally, flood: Callable[[], Awaitable[None]],
+                  flood_seconds: float) -> None:
+        watcher = threading.Thread(target=self._watch_versions, daemon=True)
+        watcher.start()
+        self._begin = time.monotonic() - tally.now()
+        try:
+            for share, event in SCHEDULE:
+                await asyncio.sleep(max(0.0, share * seconds - tally.now()))
+                self.note(event)
+                if event.startswith("flood"):
+                    tally.flood_window = (tally.now(), tally.now() + flood_seconds)
+                    await flood()
+                    self.note("flood over")
+                else:
+                    await asyncio.to_thread(self._act, event)
+        finally:
+            await asyncio.sleep(max(0.0, seconds - tally.now()))
+            self._stop.set()
+
+    def _act(self, event: str) -> None:
+        if event == "restart the broker":
+            self.broker.stop()
+            time.sleep(3)
+            self.broker.start()
+        elif event == "kill and restart the learner":
+            self.learner.kill()
+            time.sleep(3)
+            self.learner.start()
+            self.note("learner back")
+        elif event.startswith("publish a"):  # the gate may take a while: the schedule goes on meanwhile
+            kind = event.split()[2]
+            thread = threading.Thread(target=self._plant, args=(kind,), name=f"soak-{kind}", daemon=True)
+            thread.start()
+            self._pending.append(thread)
+        elif event == "roll back by hand":
+            status, answer = post(self.learner.url + "/v1/rollback", {}, self.token)
+            self.note(f"rollback answered {status}: {answer}")
+
+    def _plant(self, kind: str) -> None:
+        """A new version in the learner's store, then an operator's attempt to make it live."""
+        store = WeightStore(self.work / "learner-store")
+        live = store.live_version()
+        assert live is not None
+        model = load_drafter(store.weights_path(live), self.target.fingerprint,
+                             target_embedding=self.target.model.embed.weight)
+        if kind == "worse":
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.dtype.is_floating_point and param is not getattr(model, "embed", None):
+                        param.add_(torch.randn_like(param) * (3 * float(param.float().std()) + 1e-3))
+        version = store.publish(model, self.target.fingerprint, live, {"planted_by": "soak", "kind": kind},
+                                self.target.model.embed.weight)
+        if kind == "corrupt":  # flip bytes in the tensor data: the file no longer matches its manifest's sha256
+            path = store.weights_path(version)
+            data = bytearray(path.read_bytes())
+            for offset in range(len(data) - 64, len(data) - 32):
+                data[offset] ^= 0xFF
+            path.write_bytes(bytes(data))
+        self.planted[kind] = version
+        status, answer = post(self.learner.url + "/v1/live", {"version": version}, self.token)
+        self.note(f"{kind} version {version}: POST /v1/live answered {status}: {answer}")
+
+    # ---- what went live and what was served -------------------------------------------------
+    def _watch_versions(self) -> None:
+        while not self._stop.wait(0.5):
+            for server in self.servers:
+                with contextlib.suppress(OSError, ValueError, KeyError):  # a busy server answers next time
+                    self.served.add(str(server.health()["drafter_version"]))
+            try:
+                live = get_json(self.learner.url + "/v1/versions")["live"]
+                if live is not None:
+                    self.live_seen.add(int(live))
+            except (OSError, ValueError, KeyError):
+                pass  # the learner is restarting
+
+    def version_outcomes(self) -> dict[str, Any]:
+        """Whether a planted version went live (seen live, or its manifest says it was ever live)
+        or was served by a server (seen in /health while watching)."""
+        for thread in self._pending:  # an operator's attempt still waiting for the gate's answer
+            thread.join(timeout=360)
+        store = WeightStore(self.work / "learner-store")
+        outcome: dict[str, Any] = {"planted": self.planted, "served": sorted(self.served, key=lambda v: (len(v), v))}
+        for kind in ("corrupt", "worse"):
+            version = self.planted.get(kind)
+            try:
+                ever_live = version is not None and "live_since" in store.manifest(version)
+            except VersionNotFound:  # collected since: it was not live lately (gc keeps those); the watch decides
+                ever_live = False
+            outcome[f"{kind}_live"] = int(version in self.live_seen or ever_live)
+            outcome[f"{kind}_served"] = int(str(version) in self.served)
+        return outcome
+
+
+class MemoryWatch:
+    """Resident memory of each named process (by whatever process object its getter returns now)."""
+
+    def __init__(self, processes: dict[str, Callable[[], Any]], interval: float = 2.0) -> None:
+        self.processes, self.interval = processes, interval
+        self.samples: dict[str, list[tuple[float, int, float]]] = {name: [] for name in processes}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._begin = time.monotonic()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for name, getter in self.processes.items():
+                process = getter()
+                if process is None:
+                    continue
+                try:
+                    status = Path(f"/proc/{process.pid}/status").read_text()
+                except OSError:
+                    continue
+                kilobytes = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+                self.samples[name].append((time.monotonic() - self._begin, process.pid, kilobytes / 1024))
+
+    def summary(self, warmup_share: float) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, samples in self.samples.items():
+            if not samples:
+                continue
+            last_pid = samples[-1][1]
+            mine = [mb for _, pid, mb in samples if pid == last_pid]
+            warm = mine[int(len(mine) * warmup_share):] or mine
+            start, end = statistics.median(warm[:3]), statistics.median(warm[-3:])
+            out[name] = {"warm_mb": start, "end_mb": end, "max_mb": max(mine),
+                         "growth_pct": 100 * (end - start) / start,
+                         "samples": len(mine), "series": [(round(t, 1), round(mb, 1)) for t, pid, mb in samples]}
+        return out
