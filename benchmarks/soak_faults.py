@@ -79,7 +79,10 @@ class Faults:
                 if event.startswith("flood"):
                     tally.flood_window = (tally.now(), tally.now() + flood_seconds)
                     await flood()
-                    self.note("flood over")
+                    # the flood's admitted requests still fill the queue: its 429s last until it drains
+                    drained = await asyncio.to_thread(self._drain_queue, self.servers[1])
+                    tally.flood_window = (tally.flood_window[0], tally.now())
+                    self.note(f"flood over; server 2's queue {'drained' if drained else 'did not drain in 60 s'}")
                 else:
                     await asyncio.to_thread(self._act, event)
         finally:
@@ -128,6 +131,16 @@ class Faults:
         self.planted[kind] = version
         status, answer = post(self.learner.url + "/v1/live", {"version": version}, self.token)
         self.note(f"{kind} version {version}: POST /v1/live answered {status}: {answer}")
+
+    @staticmethod
+    def _drain_queue(server: SpecdProcess, timeout: float = 60.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                if int(server.health()["requests_queued"]) == 0:
+                    return True
+            time.sleep(0.2)
+        return False
 
     # ---- what went live and what was served -------------------------------------------------
     def _watch_versions(self) -> None:

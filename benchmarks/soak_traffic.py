@@ -52,7 +52,7 @@ class Outcome:
     at: float
     status: int | None           # None: no answer (connection error, timeout, deliberate disconnect)
     error: str | None = None
-    in_flood: bool = False
+    in_flood: bool = False       # sent between the flood's start and the drain of its queue (set by summary)
     greedy_equal: bool | None = None
 
 
@@ -68,9 +68,7 @@ class Tally:
 
     def add(self, kind: str, server: int, at: float, status: int | None, error: str | None = None,
             greedy_equal: bool | None = None) -> None:
-        window = self.flood_window
-        in_flood = window is not None and window[0] <= at <= window[1] + 2.0
-        self.outcomes.append(Outcome(kind, server, at, status, error, in_flood, greedy_equal))
+        self.outcomes.append(Outcome(kind, server, at, status, error, False, greedy_equal))
 
     def failed(self, outcome: Outcome) -> bool:
         """A request the service let down: a 5xx, no answer where one was due, a malformed request
@@ -88,7 +86,10 @@ class Tally:
                                   "refused_429_outside_flood": 0, "malformed_answered_4xx": 0,
                                   "disconnected_early": 0, "failed": 0, "greedy_checked": 0, "greedy_equal": 0}
         failures: dict[str, int] = {}
+        failed_at: list[dict[str, Any]] = []
+        window = self.flood_window  # final now: from the flood's start until its queue drained
         for outcome in self.outcomes:
+            outcome.in_flood = window is not None and window[0] <= outcome.at <= window[1]
             if outcome.greedy_equal is not None:
                 counts["greedy_checked"] += 1
                 counts["greedy_equal"] += int(outcome.greedy_equal)
@@ -98,13 +99,16 @@ class Tally:
                 counts["failed"] += 1
                 label = f"{outcome.kind}: {outcome.status or outcome.error}"
                 failures[label] = failures.get(label, 0) + 1
+                failed_at.append({"kind": outcome.kind, "server": outcome.server + 1, "at": round(outcome.at, 1),
+                                  "status": outcome.status, "error": outcome.error})
             elif outcome.kind == "malformed":
                 counts["malformed_answered_4xx"] += 1
             elif outcome.status is None:
                 counts["disconnected_early"] += 1
             elif outcome.status == 200:
                 counts["succeeded"] += 1
-        return {**counts, "failures": failures, "mismatches": self.mismatches[:10]}
+        return {**counts, "failures": failures, "failed_requests": failed_at[:50], "flood_window": self.flood_window,
+                "mismatches": self.mismatches[:10]}
 
 
 def _body(prompt: Prompt, max_tokens: int, greedy: bool, stream: bool, seed: int) -> dict[str, Any]:

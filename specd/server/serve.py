@@ -143,7 +143,7 @@ def _status(options: ServeOptions, wiring: Wiring, worker: EngineWorker) -> Call
     def status() -> dict[str, Any]:
         counters, publisher, learner = wiring.counters, wiring.publisher, wiring.learner
         return {"server_id": options.server_id, "live_version": wiring.source.live_version(),
-                "records_published": worker.num_records_published,
+                "requests_queued": worker.queued, "records_published": worker.num_records_published,
                 "records_delivered": counters.delivered, "records_shed": counters.shed,
                 "broker_connected": publisher.connected.is_set() if publisher else None,
                 "learner_steps": learner.stats.steps if learner is not None else None,
