@@ -5,12 +5,14 @@ it in place while requests are in flight.
 SmolLM2-135M-Instruct served by two vLLM processes, plain and with the eagle3 route (started with
 the exact command `specd vllm` builds), float32 and eager so that both compute the same greedy
 tokens. The learner sidecar's store holds version 1 (the shipped pretrained drafter), 2 (the same
-with a perturbed output layer), 3 (a file that no longer matches its manifest's sha256) and 4 (a
-NaN weight); 1 is live. The learner never publishes here (it only receives records).
+with a perturbed output layer), 3 (a file that no longer matches its manifest's sha256, so only a
+hand-edited live.json can make it live) and 4 (a NaN weight); 1 is live, 2-4 count as once live
+(no gate). The learner never publishes here (it only receives records).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,7 +76,19 @@ def store(tmp_path_factory, smollm2: LoadedTarget) -> WeightStore:
     with torch.no_grad():
         broken.head.weight[0, 0] = float("nan")
     store.publish(broken, smollm2.fingerprint, 1, {"info": "a NaN weight"})
+    # marked as once live, so an operator's POST /v1/live takes them without the learner's gate:
+    # these tests are about what vLLM's side checks and swaps, not about the gate
+    for version in (2, 3, 4):
+        store.update(version, status="retired")
     return store
+
+
+def make_live_by_hand(store: WeightStore, version: int) -> None:
+    """live.json edited by hand (the store itself refuses weights that no longer match their sha256):
+    the servers' own check must still refuse them. The learner announces what live.json says."""
+    state = store.live_state()
+    (store.root / "live.json").write_text(json.dumps({**state, "version": version,
+                                                      "history": [*state["history"], state["version"]]}))
 
 
 @pytest.fixture(scope="module")
@@ -209,9 +223,12 @@ def test_a_swapped_version_is_the_one_drafting(eagle3: VllmServer) -> None:
 
 
 @pytest.mark.parametrize(("version", "reason"), [(3, "sha256"), (4, "non-finite")])
-def test_a_corrupt_version_is_refused_and_the_old_one_keeps_serving(eagle3: VllmServer, learner, expected,
+def test_a_corrupt_version_is_refused_and_the_old_one_keeps_serving(eagle3: VllmServer, learner, store, expected,
                                                                     version: int, reason: str) -> None:
-    post_json(learner.url + "/v1/live", {"version": version}, token=TOKEN)
+    if reason == "sha256":
+        make_live_by_hand(store, version)
+    else:
+        post_json(learner.url + "/v1/live", {"version": version}, token=TOKEN)
     try:
         wait_for(lambda: str(version) in {str(v) for v in status(eagle3)["refused_versions"]}, 60,
                  what=f"version {version} refused")

@@ -145,6 +145,10 @@ async def set_live(request: web.Request) -> web.Response:
         return _specd_error(error)
     if plane.submit is None or status != "candidate":  # a version that has been live before is trusted
         return await _operate(request, lambda p, b: p.store.set_live(version, "operator"), body)
+    try:  # a file that fails its checksum needs no evaluation (which may wait for the learner's thread)
+        await asyncio.to_thread(plane.store.check_weights, version)
+    except (StoreError, OSError) as error:
+        return _error(409, f"version {version} cannot go live: {error}")
     try:  # evaluated on the learner's thread; this loop keeps serving meanwhile
         verdict = await asyncio.wait_for(asyncio.wrap_future(plane.submit(version)), plane.gate_timeout_s)
     except TimeoutError:

@@ -179,7 +179,7 @@ class WeightStore:
             raise VersionNotFound(f"version {version} has no weights in {self.root}")
         if previous == version:
             return
-        self._check_weights(version, manifest)
+        self.check_weights(version, manifest)
         now = time.time()
         if previous is not None:
             self._leave_live(previous, now, status="retired")
@@ -187,9 +187,10 @@ class WeightStore:
         self.update(version, status="live", live_since=now, live_reason=reason)
         _write_json_atomic(self.root / "live.json", {**state, "version": version, "history": state["history"][-100:]})
 
-    def _check_weights(self, version: int, manifest: dict[str, Any]) -> None:
+    def check_weights(self, version: int, manifest: dict[str, Any] | None = None) -> None:
         """Refuse to make live weights that no longer match their manifest (a disk fault, a bad copy):
         every server would refuse them and keep serving the old version while the store said otherwise."""
+        manifest = manifest if manifest is not None else self.manifest(version)
         digest = sha256_file(self.weights_path(version))
         if digest != manifest.get("sha256"):
             raise StoreError(f"version {version}: its weights' sha256 {digest[:12]}… does not match the "
@@ -225,7 +226,7 @@ class WeightStore:
             raise VersionNotFound(f"version {to} does not exist (or has no weights) in {self.root}")
         if to == current:
             raise StoreError(f"version {to} is already live")
-        self._check_weights(to, self.manifest(to))
+        self.check_weights(to, self.manifest(to))
         now = time.time()
         self._leave_live(current, now, status="rolled-back", rollback_evidence=evidence or {"by": "operator"})
         self.update(to, status="live", live_since=now, live_reason=f"rollback from {current}")
