@@ -103,9 +103,10 @@ def feature_loss(model: FeatureDrafterModel, batch: FeatureBatch, rows: torch.Te
 @torch.no_grad()
 def simulated_counts(model: FeatureDrafterModel, sequences: list[tuple[torch.Tensor, torch.Tensor, int]],
                      k: int) -> AcceptanceCounts:
-    """Greedy drafting replayed on (tokens [T], features [T, F], prompt_length) trajectories whose
-    outputs are the target's greedy choices: each target pass drafts up to k and accepts the run
-    of drafts equal to the next output tokens, as the engine would."""
+    """Greedy drafting replayed on (tokens [T], features [T, F], prompt_length) trajectories: each
+    target pass drafts up to k and accepts the run of drafts equal to the next output tokens, as the
+    engine would. Exact where the outputs are the target's greedy choices, an unbiased estimate where
+    they were sampled (see `specd.learner.gate`)."""
     counts = AcceptanceCounts()
     device = model.head.weight.device
     for tokens, features, prompt_length in sequences:

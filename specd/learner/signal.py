@@ -90,7 +90,8 @@ def drafter_loss(logits: torch.Tensor, batch: TrainingBatch, negative_coef: floa
 def simulated_counts(model: Transformer, records: list[TrajectoryRecord], k: int,
                      window: int = 512) -> AcceptanceCounts:
     """Drafts, accepted drafts, target passes and tokens the drafter would reach on these outputs
-    (greedy, teacher-forced): each pass drafts up to k, accepts the run of correct predictions."""
+    (greedy drafting, teacher-forced): each pass drafts up to k, accepts the run of correct predictions.
+    Exact on greedy records, an unbiased estimate on sampled ones (see `specd.learner.gate`)."""
     counts = AcceptanceCounts()
     for record in records:
         ids = (record.prompt_ids + record.output_ids)[-(window + 1):]
