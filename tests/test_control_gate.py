@@ -7,6 +7,7 @@ as an outside publisher (or a careless operator) would. Previously live versions
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,12 +53,18 @@ def plant(learner: Learner, accept_length: float) -> int:
     return learner.store.publish(model, FINGERPRINT, learner.store.live_version(), {"planted": True})
 
 
-async def control_client(learner: Learner) -> TestClient:
+async def operator_sets_live(learner: Learner, *versions: int) -> list[tuple[int, dict[str, Any], str | None]]:
+    """An operator's POST /v1/live of each version in turn, to a control plane with the learner's gate:
+    (status, JSON answer, Retry-After) for each."""
     app = web.Application()
     add_control_routes(app, ControlPlane(learner.store, AcceptanceLog(), TOKEN, submit=learner.submit))
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    return client
+    answers = []
+    async with TestClient(TestServer(app)) as client:
+        for version in versions:
+            response = await client.post("/v1/live", json={"version": version},
+                                         headers={"Authorization": f"Bearer {TOKEN}"})
+            answers.append((response.status, await response.json(), response.headers.get("Retry-After")))
+    return answers
 
 
 def judged_by_norm(learner: Learner, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,13 +77,8 @@ async def test_a_worse_candidate_is_refused_by_the_gate_and_never_goes_live(tmp_
     learner = learner_on(tmp_path, records=6)
     judged_by_norm(learner, monkeypatch)
     worse = plant(learner, 0.5)
-    client = await control_client(learner)
-    try:
-        response = await client.post("/v1/live", json={"version": worse}, headers={"Authorization": f"Bearer {TOKEN}"})
-        answer = await response.json()
-    finally:
-        await client.close()
-    assert response.status == 409 and "gate refused" in answer["error"]["message"]
+    [(status, answer, _)] = await operator_sets_live(learner, worse)
+    assert status == 409 and "gate refused" in answer["error"]["message"]
     assert answer["evaluation"]["candidate"] == 0.5 and answer["evaluation"]["live"] == 1.0
     assert learner.store.live_version() == 1 and learner.store.manifest(worse)["status"] == "rejected"
 
@@ -85,16 +87,10 @@ async def test_a_better_candidate_passes_the_gate_and_goes_live(tmp_path, monkey
     learner = learner_on(tmp_path, records=6)
     judged_by_norm(learner, monkeypatch)
     better = plant(learner, 1.5)
-    client = await control_client(learner)
-    try:
-        response = await client.post("/v1/live", json={"version": better}, headers={"Authorization": f"Bearer {TOKEN}"})
-        answer = await response.json()
-        assert response.status == 200 and answer["live"] == better and answer["evaluation"]["passed"]
-        # a version that was live before is trusted: rolling forward to it again needs no gate
-        assert (await client.post("/v1/live", json={"version": 1},
-                                  headers={"Authorization": f"Bearer {TOKEN}"})).status == 200
-    finally:
-        await client.close()
+    # then back to 1: a version that was live before is trusted, it needs no gate
+    (status, answer, _), (status_again, _, _) = await operator_sets_live(learner, better, 1)
+    assert status == 200 and answer["live"] == better and answer["evaluation"]["passed"]
+    assert status_again == 200
     assert learner.store.live_version() == 1
 
 
@@ -102,13 +98,8 @@ async def test_without_held_out_evidence_the_gate_answers_503_and_nothing_goes_l
     learner = learner_on(tmp_path, records=2)  # 2 held out, the gate needs 4
     judged_by_norm(learner, monkeypatch)
     better = plant(learner, 1.5)
-    client = await control_client(learner)
-    try:
-        response = await client.post("/v1/live", json={"version": better}, headers={"Authorization": f"Bearer {TOKEN}"})
-        answer = await response.json()
-    finally:
-        await client.close()
-    assert response.status == 503 and response.headers["Retry-After"] == "30"
+    [(status, answer, retry_after)] = await operator_sets_live(learner, better)
+    assert status == 503 and retry_after == "30"
     assert "needs 4" in answer["error"]["message"]
     assert learner.store.live_version() == 1 and learner.store.manifest(better)["status"] == "candidate"
 
@@ -121,12 +112,6 @@ async def test_a_corrupt_version_cannot_go_live_by_hand(tmp_path, monkeypatch) -
     data = bytearray(path.read_bytes())
     data[-8:] = bytes(8)
     path.write_bytes(bytes(data))
-    client = await control_client(learner)
-    try:
-        response = await client.post("/v1/live", json={"version": corrupt},
-                                     headers={"Authorization": f"Bearer {TOKEN}"})
-        answer = await response.json()
-    finally:
-        await client.close()
-    assert response.status == 409 and "does not match" in str(answer)
+    [(status, answer, _)] = await operator_sets_live(learner, corrupt)
+    assert status == 409 and "does not match" in str(answer)
     assert learner.store.live_version() == 1
