@@ -53,9 +53,17 @@ def iter_sharegpt(path: Path | None = None):
         yield item
 
 
-# the first conversations of the file are traffic for demos, benchmarks and held-out evaluation;
-# `specd pretrain` trains only on those after them
+# The file's conversations, in file order, have three jobs that never mix:
+# [0, EVALUATION_RESERVE): traffic for the demo and benchmarks;
+# PRETRAINING_RANGE: the only conversations offline training may read, of which the last
+#   VALIDATION_SIZE (VALIDATION_RANGE) are held out of training to choose settings on;
+# [EVALUATION_START, ...): reserved for the held-out figures that report a drafter.
 EVALUATION_RESERVE = 6000
+EVALUATION_START = 9500
+PRETRAINING_RANGE = range(EVALUATION_RESERVE, EVALUATION_START)
+VALIDATION_SIZE = 100
+VALIDATION_RANGE = range(EVALUATION_START - VALIDATION_SIZE, EVALUATION_START)
+TRAINING_RANGE = range(EVALUATION_RESERVE, EVALUATION_START - VALIDATION_SIZE)
 ROLES = {"human": "user", "gpt": "assistant"}
 
 
@@ -77,20 +85,39 @@ def load_sharegpt(count: int, seed: int = 0, max_chars: int = 600) -> list[Traff
     return pool[:count]
 
 
-def iter_training_conversations():
-    """Chat messages ([{"role", "content"}], user first, roles alternating) of the conversations
-    after the evaluation reserve, for offline training."""
+def conversation_messages(conversation: dict[str, Any]) -> list[dict[str, str]]:
+    """Chat messages ([{"role", "content"}], user first, roles alternating) of one ShareGPT record,
+    up to its first malformed turn."""
+    messages: list[dict[str, str]] = []
+    for turn in conversation.get("conversations") or []:
+        role = ROLES.get(turn.get("from"))
+        text = str(turn.get("value", "")).strip()
+        if role is None or not text or (messages and messages[-1]["role"] == role):
+            break
+        messages.append({"role": role, "content": text})
+    return messages if messages and messages[0]["role"] == "user" else []
+
+
+def iter_conversations_in(span: range):
+    """(file index, messages) of the conversations in `span` (file order) with a user turn first;
+    nothing outside `span` is ever yielded."""
     for index, conversation in enumerate(iter_sharegpt()):
-        if index < EVALUATION_RESERVE:
-            continue
-        messages: list[dict[str, str]] = []
-        for turn in conversation.get("conversations") or []:
-            role = ROLES.get(turn.get("from"))
-            text = str(turn.get("value", "")).strip()
-            if role is None or not text or (messages and messages[-1]["role"] == role):
-                break
-            messages.append({"role": role, "content": text})
-        if len(messages) >= 2 and messages[0]["role"] == "user":
+        if index >= span.stop:
+            return
+        if index in span:
+            messages = conversation_messages(conversation)
+            if messages:
+                yield index, messages
+
+
+def iter_training_conversations(span: range = TRAINING_RANGE):
+    """Messages of the conversations offline training may read (at least one exchange each);
+    a span reaching outside `PRETRAINING_RANGE` is refused."""
+    if span.start < PRETRAINING_RANGE.start or span.stop > PRETRAINING_RANGE.stop:
+        raise ConfigurationError(f"offline training reads conversations {PRETRAINING_RANGE.start}-"
+                                 f"{PRETRAINING_RANGE.stop - 1} only, not {span.start}-{span.stop - 1}")
+    for _, messages in iter_conversations_in(span):
+        if len(messages) >= 2:
             yield messages
 
 

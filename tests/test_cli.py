@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from specd.cli import main
+from specd.errors import ConfigurationError
 
 
 def test_missing_target_folder_is_a_clear_error(capsys, tmp_path) -> None:
@@ -44,3 +46,18 @@ def test_generate_refuses_a_too_long_request(capsys) -> None:
     code = main(["generate", "--prompt", "hi", "--drafter", "none", "--max-tokens", "100000"])
     assert code == 2
     assert "context window" in capsys.readouterr().err
+
+
+def test_pretrain_flags_override_the_recipe_and_nothing_else() -> None:
+    from specd.cli import build_parser, pretrain_config
+    from specd.learner.pretrain import RECIPES, PretrainConfig
+
+    def config(*flags: str) -> PretrainConfig:
+        return pretrain_config(build_parser().parse_args(["pretrain", "--out", "o", "--work", "w", *flags]))
+
+    assert config("--recipe", "shipped") == RECIPES["shipped"]
+    assert config("--recipe", "shipped", "--data", "sharegpt", "--draft-vocab", "16384") == replace(
+        RECIPES["shipped"], data="sharegpt", draft_vocab=16384)
+    assert config("--max-seconds", "60") == replace(PretrainConfig(), max_seconds=60.0)
+    with pytest.raises(ConfigurationError, match="batch"):
+        config("--batch", "0")

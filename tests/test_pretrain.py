@@ -8,6 +8,7 @@ from scratch. `load_drafter` refuses a feature drafter file with tampered draft 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -22,18 +23,21 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import specd.learner.pretrain as pretrain_module
+import specd.learner.pretrain_data as pretrain_data
 from specd.drafter.checkpoint import load_drafter, read_metadata, save_drafter
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
-from specd.drafter.pretrained import day0_feature_model
+from specd.drafter.pretrained import SHIPPED_DRAFTER, check_manifest, day0_feature_model
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.errors import CheckpointError
-from specd.learner.pretrain import PretrainConfig, pretrain
+from specd.learner.distill import DistillConfig
+from specd.learner.pretrain import RECIPES, PretrainConfig, config_from_settings, pretrain
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import ModelConfig, Transformer
 from specd.testing import TINY, tiny_loaded_target, tiny_target
 
-TINY_PRETRAIN = PretrainConfig(conversations=4, max_length=48, steps=4, batch_size=2, eval_prompts=2, eval_tokens=6,
-                               eval_every=2, checkpoint_every=2, shard_size=2)
+TINY_PRETRAIN = PretrainConfig(data="sharegpt", conversations=4, max_length=48, steps=4, batch_size=2, eval_prompts=2,
+                               eval_tokens=6, eval_every=2, checkpoint_every=2, shard_size=2,
+                               distill=DistillConfig(dtype="float32"))
 COMMAND = "specd pretrain --conversations 4 --steps 4 (test)"
 
 
@@ -67,18 +71,23 @@ def test_pretrain_writes_a_loadable_fp16_drafter_and_its_manifest(pretrained) ->
     assert torch.equal(model.draft_ids, load_file(str(work / "data.safetensors"))["draft_ids"])
 
     manifest = pretrained["manifest"]
-    assert json.loads(out.with_suffix(".json").read_text()) == manifest
     assert json.loads(read_metadata(out)["manifest"]) == manifest
     assert manifest["command"] == COMMAND and manifest["seed"] == TINY_PRETRAIN.seed
     assert manifest["steps"] == 4 and manifest["tokens_trained"] > 0
-    assert manifest["data"]["conversations"] == 4
+    assert manifest["data"]["examples"] == 4 and manifest["data"]["conversations"] == "6000-9399"
     assert 4 * 16 <= manifest["data"]["tokens"] <= 4 * TINY_PRETRAIN.max_length
     assert "sharegpt" in manifest["data"]["source"].lower()
+    assert len(manifest["data"]["sha256"]) == 64
     held_out = manifest["held_out"]
-    assert held_out["prompts"] == 2 and held_out["k"] == TINY_PRETRAIN.eval_k
-    assert 1.0 <= held_out["accept_length"] <= TINY_PRETRAIN.eval_k + 1
+    assert held_out["k"] == TINY_PRETRAIN.eval_k
+    for name in ("validation", "evaluation"):
+        assert held_out[name]["prompts"] == 2 and len(held_out[name]["sha256"]) == 64
+        assert 1.0 <= held_out[name]["accept_length"] <= TINY_PRETRAIN.eval_k + 1
+    assert held_out["validation"]["sha256"] != held_out["evaluation"]["sha256"]
     assert [point["step"] for point in manifest["curve"]] == [0, 2, 4]
-    assert held_out["accept_length"] == manifest["curve"][-1]["accept_length"]
+    assert held_out["accept_length"] == manifest["curve"][-1]["evaluation_accept_length"]
+    written = json.loads(out.with_suffix(".json").read_text())
+    assert written.pop("file_sha256") == hashlib.sha256(out.read_bytes()).hexdigest()
 
 
 def test_pretrain_resumes_from_its_checkpoint_without_recomputing_features(pretrained, tmp_path: Path,
@@ -87,7 +96,8 @@ def test_pretrain_resumes_from_its_checkpoint_without_recomputing_features(pretr
     shutil.copytree(pretrained["work"], work)
     shards = sorted(work.glob("features-*.safetensors"))
     assert len(shards) == 2  # 4 conversations, 2 a shard
-    stamps = {path: path.stat().st_mtime_ns for path in [*shards, work / "eval.safetensors", work / "data.safetensors"]}
+    stamps = {path: path.stat().st_mtime_ns for path in [*shards, work / "validation.safetensors",
+                                                         work / "evaluation.safetensors", work / "data.safetensors"]}
     calls = {"features": 0, "loss": 0}
     real_loss = pretrain_module.feature_loss
 
@@ -102,9 +112,9 @@ def test_pretrain_resumes_from_its_checkpoint_without_recomputing_features(pretr
     def no_conversations():
         raise AssertionError("a resumed run re-read the conversations")
 
-    monkeypatch.setattr(pretrain_module, "target_features", counted_features)
+    monkeypatch.setattr(pretrain_data, "target_features", counted_features)
     monkeypatch.setattr(pretrain_module, "feature_loss", counted_loss)
-    monkeypatch.setattr(pretrain_module, "iter_training_conversations", no_conversations)
+    monkeypatch.setattr(pretrain_data, "iter_training_conversations", no_conversations)
     out = tmp_path / "drafter.safetensors"
     first = pretrained["manifest"]
     manifest = pretrain(pretrained["loaded"], replace(TINY_PRETRAIN, steps=6), work, out, COMMAND)
@@ -301,3 +311,65 @@ def test_load_drafter_refuses_a_feature_drafter_whose_config_was_tampered_with(c
     retune(path, **TAMPERED_CONFIG[case])
     with pytest.raises(CheckpointError, match="unreadable feature-drafter metadata"):
         load_drafter(path, fingerprint_of(target), target_embedding=target.embed.weight)
+
+
+# ---- self-distilled pretraining and the manifest's checks -----------------------------------------
+
+def test_pretrain_trains_on_the_targets_own_responses(tmp_path: Path) -> None:
+    loaded = tiny_loaded_target()
+    config = replace(TINY_PRETRAIN, data="distilled", steps=2, distill=DistillConfig(
+        prompts=4, max_prompt=120, max_new_tokens=8, batch=2, shard_size=2, dtype="float32"))
+    manifest = pretrain(loaded, config, tmp_path / "work", tmp_path / "drafter.safetensors", COMMAND)
+    assert "own responses" in manifest["data"]["source"] and manifest["data"]["examples"] == 4
+    assert manifest["steps"] == 2 and manifest["tokens_trained"] > 0
+    assert len(list((tmp_path / "work" / "distilled").glob("distilled-*.safetensors"))) == 2
+    assert check_manifest(tmp_path / "drafter.safetensors", required=True) == manifest
+
+
+def test_the_shipped_drafter_names_its_recipe_data_hashes_and_figure() -> None:
+    manifest = check_manifest(SHIPPED_DRAFTER, required=True)
+    assert manifest is not None and manifest["command"].startswith("specd pretrain --recipe shipped")
+    # the shipped file is what its recipe makes: same settings, nothing hand-made
+    assert config_from_settings(manifest["settings"]) == RECIPES["shipped"]
+    assert "own responses" in manifest["data"]["source"]
+    assert manifest["held_out"]["accept_length"] == manifest["held_out"]["evaluation"]["accept_length"]
+    assert SHIPPED_DRAFTER.stat().st_size <= 32 * 2**20
+
+
+def shipped_copy(tmp_path: Path) -> Path:
+    path = tmp_path / "shipped.safetensors"
+    shutil.copy(SHIPPED_DRAFTER, path)
+    shutil.copy(SHIPPED_DRAFTER.with_suffix(".json"), path.with_suffix(".json"))
+    return path
+
+
+def edit_json(path: Path, change) -> None:
+    beside = path.with_suffix(".json")
+    written = json.loads(beside.read_text())
+    change(written)
+    beside.write_text(json.dumps(written))
+
+
+def strip_manifest(path: Path) -> None:
+    metadata = read_metadata(path)
+    metadata.pop("manifest")
+    save_file(load_file(str(path)), str(path), metadata=metadata)
+    path.with_suffix(".json").unlink()
+
+
+MANIFEST_FAULTS = {
+    "a .json whose figure was edited": (lambda p: edit_json(p, lambda m: m["held_out"].update(accept_length=4.9)),
+                                        "differ"),
+    "a file that is not the one the .json names": (lambda p: edit_json(p, lambda m: m.update(file_sha256="0" * 64)),
+                                                   "sha256"),
+    "no manifest at all": (strip_manifest, "no manifest"),
+}
+
+
+@pytest.mark.parametrize("case", list(MANIFEST_FAULTS))
+def test_a_shipped_file_whose_manifest_does_not_check_out_is_refused(case: str, tmp_path: Path) -> None:
+    path = shipped_copy(tmp_path)
+    change, needle = MANIFEST_FAULTS[case]
+    change(path)
+    with pytest.raises(CheckpointError, match=needle):
+        check_manifest(path, required=True)

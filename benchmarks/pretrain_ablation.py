@@ -1,0 +1,145 @@
+"""Pretraining ablations at equal training time, and the chosen drafter's accept length against k.
+
+Each arm is one `specd pretrain` run in its own work folder (resumable: rerun to continue), on one
+torch thread, stopped at `--seconds` of training time; arms run `--parallel` at a time so that each
+shares the machine alike. Arms differ from the shipped recipe in one setting each:
+- `shipped`: the shipped recipe (the target's own responses, draft vocabulary 8192);
+- `sharegpt`: ShareGPT's own text of 1200 training conversations instead of the target's responses;
+- `vocab16k`: a draft vocabulary of 16384.
+Generated data and held-out sets are made once (`--share`: read from the shipped run's folder).
+An arm already run further (the shipped recipe's own folder, continued to its full length) is read,
+not rerun: its curve is compared at the same training seconds. `report` tabulates, for every arm,
+the validation and evaluation accept length (k = 4, greedy, simulated exactly) at the last curve
+point within the budget, its steps and tokens, and draws the curves against training seconds;
+with `--drafter` it also replays that drafter's held-out sets at k = 3..6. Settings are compared
+on the validation figure; the evaluation figure is reported beside it, never used to choose.
+Writes out/pretrain_ablation.json (+ .md, .png).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from common import markdown_table, parser, write_result
+
+ARMS: dict[str, list[str]] = {
+    "shipped": ["--recipe", "shipped"],
+    "sharegpt": ["--recipe", "shipped", "--data", "sharegpt"],
+    "vocab16k": ["--recipe", "shipped", "--draft-vocab", "16384"],
+}
+
+
+SHARED = ("distilled", "validation.safetensors", "evaluation.safetensors")  # the same for every arm
+
+
+def run_arm(name: str, root: Path, seconds: float, share: Path | None) -> int:
+    work = root / name
+    work.mkdir(parents=True, exist_ok=True)
+    for item in SHARED if share is not None else ():
+        if (share / item).exists() and not (work / item).exists():
+            (work / item).symlink_to((share / item).resolve())  # generated once, read by every arm
+    command = [sys.executable, "-m", "specd.cli", "pretrain", *ARMS[name], "--work", str(work),
+               "--out", str(work / "drafter.safetensors"), "--threads", "1", "--max-seconds", str(seconds)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(work / "run.log", "ab") as log:
+        return subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def point_within(curve: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    inside = [p for p in curve if p["seconds"] <= seconds * 1.02]  # a step may end just past the budget
+    return inside[-1] if inside else curve[0]
+
+
+def accept_by_k(drafter: Path, work: Path, ks: list[int]) -> dict[str, dict[str, float]]:
+    from safetensors.torch import load_file
+
+    from specd.drafter.pretrained import load_pretrained
+    from specd.learner.feature_signal import simulated_counts
+    from specd.model.target import LoadedTarget
+
+    loaded = LoadedTarget.load()
+    model = load_pretrained(drafter, loaded.model, loaded.fingerprint).float()
+    figures: dict[str, dict[str, float]] = {}
+    for name in ("validation", "evaluation"):
+        stored = load_file(str(work / f"{name}.safetensors"))
+        count = sum(1 for key in stored if key.startswith("tokens"))
+        sets = [(stored[f"tokens{i}"], stored[f"features{i}"], int(stored[f"prompt{i}"][0])) for i in range(count)]
+        figures[name] = {str(k): round(simulated_counts(model, sets, k).accept_length or 0.0, 4) for k in ks}
+    return figures
+
+
+def plot(curves: dict[str, list[dict[str, Any]]], seconds: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for axis, split in zip(axes, ("validation", "evaluation"), strict=True):
+        for name, curve in curves.items():
+            axis.plot([p["seconds"] / 60 for p in curve], [p[f"{split}_accept_length"] for p in curve],
+                      marker="o", label=name)
+        axis.axvline(seconds / 60, color="grey", linestyle=":")
+        axis.set_title(f"{split} prompts, k = 4, greedy")
+        axis.set_xlabel("training minutes (one thread)")
+    axes[0].set_ylabel("accept length")
+    axes[0].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = parser(__doc__, "out/pretrain_ablation.json", repeats=1)
+    p.add_argument("action", choices=["run", "report"])
+    p.add_argument("--root", default="/work/pretrain-ablation", help="one work folder per arm under it")
+    p.add_argument("--arms", nargs="+", default=["sharegpt", "vocab16k"], choices=sorted(ARMS))
+    p.add_argument("--seconds", type=float, default=1500, help="training seconds per arm")
+    p.add_argument("--parallel", type=int, default=1, help="arms run at once (each on one thread)")
+    p.add_argument("--read", nargs="*", default=[], metavar="NAME=WORK",
+                   help="arms already run elsewhere, e.g. shipped=/work/pretrain-shipped/train")
+    p.add_argument("--share", default=None, help="run: a work folder whose generated data and held-out sets "
+                   "every arm reads instead of making its own")
+    p.add_argument("--drafter", default=None, help="report: replay this drafter's held-out sets at k = 3..6")
+    args = p.parse_args()
+    root = Path(args.root)
+    if args.action == "run":
+        with ThreadPoolExecutor(args.parallel) as pool:
+            share = Path(args.share) if args.share else None
+            codes = list(pool.map(lambda name: run_arm(name, root, args.seconds, share), args.arms))
+        return max(codes)
+    folders = {name: root / name for name in args.arms}
+    folders.update({name: Path(work) for name, work in (item.split("=", 1) for item in args.read)})
+    curves = {name: json.loads((work / "curve.json").read_text()) for name, work in folders.items()}
+    rows, arms = [], {}
+    for name, curve in curves.items():
+        point = point_within(curve, args.seconds)
+        arms[name] = {"work": str(folders[name]), "at_budget": point, "curve": curve,
+                      "settings": json.loads((folders[name] / "config.json").read_text())}
+        rows.append([name, point["step"], point["tokens"], point["seconds"],
+                     f"{point['validation_accept_length']:.3f}", f"{point['evaluation_accept_length']:.3f}"])
+    table = markdown_table(["arm", "steps", "tokens trained", "training s", "validation accept len",
+                            "evaluation accept len"], rows)
+    result: dict[str, Any] = {"seconds": args.seconds, "arms": arms, "table": table}
+    if args.drafter:
+        drafter = Path(args.drafter)
+        work = folders.get("shipped", drafter.parent)
+        result["accept_by_k"] = accept_by_k(drafter, work, [3, 4, 5, 6])
+        by_k = result["accept_by_k"]
+        result["k_table"] = markdown_table(["split", *[f"k = {k}" for k in by_k["validation"]]],
+                                           [[split, *by_k[split].values()] for split in by_k])
+    out = write_result(args.out, args, result)
+    plot(curves, args.seconds, out.with_suffix(".png"))
+    out.with_suffix(".md").write_text(table + "\n\n" + result.get("k_table", "") + "\n")
+    print(table)
+    print(result.get("k_table", ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
