@@ -9,8 +9,8 @@ shares the machine alike. Arms differ from the shipped recipe in one setting eac
 Generated data and held-out sets are made once (`--share`: read from the shipped run's folder).
 An arm already run further (the shipped recipe's own folder, continued to its full length) is read,
 not rerun: its curve is compared at the same training seconds. `report` tabulates, for every arm,
-the validation and evaluation accept length (k = 4, greedy, simulated exactly) at the last curve
-point within the budget, its steps and tokens, and draws the curves against training seconds;
+the validation and evaluation accept length (k = 4, greedy, simulated exactly) at the budget
+(linear between the curve points around it), its steps and tokens, and draws the curves against training seconds;
 with `--drafter` it also replays that drafter's held-out sets at k = 3..6. Settings are compared
 on the validation figure; the evaluation figure is reported beside it, never used to choose.
 Writes out/pretrain_ablation.json (+ .md, .png).
@@ -41,8 +41,8 @@ SHARED = ("distilled", "validation.safetensors", "evaluation.safetensors")  # th
 def run_arm(name: str, root: Path, seconds: float, share: Path | None) -> int:
     work = root / name
     work.mkdir(parents=True, exist_ok=True)
-    for item in SHARED if share is not None else ():
-        if (share / item).exists() and not (work / item).exists():
+    for item in SHARED:
+        if share is not None and (share / item).exists() and not (work / item).exists():
             (work / item).symlink_to((share / item).resolve())  # generated once, read by every arm
     command = [sys.executable, "-m", "specd.cli", "pretrain", *ARMS[name], "--work", str(work),
                "--out", str(work / "drafter.safetensors"), "--threads", "1", "--max-seconds", str(seconds)]
@@ -51,20 +51,35 @@ def run_arm(name: str, root: Path, seconds: float, share: Path | None) -> int:
         return subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def point_within(curve: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
-    inside = [p for p in curve if p["seconds"] <= seconds * 1.02]  # a step may end just past the budget
-    return inside[-1] if inside else curve[0]
+def at_seconds(curve: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """The curve at `seconds` of training: linear between the two points around it (the last point
+    if the arm stopped before, within 2% of the budget)."""
+    after = next((i for i, p in enumerate(curve) if p["seconds"] >= seconds), None)
+    if after is None or after == 0:
+        point = dict(curve[-1] if after is None else curve[0])
+        point["interpolated"] = False
+        return point
+    a, b = curve[after - 1], curve[after]
+    share = (seconds - a["seconds"]) / max(b["seconds"] - a["seconds"], 1e-9)
+    point = {key: a[key] + share * (b[key] - a[key]) for key in ("step", "tokens", "seconds",
+                                                                  "validation_accept_length",
+                                                                  "evaluation_accept_length")}
+    point["interpolated"] = True
+    return point
 
 
 def accept_by_k(drafter: Path, work: Path, ks: list[int]) -> dict[str, dict[str, float]]:
     from safetensors.torch import load_file
 
-    from specd.drafter.pretrained import load_pretrained
+    from specd.drafter.checkpoint import load_drafter
+    from specd.drafter.feature_model import FeatureDrafterModel
     from specd.learner.feature_signal import simulated_counts
     from specd.model.target import LoadedTarget
 
     loaded = LoadedTarget.load()
-    model = load_pretrained(drafter, loaded.model, loaded.fingerprint).float()
+    # any drafter file, the earlier shipped one too (whose manifest predates the hashes)
+    model = load_drafter(drafter, loaded.fingerprint, target_embedding=loaded.model.embed.weight)
+    assert isinstance(model, FeatureDrafterModel), f"{drafter} is not a feature drafter"
     figures: dict[str, dict[str, float]] = {}
     for name in ("validation", "evaluation"):
         stored = load_file(str(work / f"{name}.safetensors"))
@@ -105,7 +120,8 @@ def main() -> int:
                    help="arms already run elsewhere, e.g. shipped=/work/pretrain-shipped/train")
     p.add_argument("--share", default=None, help="run: a work folder whose generated data and held-out sets "
                    "every arm reads instead of making its own")
-    p.add_argument("--drafter", default=None, help="report: replay this drafter's held-out sets at k = 3..6")
+    p.add_argument("--drafter", nargs="*", default=[], help="report: replay these drafters on the held-out sets "
+                   "at k = 3..6")
     args = p.parse_args()
     root = Path(args.root)
     if args.action == "run":
@@ -118,21 +134,22 @@ def main() -> int:
     curves = {name: json.loads((work / "curve.json").read_text()) for name, work in folders.items()}
     rows, arms = [], {}
     for name, curve in curves.items():
-        point = point_within(curve, args.seconds)
+        point = at_seconds(curve, args.seconds)
         arms[name] = {"work": str(folders[name]), "at_budget": point, "curve": curve,
                       "settings": json.loads((folders[name] / "config.json").read_text())}
-        rows.append([name, point["step"], point["tokens"], point["seconds"],
+        rows.append([name, round(point["step"]), round(point["tokens"]), round(point["seconds"]),
                      f"{point['validation_accept_length']:.3f}", f"{point['evaluation_accept_length']:.3f}"])
     table = markdown_table(["arm", "steps", "tokens trained", "training s", "validation accept len",
                             "evaluation accept len"], rows)
     result: dict[str, Any] = {"seconds": args.seconds, "arms": arms, "table": table}
     if args.drafter:
-        drafter = Path(args.drafter)
-        work = folders.get("shipped", drafter.parent)
-        result["accept_by_k"] = accept_by_k(drafter, work, [3, 4, 5, 6])
-        by_k = result["accept_by_k"]
-        result["k_table"] = markdown_table(["split", *[f"k = {k}" for k in by_k["validation"]]],
-                                           [[split, *by_k[split].values()] for split in by_k])
+        # the held-out sets every arm shares, replayed at k = 3..6 for each drafter named
+        work = folders.get("shipped", next(iter(folders.values())))
+        by_k = {Path(path).name: accept_by_k(Path(path), work, [3, 4, 5, 6]) for path in args.drafter}
+        result["accept_by_k"] = by_k
+        result["k_table"] = markdown_table(
+            ["drafter", "split", "k = 3", "k = 4", "k = 5", "k = 6"],
+            [[name, split, *figures.values()] for name, splits in by_k.items() for split, figures in splits.items()])
     out = write_result(args.out, args, result)
     plot(curves, args.seconds, out.with_suffix(".png"))
     out.with_suffix(".md").write_text(table + "\n\n" + result.get("k_table", "") + "\n")
