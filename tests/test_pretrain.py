@@ -376,14 +376,16 @@ def test_a_shipped_file_whose_manifest_does_not_check_out_is_refused(case: str, 
 
 
 def test_batches_come_from_one_length_bucket_and_cover_every_example() -> None:
+    import itertools
     import random
 
     from specd.learner.pretrain import length_buckets, sample_batch
 
-    lengths = [random.Random(3).randrange(10, 500) for _ in range(203)]
+    rng = random.Random(3)
+    lengths = [rng.randrange(10, 500) for _ in range(203)]
     buckets = length_buckets(lengths, batch_size=4, per_bucket=5)
     assert sorted(i for b in buckets for i in b) == list(range(203))
-    assert all(max(lengths[i] for i in a) <= min(lengths[i] for i in b) for a, b in zip(buckets, buckets[1:]))
+    assert all(max(lengths[i] for i in a) <= min(lengths[i] for i in b) for a, b in itertools.pairwise(buckets))
     drawn = [sample_batch(buckets, 4, random.Random(step)) for step in range(2000)]
     assert drawn[:5] == [sample_batch(buckets, 4, random.Random(step)) for step in range(5)]  # seed and step alone
     assert all(len(set(batch)) == len(batch) and any(set(batch) <= set(b) for b in buckets) for batch in drawn)
