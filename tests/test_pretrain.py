@@ -363,6 +363,7 @@ MANIFEST_FAULTS = {
     "a file that is not the one the .json names": (lambda p: edit_json(p, lambda m: m.update(file_sha256="0" * 64)),
                                                    "sha256"),
     "no manifest at all": (strip_manifest, "no manifest"),
+    "a .json that is not JSON": (lambda p: p.with_suffix(".json").write_text("{half"), "not a readable manifest"),
 }
 
 

@@ -58,8 +58,11 @@ def check_manifest(path: Path, required: bool = False) -> dict[str, Any] | None:
         raise CheckpointError(f"{path}: its manifest's held-out accept length {figure!r} is not a figure")
     beside = path.with_suffix(".json")
     if beside.is_file():
-        written = json.loads(beside.read_text())
-        digest = written.pop("file_sha256", None)
+        try:
+            written = json.loads(beside.read_text())
+            digest = written.pop("file_sha256", None)
+        except (OSError, ValueError, AttributeError) as error:
+            raise CheckpointError(f"{path}: {beside.name} is not a readable manifest ({error})") from None
         if written != manifest:
             raise CheckpointError(f"{path}: {beside.name} and the file's own manifest differ")
         if digest is not None and digest != hashlib.sha256(path.read_bytes()).hexdigest():
