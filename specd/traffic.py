@@ -67,6 +67,11 @@ TRAINING_RANGE = range(EVALUATION_RESERVE, EVALUATION_START - VALIDATION_SIZE)
 ROLES = {"human": "user", "gpt": "assistant"}
 
 
+def is_short_chat_turn(text: str, max_chars: int = 600) -> bool:
+    """A first user turn held-out sets and demos replay: ASCII, 20..max_chars characters."""
+    return 20 <= len(text) <= max_chars and text.isascii()
+
+
 def load_sharegpt(count: int, seed: int = 0, max_chars: int = 600) -> list[TrafficItem]:
     """The first human turns of ShareGPT conversations (short ones, so the demo stays quick),
     all from the evaluation reserve."""
@@ -77,7 +82,7 @@ def load_sharegpt(count: int, seed: int = 0, max_chars: int = 600) -> list[Traff
         turns = conversation.get("conversations") or []
         if turns and turns[0].get("from") == "human":
             text = str(turns[0].get("value", "")).strip()
-            if 20 <= len(text) <= max_chars and text.isascii():
+            if is_short_chat_turn(text, max_chars):
                 pool.append(TrafficItem(messages=(("user", text),), domain="sharegpt"))
         if len(pool) >= count * 4:
             break

@@ -33,7 +33,7 @@ from specd.engine.request import SamplingParams
 from specd.errors import ConfigurationError
 from specd.learner.distill import DistillConfig, distill
 from specd.model.target import LoadedTarget
-from specd.traffic import TRAINING_RANGE, iter_conversations_in, iter_training_conversations
+from specd.traffic import TRAINING_RANGE, is_short_chat_turn, iter_conversations_in, iter_training_conversations
 
 log = logging.getLogger(__name__)
 
@@ -165,12 +165,12 @@ def target_features(model: Any, tokens: torch.Tensor, capture: tuple[int, ...]) 
 
 
 def first_user_turns(span: range, count: int, max_chars: int = 600) -> list[str]:
-    """The first user turns (ASCII, 20..max_chars characters) of the first `count` fitting
-    conversations in `span`, file order."""
+    """The first user turns of the first `count` conversations in `span` (file order) that
+    `traffic.is_short_chat_turn` keeps, as the demo's prompts are kept."""
     texts = []
     for _, messages in iter_conversations_in(span):
         text = messages[0]["content"]
-        if 20 <= len(text) <= max_chars and text.isascii():
+        if is_short_chat_turn(text, max_chars):
             texts.append(text)
             if len(texts) >= count:
                 break
