@@ -95,6 +95,27 @@ def test_a_work_folder_made_with_other_settings_is_refused(loaded, prompts, tmp_
         distill(loaded, DistillConfig(**{**SMALL.__dict__, "temperature": 1.0}), CAPTURE, tmp_path, prompts[:3])
 
 
+
+def test_more_rounds_continue_a_folder_with_new_sampled_answers_to_the_same_prompts(loaded, prompts,
+                                                                                     tmp_path, monkeypatch) -> None:
+    one = distill(loaded, SMALL, CAPTURE, tmp_path, prompts)
+    real = distill_module.generate_examples
+    rounds_made: list[int] = []
+    monkeypatch.setattr(distill_module, "generate_examples",
+                        lambda *a, **k: rounds_made.append(a[5]) or real(*a, **k))
+    two = distill(loaded, DistillConfig(**{**SMALL.__dict__, "rounds": 2}), CAPTURE, tmp_path, prompts)
+    assert rounds_made == [1, 1, 1]  # round 0's shards were read back, not remade
+    assert key(two[:len(one)]) == key(one)
+    again = two[len(one):]
+    assert [e.conversation for e in again] == [e.conversation for e in one]
+    assert all(e.temperature == pytest.approx(SMALL.temperature) for e in again)
+    for first, second in zip(one, again, strict=True):
+        assert second.tokens[:second.prompt_length].tolist() == first.tokens[:first.prompt_length].tolist()
+    assert any(a.tokens.tolist() != b.tokens.tolist() for a, b in zip(one, again, strict=True))
+    assert len(list(tmp_path.glob("distilled-*.safetensors"))) == 6  # every round has shards of its own
+    with pytest.raises(ValueError, match="temperature"):
+        DistillConfig(rounds=2, temperature=0.0)
+
 # ---- the data ranges -------------------------------------------------------------------------------
 
 def fake_file(count: int):
