@@ -140,6 +140,13 @@ def default_shift_traffic(requests: int, seed: int = 0) -> list[TrafficItem]:
     return load_sharegpt(first, seed) + load_humaneval(requests - first, seed)
 
 
+def default_held_out(requests: int, seed: int = 0, count: int = 8) -> list[TrafficItem]:
+    """HumanEval problems that `default_shift_traffic(requests, seed)` does not serve: the shifted
+    domain's held-out requests, for the demo's adaptation curve."""
+    served = requests - requests // 2
+    return load_humaneval(served + count, seed)[served:]
+
+
 def _item_from_json(raw: Any, where: str) -> TrafficItem:
     if not isinstance(raw, dict):
         raise TrafficError(f"{where}: expected a JSON object")

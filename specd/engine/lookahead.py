@@ -7,11 +7,14 @@ drafter's measured per-draft acceptance and the times are measured on this machi
 every `probe_every` steps a k = 1 probe keeps measuring it. A new drafter version restarts
 the acceptance estimate from an optimistic prior, so fresh weights get a fair trial. ATLAS's
 confidence-aware controller is the inspiration; this one only uses running averages.
+The costs live in a `LookaheadCosts` of their own: engines that are compared (the demo's adaptive
+and static modes) can share one, frozen after a calibration, so that they choose a different k
+only because their drafters are accepted differently.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -23,14 +26,44 @@ class LookaheadConfig:
     probe_every: int = 8
 
 
+@dataclass
+class LookaheadCosts:
+    """Measured step costs, running averages; a frozen one is read, never updated."""
+
+    draft_seconds: float | None = None                                    # per drafted position, whole batch
+    verify_seconds: dict[int, float] = field(default_factory=dict)       # per target pass, by k
+    frozen: bool = False
+
+    def observe(self, k: int, draft_seconds: float, verify_seconds: float, weight: float) -> None:
+        if self.frozen:
+            return
+        if k > 0:
+            per_position = draft_seconds / k
+            self.draft_seconds = per_position if self.draft_seconds is None else (
+                (1 - weight) * self.draft_seconds + weight * per_position)
+        previous = self.verify_seconds.get(k)
+        self.verify_seconds[k] = verify_seconds if previous is None else (
+            (1 - weight) * previous + weight * verify_seconds)
+
+    def frozen_copy(self) -> LookaheadCosts:
+        return LookaheadCosts(self.draft_seconds, dict(self.verify_seconds), frozen=True)
+
+
 class LookaheadController:
-    def __init__(self, config: LookaheadConfig) -> None:
+    def __init__(self, config: LookaheadConfig, costs: LookaheadCosts | None = None) -> None:
         self.config = config
         self.acceptance = config.prior_acceptance
         self.version: str | None = None
-        self.draft_seconds: float | None = None           # per drafted position, whole batch
-        self.verify_seconds: dict[int, float] = {}        # per target pass, by k
+        self.costs = costs if costs is not None else LookaheadCosts()
         self.steps_without_drafting = 0
+
+    @property
+    def draft_seconds(self) -> float | None:
+        return self.costs.draft_seconds
+
+    @property
+    def verify_seconds(self) -> dict[int, float]:
+        return self.costs.verify_seconds
 
     def choose(self, version: str) -> int:
         if version != self.version:
@@ -63,9 +96,4 @@ class LookaheadController:
         w = self.config.smoothing
         if proposed > 0:
             self.acceptance = (1 - w) * self.acceptance + w * accepted / proposed
-        if k > 0:
-            per_position = draft_seconds / k
-            self.draft_seconds = per_position if self.draft_seconds is None else (
-                (1 - w) * self.draft_seconds + w * per_position)
-        previous = self.verify_seconds.get(k)
-        self.verify_seconds[k] = verify_seconds if previous is None else (1 - w) * previous + w * verify_seconds
+        self.costs.observe(k, draft_seconds, verify_seconds, w)

@@ -1,0 +1,228 @@
+"""The learner in a process of its own, on cores of its own: the sidecar of a deployment in miniature.
+
+Contract: `LearnerProcess(...).start()` spawns a child that pins itself to `cores`
+(`os.sched_setaffinity`), runs torch on that many threads, resumes the live version of the weight
+store at `store_dir` (the caller publishes day 0 before starting it) and runs a `Learner` thread on
+the records it takes from a queue. Versions go out through the store, which the serving side's
+swapper watches, exactly as with `specd serve` and a remote learner. `sink` is the serving side of
+the queue: `publish` never blocks (when the child falls behind, the oldest queued record is shed
+and counted). `report()` is the child's latest statistics (steps, tokens trained, versions
+published and rejected, its CPU seconds and wall seconds), sent every `report_every_s` and once
+more when it stops; `stop()` asks the child to finish, waits, and returns the final report. A
+child that dies (killed, crashed) takes nothing with it: serving goes on with the live version,
+its records are shed, and the report says it is not alive and how it ended.
+`split_cores()` gives the learner its share of this process's cores and serving the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from specd.bus import BusCounters
+from specd.drafter.checkpoint import load_drafter
+from specd.hotswap.store import WeightStore
+from specd.learner.learner import Learner, LearnerConfig
+from specd.model.fingerprint import TargetFingerprint
+from specd.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+
+def split_cores(learner_share: float = 0.5) -> tuple[list[int], list[int]] | None:
+    """(serving cores, learner cores) of this process's affinity, or None on a single core (the
+    learner then shares it, as a thread with a duty cycle)."""
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 2:
+        return None
+    learner = max(1, round(len(available) * learner_share))
+    learner = min(learner, len(available) - 1)
+    return available[:-learner], available[-learner:]
+
+
+def pin_serving(cores: list[int]) -> None:
+    """This process (the server) on `cores`, torch on as many threads."""
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+
+
+class QueueSink:
+    """The serving side: hand a record to the learner process without ever blocking."""
+
+    def __init__(self, records: Any) -> None:
+        self._records = records
+        self.counters = BusCounters()
+
+    def publish(self, record: dict[str, Any]) -> None:
+        self.counters.published += 1
+        try:
+            self._records.put_nowait(record)
+            return
+        except queue.Full:
+            pass
+        try:  # the oldest record is the stalest training signal: it goes first
+            self._records.get_nowait()
+            self.counters.shed += 1
+            self._records.put_nowait(record)
+        except (queue.Empty, queue.Full):
+            self.counters.shed += 1
+
+
+class QueueBus:
+    """The learner's side: take what has arrived (`specd.bus.Bus`)."""
+
+    def __init__(self, records: Any) -> None:
+        self._records = records
+        self.counters = BusCounters()
+
+    def publish(self, record: dict[str, Any]) -> None:
+        self._records.put_nowait(record)
+
+    def take(self, max_records: int, timeout: float) -> list[dict[str, Any]]:
+        taken: list[dict[str, Any]] = []
+        try:
+            taken.append(self._records.get(timeout=timeout) if timeout > 0 else self._records.get_nowait())
+            while len(taken) < max_records:
+                taken.append(self._records.get_nowait())
+        except queue.Empty:
+            pass
+        self.counters.delivered += len(taken)
+        return taken
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    config: LearnerConfig
+    store_dir: str
+    fingerprint: TargetFingerprint
+    serving_dtype: str          # torch dtype name of the versions it publishes
+    cores: tuple[int, ...]
+    report_every_s: float
+    keep_last: int               # versions the store keeps (the demo keeps them all for its curve)
+
+
+def learner_report(learner: Learner, began_cpu: float, began: float, alive: bool) -> dict[str, Any]:
+    stats = learner.stats
+    return {"alive": alive, "steps": stats.steps, "tokens_trained": stats.tokens_trained,
+            "records_in": stats.records_in, "refused": dict(stats.refused),
+            "published": list(stats.published), "rejected": len(stats.rejected),
+            "training_seconds": round(stats.training_seconds, 2), "gate_waits": stats.gate_waits,
+            "loop_failures": stats.loop_failures, "held_out_records": len(learner.holdout),
+            "cpu_seconds": round(time.process_time() - began_cpu, 2),
+            "wall_seconds": round(time.monotonic() - began, 2), "torch_threads": torch.get_num_threads(),
+            "recomputed_features": getattr(learner.objective, "recompute_stats", None)}
+
+
+def run_child(spec: ChildSpec, target: Transformer, records: Any, reports: Any, stop: Any) -> None:
+    """The child's whole life: pin, resume the live version, learn until told to stop."""
+    began, began_cpu = time.monotonic(), time.process_time()
+    os.sched_setaffinity(0, spec.cores)
+    torch.set_num_threads(len(spec.cores))
+    store = WeightStore(spec.store_dir, keep_last=spec.keep_last)
+    live = store.live_version()
+    if live is None:
+        raise RuntimeError(f"{spec.store_dir} has no live version: publish day 0 before starting the learner")
+    embedding = target.embed.weight
+    initial = load_drafter(store.weights_path(live), spec.fingerprint, target_embedding=embedding)
+    learner = Learner(spec.config, QueueBus(records), store, initial, spec.fingerprint,
+                      getattr(torch, spec.serving_dtype), embedding, target=target).start()
+    where = {"pid": os.getpid(), "affinity": sorted(os.sched_getaffinity(0))}
+    reports.put({**learner_report(learner, began_cpu, began, True), **where})
+    last_report = time.monotonic()
+    while not stop.value:
+        time.sleep(0.05)
+        if time.monotonic() - last_report >= spec.report_every_s:
+            reports.put({**learner_report(learner, began_cpu, began, True), **where})
+            last_report = time.monotonic()
+    learner.stop()
+    reports.put({**learner_report(learner, began_cpu, began, False), **where})
+
+
+class LearnerProcess:
+    def __init__(self, config: LearnerConfig, store_dir: Path, target: Transformer, fingerprint: TargetFingerprint,
+                 serving_dtype: torch.dtype, cores: list[int], capacity: int = 256,
+                 report_every_s: float = 1.0, keep_last: int = 5) -> None:
+        context = mp.get_context("spawn")  # a fork would copy the server's threads and locks mid-use
+        self._records = context.Queue(maxsize=capacity)
+        # records for a learner that died are not worth waiting for at exit
+        self._records.cancel_join_thread()
+        self._reports = context.Queue()
+        # a lock-free flag: a child killed inside an Event's wait would leave `set()` waiting for it forever
+        self._stop = context.RawValue("b", 0)
+        self.sink = QueueSink(self._records)
+        target.share_memory()  # the child reads the server's weights, it does not copy them
+        spec = ChildSpec(config, str(store_dir), fingerprint, str(serving_dtype).removeprefix("torch."),
+                         tuple(cores), report_every_s, keep_last)
+        self.cores = list(cores)
+        self._process = context.Process(target=run_child, args=(spec, target, self._records, self._reports,
+                                                                 self._stop), name="specd-learner", daemon=True)
+        self._last: dict[str, Any] = {"alive": False, "steps": 0, "tokens_trained": 0, "published": []}
+
+    def start(self) -> LearnerProcess:
+        self._process.start()
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def report(self) -> dict[str, Any]:
+        """The child's latest report, with whether it is alive now and its exit code if it ended."""
+        while True:
+            try:
+                self._last = self._reports.get_nowait()
+            except queue.Empty:
+                break
+        alive = self._process.is_alive()
+        return {**self._last, "alive": alive, "exitcode": None if alive else self._process.exitcode,
+                "cores": self.cores, "records_shed": self.sink.counters.shed,
+                "records_sent": self.sink.counters.published}
+
+    def wait_ready(self, timeout: float = 120.0) -> bool:
+        """Block until the child has resumed the live version and reported (or died)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._process.is_alive():
+            try:
+                self._last = self._reports.get(timeout=0.2)
+                return True
+            except queue.Empty:
+                continue
+        return False
+
+    def stop(self, timeout: float = 60.0) -> dict[str, Any]:
+        self._stop.value = 1
+        deadline = time.monotonic() + timeout
+        final = None
+        while time.monotonic() < deadline and (self._process.is_alive() or final is None):
+            try:
+                report = self._reports.get(timeout=0.2)
+            except queue.Empty:
+                if not self._process.is_alive():
+                    break
+                continue
+            self._last = report
+            if not report.get("alive", True):
+                final = report
+        self._process.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._process.is_alive():
+            log.warning("the learner process did not stop in %.0f s; terminating it", timeout)
+            self._process.terminate()
+            self._process.join(5)
+        return self.report()
+
+
+def config_for_process(config: LearnerConfig) -> LearnerConfig:
+    """A learner on cores of its own trains all the time: the duty cycle was for sharing cores."""
+    return LearnerConfig(**{**asdict(config), "duty_cycle": 1.0})

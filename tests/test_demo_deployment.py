@@ -1,0 +1,114 @@
+"""The demo as a deployment in miniature: a learner process on cores of its own, fair modes, rounds.
+
+On tiny stand-in targets: the learner runs in a process of its own pinned to cores that serving
+does not use, and killing it mid-run leaves serving whole (every request answered, losslessly)
+and the report says so; without learning, adaptive and static are the same run (outputs, k
+choices, accept lengths); on a target with structure to learn, a version trained on the records
+after the shift goes live within the records the gate's settings promise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specd.demo import DemoConfig, plot, run_demo
+from specd.drafter.factory import DrafterSpec
+from specd.learner.learner import LearnerConfig
+from specd.model.target import LoadedTarget
+from specd.testing import ByteTokenizer, learnable_target, tiny_loaded_target
+from specd.traffic import TrafficItem
+
+TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a learner of its own needs a second core")
+FAST_LEARNER = LearnerConfig(publish_every_steps=1, publish_every_seconds=0.5, min_records=1, window=16,
+                             holdout_every=2, gate_min_held_out=2, holdout_capacity=4, feature_window=64,
+                             feature_learning_rate=3e-3)
+
+
+def shifted_traffic(first: int = 4, second: int = 8) -> list[TrafficItem]:
+    return ([TrafficItem(prompt=f"chat {i}: hello there", domain="chat") for i in range(first)]
+            + [TrafficItem(prompt=f"def f{i}(x):\n    return", domain="code", max_tokens=12) for i in range(second)])
+
+
+def demo_config(**fields: Any) -> DemoConfig:
+    base: dict[str, Any] = {"max_tokens": 12, "max_batch": 2, "round_size": 2,
+                            "drafter": DrafterSpec(head_vocab=200, pretrained=False), "learner": FAST_LEARNER}
+    return DemoConfig(**{**base, **fields})
+
+
+@TWO_CORES
+def test_the_learner_runs_in_a_process_of_its_own_on_cores_serving_does_not_use(tmp_path: Path) -> None:
+    affinity = os.sched_getaffinity(0)
+    result = run_demo(tiny_loaded_target(), shifted_traffic(), demo_config(), tmp_path / "store")
+    learner = result["learner"]
+    assert learner["arrangement"] == "process" and learner["pid"] != os.getpid()
+    assert set(learner["affinity"]) == set(learner["cores"]) and set(learner["cores"]) < affinity
+    assert learner["steps"] > 0 and learner["cpu_seconds"] > 0 and learner["alive"] is False
+    assert learner["exitcode"] == 0
+    assert os.sched_getaffinity(0) == affinity  # serving's pinning ends with the demo
+    assert result["lossless"] == {"adaptive": True, "static": True}
+    by_domain = result["rounds"]["by_domain"]
+    assert list(by_domain) == ["chat", "code"] and by_domain["code"]["rounds"] == 4
+    assert set(by_domain["code"]["ratios"]["adaptive/none"]) == {"median", "min", "max"}
+    plot(result, tmp_path / "demo.png")
+    assert (tmp_path / "demo.png").stat().st_size > 1000
+
+
+@TWO_CORES
+def test_killing_the_learner_mid_run_leaves_serving_whole_and_the_demo_says_so(tmp_path: Path) -> None:
+    def kill_after_the_first_round(number: int, running: dict[str, Any]) -> None:
+        if number == 0:
+            os.kill(running["learner"].pid, signal.SIGKILL)
+
+    result = run_demo(tiny_loaded_target(), shifted_traffic(), demo_config(), tmp_path / "store",
+                      after_round=kill_after_the_first_round)
+    assert result["learner"]["alive"] is False and result["learner"]["exitcode"] == -signal.SIGKILL
+    assert result["lossless"] == {"adaptive": True, "static": True}
+    assert all(result["summary"][mode]["code"]["requests"] == 8 for mode in result["summary"])
+
+
+def test_without_learning_adaptive_and_static_are_the_same_run(tmp_path: Path) -> None:
+    result = run_demo(tiny_loaded_target(), shifted_traffic(), demo_config(learning=False), tmp_path / "store")
+    assert result["learner"]["arrangement"] == "off"
+    adaptive, static = result["requests"]["adaptive"], result["requests"]["static"]
+    assert [r["accept_length"] for r in adaptive] == [r["accept_length"] for r in static]
+    assert [r["drafts_proposed"] for r in adaptive] == [r["drafts_proposed"] for r in static]
+    assert result["k_choices"]["adaptive"] == result["k_choices"]["static"]
+    assert result["lossless"] == {"adaptive": True, "static": True}
+    assert result["lookahead_costs"]["verify_seconds"].keys() == {0, 1, 2, 3, 4}
+
+
+@TWO_CORES
+def test_a_version_trained_after_the_shift_goes_live_within_the_records_the_gate_promises(tmp_path: Path) -> None:
+    target = learnable_target(vocab_size=ByteTokenizer.vocab_size)
+    loaded = LoadedTarget(Path("learnable"), target.float(), ByteTokenizer())
+    traffic = shifted_traffic(first=2, second=12)
+    held_out = [TrafficItem(prompt=f"def g{i}(y):\n    return", domain="code", max_tokens=12) for i in range(3)]
+
+    def learner_keeps_up(number: int, running: dict[str, Any]) -> None:
+        # a tiny target serves a round in milliseconds: the pace of real traffic is the learner's to keep
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            report = running["learner"].report()
+            if report.get("records_in", 0) >= report["records_sent"] and report.get("steps", 0) > 0:
+                break
+            time.sleep(0.05)
+        time.sleep(1.0)  # a publication is due every step and every 0.5 s
+
+    result = run_demo(loaded, traffic, demo_config(), tmp_path / "store", held_out=held_out,
+                      after_round=learner_keeps_up)
+    live_after_shift = [p for p in result["adaptation"] if p["status"] == "live" or p["version"] in
+                        {int(v) for v in result["swaps"]["versions_live_after_shift"] if v.isdigit()}]
+    trained_on_code = [p for p in live_after_shift if p["records_after_shift"] > 0]
+    assert trained_on_code, result["adaptation"]
+    # the gate's evidence: gate_min_held_out records held out, one in holdout_every, a few rounds of slack
+    # for the records in flight while the learner process starts and publishes
+    promise = FAST_LEARNER.holdout_every * FAST_LEARNER.gate_min_held_out + 3 * 2
+    assert min(p["records_after_shift"] for p in trained_on_code) <= promise
+    day0 = result["adaptation"][0]["accept_length"]
+    assert max(p["accept_length"] for p in trained_on_code) > day0
