@@ -110,6 +110,14 @@ def test_feature_drafter_reaches_high_acceptance_from_day_0(tmp_path: Path, targ
     assert feature_after >= 3.0, (before, feature_after)
 
 
+
+def test_a_learner_under_bf16_autocast_learns_as_well(tmp_path: Path, target) -> None:
+    train = greedy_records(target, VOCAB, seed=0, cover=True)
+    held_out = greedy_records(target, 12, seed=99)
+    learner = new_learner(tmp_path, target, fresh_feature_drafter(target), train, precision="bfloat16")
+    assert accept_length_after(learner, STEPS, held_out) >= 3.0
+    assert all(p.dtype == torch.float32 for p in learner.model.parameters())  # the weights stay float32
+
 def test_trains_on_id_only_records_by_recomputing_their_features_once(tmp_path: Path, target) -> None:
     train = greedy_records(target, VOCAB, seed=0, cover=True)
     held_out = greedy_records(target, 12, seed=99)
