@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("specd.engine",)),
     ("hotswap", ("specd.hotswap",)),
     ("learner", ("specd.learner",)),
-    ("top", ("specd.server", "specd.vllm", "specd.cli", "specd.demo")),
+    ("top", ("specd.server", "specd.vllm", "specd.cli", "specd.demo", "specd.demo_report")),
 ]
 
 
