@@ -60,7 +60,8 @@ def round_figures(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     table = []
     for number, first in enumerate(rounds["none"]):
         row: dict[str, Any] = {"round": first["round"], "domain": first["domain"],
-                               "first_request": first["first_request"], "modes": {}}
+                               "first_request": first["first_request"], "requests": first["requests"],
+                               "modes": {}}
         for mode in MODES:
             done = rounds[mode][number]
             row["modes"][mode] = {"tokens_per_s": done["tokens"] / max(done["seconds"], 1e-9),
@@ -146,9 +147,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         rows = result["requests"][mode]
         top.plot([r["index"] for r in rows], [r["accept_length"] for r in rows], marker=".", lw=1,
                  color=colours[mode], label=mode)
-        bottom.step([row["first_request"] for row in per_round],
-                    [row["modes"][mode]["tokens_per_s"] for row in per_round], where="post", color=colours[mode],
-                    label=mode)
+        rates = [row["modes"][mode]["tokens_per_s"] for row in per_round]
+        # each round's rate spans its requests: the last one ends where its requests do
+        last = per_round[-1]
+        ends = [row["first_request"] for row in per_round] + [last["first_request"] + last["requests"]]
+        bottom.step(ends, rates + rates[-1:], where="post", color=colours[mode], label=mode)
     adaptive = result["requests"]["adaptive"]
     swaps = [r["index"] for a, r in itertools.pairwise(adaptive) if r["drafter_version"] != a["drafter_version"]]
     first_domain = result["domains"][0]
