@@ -19,14 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from specd.drafter.checkpoint import load_drafter
 from specd.drafter.feature_model import FeatureDrafterModel
-from specd.engine.engine import Engine, EngineConfig
-from specd.engine.request import SamplingParams
 from specd.hotswap.store import WeightStore
 from specd.learner.feature_signal import simulated_counts
+from specd.learner.pretrain_data import greedy_continuations
 from specd.model.target import LoadedTarget
 from specd.traffic import TrafficItem
 
@@ -97,22 +94,6 @@ def versions_served(requests: list[dict[str, Any]], domain: str | None) -> list[
                               if domain is None or r["domain"] == domain))
 
 
-def held_out_trajectories(loaded: LoadedTarget, items: list[TrafficItem], max_tokens: int,
-                          capture: tuple[int, ...],
-                          encode: Callable[[LoadedTarget, TrafficItem], list[int]]) -> list[tuple[Any, Any, int]]:
-    """The target's own greedy continuations of `items`, with its features: what a drafter would serve."""
-    engine = Engine(loaded.model, None, EngineConfig(max_batch=4, eos_token_ids=loaded.eos_token_ids))
-    prompts = [encode(loaded, item) for item in items]
-    sequences = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
-    made = []
-    with torch.inference_mode():
-        for seq in sequences:
-            tokens = torch.tensor(seq.prompt_ids + seq.output_ids)[:-1]
-            features = loaded.model.train_features(tokens[None], capture)[0].to(torch.float16)
-            made.append((tokens, features, len(seq.prompt_ids)))
-    return made
-
-
 def adaptation_curve(loaded: LoadedTarget, store: WeightStore, held_out: list[TrafficItem],
                      sent: list[tuple[float, str]], domain: str, k: int, max_tokens: int,
                      encode: Callable[[LoadedTarget, TrafficItem], list[int]]) -> list[dict[str, Any]] | None:
@@ -125,7 +106,8 @@ def adaptation_curve(loaded: LoadedTarget, store: WeightStore, held_out: list[Tr
         if not isinstance(model, FeatureDrafterModel):
             return None  # the curve replays feature drafters (a token drafter's is not measured here)
         if trajectories is None:
-            trajectories = held_out_trajectories(loaded, held_out, max_tokens, model.config.capture_layers, encode)
+            prompts = [encode(loaded, item) for item in held_out]
+            trajectories = greedy_continuations(loaded, prompts, max_tokens, model.config.capture_layers)
         counts = simulated_counts(model.float().eval(), trajectories, k)
         points.append({"version": version, "status": manifest.get("status"),
                        "records_after_shift": sum(1 for when, d in sent if d == domain and when < manifest["created"]),

@@ -177,6 +177,17 @@ def first_user_turns(span: range, count: int, max_chars: int = 600) -> list[str]
     return texts
 
 
+def greedy_continuations(loaded: LoadedTarget, prompts: list[list[int]], max_tokens: int,
+                         capture: tuple[int, ...]) -> HeldOut:
+    """The target's own greedy continuations of `prompts` with their features: what a drafter serves."""
+    engine = Engine(loaded.model, None, EngineConfig(max_batch=8, eos_token_ids=loaded.eos_token_ids))
+    made = []
+    for prompt, seq in zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=max_tokens)), strict=True):
+        tokens = torch.tensor(prompt + seq.output_ids)
+        made.append((tokens, target_features(loaded.model, tokens, capture), len(prompt)))
+    return made
+
+
 def held_out_set(loaded: LoadedTarget, span: range, count: int, max_tokens: int, capture: tuple[int, ...],
                  path: Path) -> HeldOut:
     """Prompts from `span` with the target's greedy continuations and their features (cached at `path`)."""
@@ -185,15 +196,13 @@ def held_out_set(loaded: LoadedTarget, span: range, count: int, max_tokens: int,
         encoded = (loaded.encode_messages([{"role": "user", "content": text}])
                    for text in first_user_turns(span, 4 * count))
         prompts = [ids for ids in encoded if len(ids) <= room][:count]  # a small target's context may be short
-        engine = Engine(loaded.model, None, EngineConfig(max_batch=8, eos_token_ids=loaded.eos_token_ids))
         log.info("generating %d greedy continuations for %s", len(prompts), path.name)
-        outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
         tensors: dict[str, torch.Tensor] = {}
-        for i, (prompt, seq) in enumerate(zip(prompts, outputs, strict=True)):
-            tokens = torch.tensor(prompt + seq.output_ids)
+        for i, (tokens, features, prompt_length) in enumerate(greedy_continuations(loaded, prompts, max_tokens,
+                                                                                   capture)):
             tensors[f"tokens{i}"] = tokens
-            tensors[f"features{i}"] = target_features(loaded.model, tokens, capture)
-            tensors[f"prompt{i}"] = torch.tensor([len(prompt)])
+            tensors[f"features{i}"] = features
+            tensors[f"prompt{i}"] = torch.tensor([prompt_length])
         partial = path.with_suffix(".partial")
         save_file(tensors, str(partial))
         partial.replace(path)

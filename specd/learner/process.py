@@ -20,7 +20,7 @@ import logging
 import os
 import queue
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -225,4 +225,4 @@ class LearnerProcess:
 
 def config_for_process(config: LearnerConfig) -> LearnerConfig:
     """A learner on cores of its own trains all the time: the duty cycle was for sharing cores."""
-    return LearnerConfig(**{**asdict(config), "duty_cycle": 1.0})
+    return replace(config, duty_cycle=1.0)
