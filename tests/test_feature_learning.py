@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from specd.bus import InProcessBus
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.hotswap.store import WeightStore
-from specd.learner.feature_signal import collate, feature_loss, label_rows, target_log_probs
+from specd.learner.feature_signal import collate, feature_loss, label_rows, soft_cross_entropy, target_log_probs
 from specd.learner.learner import Learner, LearnerConfig
 from specd.learner.objectives import FeatureObjective
 from specd.model.fingerprint import TargetFingerprint
@@ -254,3 +254,16 @@ def test_gate_rejects_a_candidate_with_non_finite_weights(tmp_path: Path, target
     with torch.no_grad():
         learner.model.load_state_dict(learner._live_model().float().state_dict())
     assert learner.evaluate(learner.model)["passed"] is True
+
+
+def test_the_written_out_soft_cross_entropy_has_autograds_value_and_gradient() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 17, generator=generator, dtype=torch.float64, requires_grad=True)
+    target_p = torch.softmax(torch.randn(3, 5, 17, generator=generator, dtype=torch.float64), dim=-1)
+    upstream = torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    written = soft_cross_entropy(logits, target_p)
+    (written_grad,) = torch.autograd.grad((written * upstream).sum(), logits)
+    reference = -(target_p * F.log_softmax(logits, dim=-1)).sum(-1)
+    (reference_grad,) = torch.autograd.grad((reference * upstream).sum(), logits)
+    torch.testing.assert_close(written, reference)
+    torch.testing.assert_close(written_grad, reference_grad)
