@@ -328,6 +328,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="as vLLM's: the OpenAI routes answer only `Authorization: Bearer KEY` (default: "
                         "$SPECD_API_KEY; none: open)")
     p.add_argument("--no-learner", action="store_true", help="serve the store's live version without training")
+    p.add_argument("--learner-mode", choices=("auto", "process", "thread"), default="auto",
+                   help="where the embedded learner runs: a process pinned to cores of its own (the server keeps "
+                        "the others), a thread of the server with --duty-cycle, or auto: a process on 2+ cores")
     p.add_argument("--no-records", action="store_true", help="publish no trajectory records (to measure their cost)")
     p.add_argument("--no-canary", action="store_true", help="embedded mode: never roll a version back automatically")
     p.add_argument("--no-traffic-table", action="store_true",
@@ -429,7 +432,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--max-queued must be 0 (no bound) or more, got {args.max_queued}")
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
                            max_context=args.max_context, max_queued=args.max_queued or None, api_key=args.api_key,
-                           learner=not args.no_learner, duty_cycle=args.duty_cycle, server_id=args.server_id,
+                           learner=not args.no_learner, learner_mode=args.learner_mode, duty_cycle=args.duty_cycle,
+                           server_id=args.server_id,
                            model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,
                            token=args.token, publish_records=not args.no_records, canary=not args.no_canary,
                            drafter=_drafter_spec(args, traffic_table=not args.no_traffic_table))

@@ -32,7 +32,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -118,6 +118,25 @@ class LearnerStats:
     gate_waits: int = 0              # publications due but skipped: too few held-out records
     loop_failures: int = 0           # steps of the learner thread that raised
     last_failure: dict[str, Any] | None = None  # {"error": "Type: message", "time": unix seconds}
+
+
+class LearnerHandle(Protocol):
+    """What a server reads of its embedded learner, a thread (`Learner`) or a process
+    (`specd.learner.process.LearnerProcess`): counters, lag, and the gate for operators' candidates."""
+
+    @property
+    def stats(self) -> LearnerStats: ...
+
+    @property
+    def staleness(self) -> dict[str, Any]: ...
+
+    def submit(self, version: int) -> Future[dict[str, Any]]: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def start(self) -> object: ...
+
+    def stop(self) -> object: ...
 
 
 class Learner:

@@ -11,16 +11,24 @@ published and rejected, its CPU seconds and wall seconds), sent every `report_ev
 more when it stops; `stop()` asks the child to finish, waits, and returns the final report. A
 child that dies (killed, crashed) takes nothing with it: serving goes on with the live version,
 its records are shed, and the report says it is not alive and how it ended.
+For a server's control plane and metrics it reads as the thread does (`specd.learner.learner.
+LearnerHandle`): `stats` and `staleness` are the latest report's (at most `report_every_s` old),
+and `submit(version)` sends an operator's candidate to the child's gate and resolves the
+returned future with its verdict (or an error naming why, when the child is gone).
 `split_cores()` gives the learner its share of this process's cores and serving the rest.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
+import threading
 import time
-from dataclasses import dataclass, replace
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +37,9 @@ import torch.multiprocessing as mp
 
 from specd.bus import BusCounters
 from specd.drafter.checkpoint import load_drafter
+from specd.errors import SpecdError
 from specd.hotswap.store import WeightStore
-from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.learner import Learner, LearnerConfig, LearnerStats
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
 
@@ -118,10 +127,28 @@ def learner_report(learner: Learner, began_cpu: float, began: float, alive: bool
             "loop_failures": stats.loop_failures, "held_out_records": len(learner.holdout),
             "cpu_seconds": round(time.process_time() - began_cpu, 2),
             "wall_seconds": round(time.monotonic() - began, 2), "torch_threads": torch.get_num_threads(),
-            "recomputed_features": getattr(learner.objective, "recompute_stats", None)}
+            "recomputed_features": getattr(learner.objective, "recompute_stats", None),
+            "stats": {**asdict(stats), "losses": list(stats.losses)}, "staleness": learner.staleness}
 
 
-def run_child(spec: ChildSpec, target: Transformer, records: Any, reports: Any, stop: Any) -> None:
+def _answer_submissions(learner: Learner, submissions: Any, verdicts: Any) -> None:
+    """Hand each operator submission to the learner's own thread; its verdict goes back by id."""
+    while True:
+        try:
+            request_id, version = submissions.get_nowait()
+        except queue.Empty:
+            return
+
+        def reply(future: Future[dict[str, Any]], request_id: int = request_id) -> None:
+            error = future.exception()
+            verdicts.put((request_id, None if error else future.result(),
+                          None if error is None else f"{type(error).__name__}: {error}"))
+
+        learner.submit(version).add_done_callback(reply)
+
+
+def run_child(spec: ChildSpec, target: Transformer, records: Any, reports: Any, stop: Any,
+              submissions: Any, verdicts: Any) -> None:
     """The child's whole life: pin, resume the live version, learn until told to stop."""
     began, began_cpu = time.monotonic(), time.process_time()
     os.sched_setaffinity(0, spec.cores)
@@ -139,6 +166,7 @@ def run_child(spec: ChildSpec, target: Transformer, records: Any, reports: Any, 
     last_report = time.monotonic()
     while not stop.value:
         time.sleep(0.05)
+        _answer_submissions(learner, submissions, verdicts)
         if time.monotonic() - last_report >= spec.report_every_s:
             reports.put({**learner_report(learner, began_cpu, began, True), **where})
             last_report = time.monotonic()
@@ -157,18 +185,89 @@ class LearnerProcess:
         self._reports = context.Queue()
         # a lock-free flag: a child killed inside an Event's wait would leave `set()` waiting for it forever
         self._stop = context.RawValue("b", 0)
+        self._submissions = context.Queue()
+        self._verdicts = context.Queue()
+        self._pending: dict[int, Future[dict[str, Any]]] = {}
+        self._pending_lock = threading.Lock()
+        self._request_ids = itertools.count(1)
+        self._verdict_reader: threading.Thread | None = None
         self.sink = QueueSink(self._records)
         target.share_memory()  # the child reads the server's weights, it does not copy them
         spec = ChildSpec(config, str(store_dir), fingerprint, str(serving_dtype).removeprefix("torch."),
                          tuple(cores), report_every_s, keep_last)
         self.cores = list(cores)
         self._process = context.Process(target=run_child, args=(spec, target, self._records, self._reports,
-                                                                 self._stop), name="specd-learner", daemon=True)
+                                                                 self._stop, self._submissions, self._verdicts),
+                                        name="specd-learner", daemon=True)
         self._last: dict[str, Any] = {"alive": False, "steps": 0, "tokens_trained": 0, "published": []}
 
     def start(self) -> LearnerProcess:
         self._process.start()
+        self._verdict_reader = threading.Thread(target=self._read_verdicts, name="specd-learner-verdicts",
+                                                daemon=True)
+        self._verdict_reader.start()
         return self
+
+    # ---- what a server's control plane and metrics read --------------------------------------
+    @property
+    def stats(self) -> LearnerStats:
+        raw = dict(self._refresh().get("stats") or {})
+        raw["refused"] = Counter(raw.get("refused", {}))
+        raw.pop("losses", None)
+        return LearnerStats(**raw)
+
+    @property
+    def staleness(self) -> dict[str, Any]:
+        return dict(self._refresh().get("staleness") or {})
+
+    def health(self) -> dict[str, Any]:
+        """As `Learner.health`, and where the child runs: its pid, cores, and exit code once it ended."""
+        report = self.report()
+        stats = report.get("stats") or {}
+        return {"running": report["alive"], "process": {"pid": self.pid, "cores": self.cores,
+                                                        "exitcode": report["exitcode"]},
+                "loop_failures": stats.get("loop_failures", 0), "last_failure": stats.get("last_failure"),
+                "gate_waits": stats.get("gate_waits", 0), "held_out_records": report.get("held_out_records", 0)}
+
+    def submit(self, version: int) -> Future[dict[str, Any]]:
+        """The operator's candidate through the child's gate (see `Learner.submit`)."""
+        future: Future[dict[str, Any]] = Future()
+        if not self._process.is_alive():
+            future.set_exception(SpecdError("the learner process is not running"))
+            return future
+        request_id = next(self._request_ids)
+        with self._pending_lock:
+            self._pending[request_id] = future
+        self._submissions.put((request_id, version))
+        return future
+
+    def _read_verdicts(self) -> None:
+        while self._process.is_alive() or not self._verdicts.empty():
+            try:
+                request_id, verdict, error = self._verdicts.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            with self._pending_lock:
+                future = self._pending.pop(request_id, None)
+            if future is not None:
+                if error is None:
+                    future.set_result(verdict)
+                else:
+                    future.set_exception(SpecdError(error))
+        with self._pending_lock:  # the child is gone: nobody will answer these
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.set_exception(SpecdError("the learner process ended before judging this version"))
+
+    def _refresh(self) -> dict[str, Any]:
+        while True:
+            try:
+                self._last = self._reports.get_nowait()
+            except queue.Empty:
+                break
+        # what the child has taken off the queue: the serving side's "delivered", as a bus counts it
+        self.sink.counters.delivered = int(self._last.get("records_in", 0))
+        return self._last
 
     @property
     def pid(self) -> int | None:
@@ -180,11 +279,7 @@ class LearnerProcess:
 
     def report(self) -> dict[str, Any]:
         """The child's latest report, with whether it is alive now and its exit code if it ended."""
-        while True:
-            try:
-                self._last = self._reports.get_nowait()
-            except queue.Empty:
-                break
+        self._refresh()
         alive = self._process.is_alive()
         return {**self._last, "alive": alive, "exitcode": None if alive else self._process.exitcode,
                 "cores": self.cores, "records_shed": self.sink.counters.shed,

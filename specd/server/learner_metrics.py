@@ -29,11 +29,11 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from specd.hotswap.store import WeightStore
-    from specd.learner.learner import Learner
+    from specd.learner.learner import LearnerHandle
 
 
 class LearnerCollector(Collector):
-    def __init__(self, learner: Learner, store: WeightStore) -> None:
+    def __init__(self, learner: LearnerHandle, store: WeightStore) -> None:
         self.learner = learner
         self.store = store
 
@@ -46,13 +46,12 @@ class LearnerCollector(Collector):
             ("specd_learner_tokens_trained", "tokens trained on", stats.tokens_trained),
             ("specd_learner_versions_published", "candidates that passed the gate", len(stats.published)),
             ("specd_learner_versions_rejected", "candidates the gate refused", len(stats.rejected)),
-            ("specd_learner_loop_failures", "exceptions caught in the learner loop",
-             getattr(stats, "loop_failures", 0)),
+            ("specd_learner_loop_failures", "exceptions caught in the learner loop", stats.loop_failures),
             ("specd_rollbacks", "rollbacks by an operator or the canary",
              int(self.store.live_state().get("rollbacks", 0))),
         ]
-        for name, help_text, value in counters:
-            yield CounterMetricFamily(name, help_text, value=float(value))
+        for name, help_text, count in counters:
+            yield CounterMetricFamily(name, help_text, value=float(count))
         staleness = self.learner.staleness
         for name, help_text, key in (
                 ("specd_learner_record_age_seconds", "mean age of the last trained batch's records",

@@ -3,9 +3,13 @@
 Contract: `build_server(options)` returns an aiohttp application whose cleanup context starts the
 engine thread, the swapper, the report loop and (embedded mode) the learner when the app starts,
 and stops them when it shuts down. Two modes, chosen by `mqtt`:
-- embedded (no broker, the default): the bundled target, a drafter created at start, the
-  in-process bus, the learner in this process, the weight store in `$SPECD_CACHE/store`, and the
-  control plane with the dashboard on this server's own port;
+- embedded (no broker, the default): the bundled target, a drafter created at start, the weight
+  store in `$SPECD_CACHE/store`, the control plane with the dashboard on this server's own port,
+  and the learner: by default (`learner_mode` "auto", on a machine with more than one core) in a
+  process of its own pinned to cores of its own (`specd.learner.process`; the server keeps the
+  other cores, and the current drafter is published as the store's day-0 version if it has none),
+  so that training never takes a decoding core; "thread" (and "auto" on one core) runs it as a
+  thread of this process with a `duty_cycle`, records crossing an in-process bus;
 - sidecar (a broker URL): records and acceptance reports go to MQTT, the live version arrives as
   a retained announcement, and weights are fetched over HTTP from the learner that announced it.
 Each mode is one function that returns the same `Wiring`; the app is then assembled once.
@@ -20,24 +24,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from specd.bus import BusCounters, InProcessBus, RecordSink
-from specd.drafter.checkpoint import DrafterModel, load_drafter
+from specd.drafter.checkpoint import DrafterModel, clone_drafter, load_drafter
 from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.worker import EngineWorker
+from specd.errors import ConfigurationError
 from specd.hotswap.canary import AcceptanceLog, CanaryConfig, apply_canary
 from specd.hotswap.control import ControlPlane, add_control_routes
 from specd.hotswap.remote import RemoteSource
 from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
-from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.learner import Learner, LearnerConfig, LearnerHandle
+from specd.learner.process import LearnerProcess, config_for_process, pin_serving, split_cores
 from specd.model.bundled import cache_dir
 from specd.model.target import LoadedTarget
 from specd.mqtt import MqttPublisher, MqttSettings
@@ -57,7 +65,8 @@ class ServeOptions:
     max_batch: int = 8
     max_context: int | None = 4096    # prompt + output tokens per request; None: the target's own limit
     learner: bool = True
-    duty_cycle: float = 0.5
+    learner_mode: str = "auto"         # embedded: "process" (cores of its own), "thread", "auto" (process on 2+ cores)
+    duty_cycle: float = 0.5            # a learner thread's share of wall time (a process trains all the time)
     server_id: str = "specd-0"
     model_name: str | None = None
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
@@ -81,7 +90,8 @@ class Wiring:
     model: DrafterModel                # the drafter to serve until the source's live version arrives
     version: str
     store: WeightStore | None = None   # embedded: the local store, its learner and control plane
-    learner: Learner | None = None
+    learner: LearnerHandle | None = None
+    serving_cores: list[int] | None = None  # the server's cores when the learner has others
     publisher: MqttPublisher | None = None
     health: BackgroundHealth = field(default_factory=BackgroundHealth)
 
@@ -94,13 +104,33 @@ def _sidecar_wiring(options: ServeOptions, mqtt: MqttSettings, loaded: LoadedTar
     return Wiring(publisher, publisher.counters, remote, model, "0", publisher=publisher, health=health)
 
 
+LEARNER_MODES = ("auto", "process", "thread")
+
+
 def _embedded_wiring(options: ServeOptions, loaded: LoadedTarget, store_dir: Path) -> Wiring:
+    if options.learner_mode not in LEARNER_MODES:
+        raise ConfigurationError(f"learner_mode must be one of {', '.join(LEARNER_MODES)}, "
+                                 f"got {options.learner_mode!r}")
     store = WeightStore(store_dir)
-    bus = InProcessBus()
     live = store.live_version()
     embedding = loaded.model.embed.weight
     model = (load_drafter(store.weights_path(live), loaded.fingerprint, embedding.dtype, target_embedding=embedding)
              if live is not None else initial_model(loaded.model, options.drafter, fingerprint=loaded.fingerprint))
+    cores = split_cores() if options.learner and options.learner_mode != "thread" else None
+    if options.learner_mode == "process" and cores is None and options.learner:
+        raise ConfigurationError("learner_mode 'process' needs at least two cores (this process has one); "
+                                 "use 'thread' or 'auto'")
+    if cores is not None:
+        serving_cores, learner_cores = cores
+        if live is None:  # the child resumes the store's live version: the one this server starts with
+            live = store.publish(clone_drafter(model).to(embedding.dtype), loaded.fingerprint, None,
+                                 {"evaluation": None, "reason": "initial"}, embedding)
+            store.set_live(live, "initial", if_live=None)
+        process = LearnerProcess(config_for_process(LearnerConfig(k=options.k)), store_dir, loaded.model,
+                                 loaded.fingerprint, embedding.dtype, learner_cores)
+        return Wiring(process.sink, process.sink.counters, LocalStore(store), model, str(live), store, process,
+                      serving_cores=serving_cores)
+    bus = InProcessBus()
     learner = None
     if options.learner:
         learner = Learner(LearnerConfig(duty_cycle=options.duty_cycle, k=options.k), bus, store, model,
@@ -159,10 +189,22 @@ def _learner_status(wiring: Wiring) -> Callable[[], dict[str, Any]]:
         return {"records_in": learner.stats.records_in, "records_waiting": counters.published - counters.delivered,
                 "records_refused": sum(learner.stats.refused.values()), "learner_steps": learner.stats.steps,
                 "mean_record_age_s": learner.staleness.get("mean_record_age_s"),
-                # the learner loop counts its own failures (read defensively: older learners lack them)
-                "learner_loop_failures": getattr(learner.stats, "loop_failures", 0),
+                "learner_loop_failures": learner.stats.loop_failures, "learner": learner.health(),
                 "background": wiring.health.snapshot()}
     return status
+
+
+def _pin(cores: list[int] | None) -> Callable[[], None]:
+    """The server on its own cores (the learner process has the others); returns how to undo it."""
+    if cores is None:
+        return lambda: None
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    pin_serving(cores)
+
+    def restore() -> None:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    return restore
 
 
 def _lifecycle(options: ServeOptions, wiring: Wiring, worker: EngineWorker, swapper: Swapper,
@@ -183,6 +225,7 @@ def _lifecycle(options: ServeOptions, wiring: Wiring, worker: EngineWorker, swap
         stop = asyncio.Event()
         if wiring.publisher is not None:
             wiring.publisher.start()
+        restore = _pin(wiring.serving_cores)
         worker.start()
         swapper.start(wiring.health)
         if wiring.learner is not None:
@@ -198,5 +241,6 @@ def _lifecycle(options: ServeOptions, wiring: Wiring, worker: EngineWorker, swap
         worker.stop()
         if wiring.publisher is not None:
             wiring.publisher.stop()
+        restore()
 
     return lifecycle

@@ -1,0 +1,88 @@
+"""`specd serve`'s embedded learner runs in a process of its own, on cores of its own, by default.
+
+The tiny byte-level target serves through the real app; the learner child is spawned as in
+production. What a server's operator reads (status, the gate's verdict on a candidate) comes
+from the child through the same routes as with a learner thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from specd.drafter.factory import DrafterSpec, initial_model
+from specd.hotswap.store import WeightStore
+from specd.server.serve import ServeOptions, build_server
+from specd.testing import ByteTokenizer, tiny_loaded_target
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                                                      reason="a learner process needs a core of its own")]
+TOKEN = "secret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def options(tmp_path: Path, **overrides) -> ServeOptions:
+    return ServeOptions(store=str(tmp_path / "store"), model_name="tiny", drafter=DrafterSpec(head_vocab=200),
+                        token=TOKEN, report_seconds=0.1, **overrides)
+
+
+async def status_when(client: TestClient, ready, timeout: float = 90.0) -> dict:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        status = await (await client.get("/v1/status")).json()
+        if ready(status) or asyncio.get_running_loop().time() > deadline:
+            return status
+        await asyncio.sleep(0.2)
+
+
+async def test_the_learner_trains_in_a_child_process_while_the_server_keeps_its_own_cores(tmp_path: Path) -> None:
+    before = os.sched_getaffinity(0)
+    loaded = replace(tiny_loaded_target(), tokenizer=ByteTokenizer())
+    app = build_server(options(tmp_path), loaded)  # learner_mode "auto": a process on 2+ cores
+    async with TestClient(TestServer(app)) as client:
+        serving = os.sched_getaffinity(0)
+        for i in range(12):
+            body = {"model": "tiny", "prompt": f"hello {i} " * 3, "max_tokens": 24, "temperature": 0}
+            assert (await client.post("/v1/completions", json=body)).status == 200
+        status = await status_when(client, lambda s: s.get("learner_steps", 0) > 0 and s.get("records_in", 0) > 0)
+        child = status["learner"]["process"]
+    assert status["learner"]["running"], status
+    assert status["learner_steps"] > 0 and status["records_in"] > 0, status
+    assert child["pid"] != os.getpid()
+    assert serving < before and not serving & set(child["cores"]), (serving, child)
+    assert os.sched_getaffinity(0) == before  # the server gave its cores back when it stopped
+    with pytest.raises(ProcessLookupError):  # and the child stopped with it
+        os.kill(child["pid"], 0)
+
+
+async def test_an_operators_candidate_is_judged_by_the_childs_gate(tmp_path: Path) -> None:
+    loaded = replace(tiny_loaded_target(), tokenizer=ByteTokenizer())
+    app = build_server(options(tmp_path, learner_mode="process"), loaded)
+    store = WeightStore(tmp_path / "store")
+    day0 = store.live_version()
+    assert day0 is not None  # the server published the drafter it starts with, for the child to resume
+    candidate = store.publish(initial_model(loaded.model, DrafterSpec(head_vocab=200), fingerprint=loaded.fingerprint),
+                              loaded.fingerprint, day0, {"planted": True})
+    async with TestClient(TestServer(app)) as client:
+        await status_when(client, lambda s: s["learner"]["running"] and s["learner"]["process"]["pid"])
+        # no traffic yet, so the gate holds nothing out: the child says so, and nothing goes live
+        response = await client.post("/v1/live", json={"version": candidate}, headers=AUTH)
+        answer = await response.json()
+        assert response.status == 503, answer
+        assert "held-out" in answer["error"]["message"] and response.headers["Retry-After"]
+    assert store.live_version() == day0
+
+
+async def test_learner_mode_thread_keeps_the_learner_in_the_server(tmp_path: Path) -> None:
+    loaded = replace(tiny_loaded_target(), tokenizer=ByteTokenizer())
+    before = os.sched_getaffinity(0)
+    app = build_server(options(tmp_path, learner_mode="thread"), loaded)
+    async with TestClient(TestServer(app)) as client:
+        status = await (await client.get("/v1/status")).json()
+        assert os.sched_getaffinity(0) == before
+    assert status["learner"]["running"] and "process" not in status["learner"]
