@@ -1,16 +1,18 @@
 """What servers tell the learner: trajectory records, acceptance counts and acceptance reports.
 
 Contract: a record is self-contained and small (token ids, not text): schema version, record id,
-server id, prompt and output ids, one entry per verification step (position, drafts, accepted
-count, drafter version), sampling settings and timestamps, and optionally the target's features
-of its positions (`FeatureBlock`: float16, base64 in JSON) for a learner that trains a feature
-drafter; a server that cannot capture them (vLLM) sends ids only. `validate_record` turns an untrusted
-dict (from JSON, MQTT, anywhere) into a `TrajectoryRecord` or raises `RecordRefused` with the
-reason; it never lets a malformed record reach training. `AcceptanceCounts` is the one type for
-"drafts proposed, drafts accepted, target passes, tokens emitted", used by the engine's
-metrics, specd's and vLLM's servers, their reports and the canary alike; an `AcceptanceReport`
-carries cumulative counts per drafter version for one server and traffic domain, and
-`validate_report` checks an untrusted one. This module knows nothing of engines or models.
+server id, prompt and output ids, one entry per verification step (position, drafts, accepted count,
+drafter version, and the drafting source: "learned" for the learned drafter, or a context-match /
+traffic-table source such as "context4" or "table2"), sampling settings and timestamps, and
+optionally the target's features of its positions (`FeatureBlock`: float16, base64 in JSON) for a
+learner that trains a feature drafter; a server that cannot capture them (vLLM) sends ids only.
+`validate_record` turns an untrusted dict (from JSON, MQTT, anywhere) into a `TrajectoryRecord` or
+raises `RecordRefused` with the reason; it never lets a malformed record reach training.
+`AcceptanceCounts` is the one type for "drafts proposed, drafts accepted, target passes, tokens
+emitted", used by the engine's metrics, specd's and vLLM's servers, their reports and the canary
+alike; an `AcceptanceReport` carries cumulative counts per drafter version for one server and
+traffic domain, and `validate_report` checks an untrusted one. This module knows nothing of engines
+or models.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import numpy as np
 from specd.errors import RecordRefused
 
 SCHEMA_VERSION = 1
+LEARNED_SOURCE = "learned"
+MAX_SOURCE_CHARS = 32
 MAX_TOKENS_PER_RECORD = 65_536
 MAX_DRAFTS_PER_STEP = 64
 MAX_FEATURE_BYTES = 64 * 2**20   # per record: ~14k positions of SmolLM2's four 576-wide states
@@ -90,6 +94,7 @@ class StepRecord:
     drafts: list[int]
     num_accepted: int
     version: str
+    source: str = LEARNED_SOURCE  # who drafted: the learned drafter, or "context<n>" / "table<n>" and the like
 
 
 @dataclass(frozen=True)
@@ -157,7 +162,10 @@ def validate_record(raw: Any, vocab_size: int, feature_size: int | None = None) 
             raise RecordRefused(f"steps[{i}].position {position!r} is outside the output")
         if not isinstance(accepted, int) or not 0 <= accepted <= len(drafts):
             raise RecordRefused(f"steps[{i}].num_accepted {accepted!r} is not in [0, {len(drafts)}]")
-        steps.append(StepRecord(position, drafts, accepted, str(step.get("version", ""))))
+        source = step.get("source", LEARNED_SOURCE)  # records from before sources were named: the learned drafter's
+        if not isinstance(source, str) or not 0 < len(source) <= MAX_SOURCE_CHARS:
+            raise RecordRefused(f"steps[{i}].source must be a name of 1 to {MAX_SOURCE_CHARS} characters")
+        steps.append(StepRecord(position, drafts, accepted, str(step.get("version", "")), source))
     features = None if raw.get("features") is None else validate_features(raw["features"], total, feature_size)
     try:
         return TrajectoryRecord(

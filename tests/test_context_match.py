@@ -8,7 +8,7 @@ from conftest import fixed_k, tiny_drafter, tiny_target
 from specd.drafter.context_match import context_match, context_match_drafts
 from specd.drafter.hybrid import HybridDrafter
 from specd.engine.engine import Engine, EngineConfig
-from specd.engine.request import SamplingParams
+from specd.engine.request import SamplingParams, record_from_sequence
 
 
 def test_longest_recent_suffix_match_proposes_what_followed() -> None:
@@ -38,3 +38,14 @@ def test_hybrid_drafter_sampling_is_reproducible_for_a_seed() -> None:
     engine = Engine(target, drafter, fixed_k(max_batch=2, num_draft_tokens=3))
     runs = [[s.output_ids for s in engine.generate([[5, 6, 5, 6, 5], [7, 8, 7, 8]], params)] for _ in range(2)]
     assert runs[0] == runs[1]  # reproducible for a seed, with matched and learned rows mixed
+
+
+def test_the_engines_records_name_who_drafted_each_step() -> None:
+    target = tiny_target()
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3]]
+    drafter = HybridDrafter(tiny_drafter(target))
+    seqs = Engine(target, drafter, fixed_k(max_batch=2, num_draft_tokens=4)).generate(
+        prompts, SamplingParams(max_tokens=24))
+    sources = {step.source for seq in seqs for step in record_from_sequence(seq, "test", 0.0).steps}
+    assert any(s.startswith("context") for s in sources), sources
+    assert sources <= {"learned", "none"} | {f"context{n}" for n in range(2, 5)}, sources

@@ -209,6 +209,27 @@ def test_misses_weigh_more_at_the_prediction_of_the_replacement_token(target) ->
         assert float(loss.detach()) == pytest.approx(float((label.exp() * (label - drafted)).sum()), rel=1e-4)
 
 
+def test_tokens_context_matching_drafted_weigh_less_and_only_the_learned_drafters_misses_weigh_more(target) -> None:
+    prompt = [5, 17, 40]
+    output = greedy(target, prompt, 10)
+    ids = prompt + output
+    steps = [StepRecord(3, [output[0], output[1], (output[2] + 1) % VOCAB], 2, "1", "context4"),  # 2 covered, miss
+             StepRecord(6, [(output[3] + 1) % VOCAB], 0, "1", "learned"),                        # the learned miss
+             StepRecord(7, [output[4], output[5]], 2, "1", "table2")]                              # 2 covered
+    record = TrajectoryRecord("r", "test", prompt, output, steps, 0.0, 1.0, 0.0, 0.0)
+    assert validate_record(record.to_dict(), VOCAB).steps == steps  # the sources survive the wire
+    capture = fresh_feature_drafter(target).config.capture_layers
+    objective = FeatureObjective(target, torch.arange(VOCAB), capture, miss_weight=3.0, prompt_weight=0.25,
+                                 covered_weight=0.5)
+    weights = objective._weights(record)
+    # weights[i] weighs the prediction of token i + 1
+    expected = [0.25, 0.25] + [1.0] * (len(ids) - 2)
+    expected[2] = expected[3] = 0.5      # ids[3], ids[4]: drafted by context matching and accepted
+    expected[5] = 3.0                    # ids[6]: the learned drafter's miss
+    expected[6] = expected[7] = 0.5      # ids[7], ids[8]: the table's, accepted
+    assert weights == expected          # and context matching's miss (ids[5]) is not the learned drafter's
+
+
 def gated_learner(tmp_path: Path, target: Transformer) -> Learner:
     """A learner with held-out records whose trained drafter has just been published live."""
     train = greedy_records(target, VOCAB, seed=0, cover=True)

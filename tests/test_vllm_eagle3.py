@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -133,6 +134,16 @@ def status(server: VllmServer) -> dict[str, Any]:
     return server.rpc("specd_status")
 
 
+@contextmanager
+def eagle3_alone(server: VllmServer) -> Iterator[None]:
+    """Hybrid drafting off for a test about vLLM's own EAGLE-3 drafts, on again after it."""
+    assert server.rpc("specd_hybrid", "0")["hybrid"] is False
+    try:
+        yield
+    finally:
+        server.rpc("specd_hybrid", "1")
+
+
 def test_greedy_outputs_with_vllms_eagle3_serving_specds_drafter_equal_plain_vllms(eagle3: VllmServer,
                                                                                     expected) -> None:
     answers = ask_all(eagle3, PROMPTS, MAX_TOKENS)
@@ -145,7 +156,8 @@ def test_greedy_outputs_with_vllms_eagle3_serving_specds_drafter_equal_plain_vll
 
 @torch.no_grad()
 def test_vllms_drafts_are_what_specds_own_drafter_computes(eagle3: VllmServer, smollm2: LoadedTarget) -> None:
-    ask_all(eagle3, PROMPTS[:3], MAX_TOKENS)
+    with eagle3_alone(eagle3):
+        ask_all(eagle3, PROMPTS[:3], MAX_TOKENS)
     model = load_pretrained(SHIPPED_DRAFTER, smollm2.model, smollm2.fingerprint).float()
     same = total = 0
     for record in eagle3.rpc("specd_recent_records", "3"):
@@ -162,6 +174,22 @@ def test_vllms_drafts_are_what_specds_own_drafter_computes(eagle3: VllmServer, s
                     total += 1
                     same += int(predicted[j][length - 2 + j]) == draft
     assert total > 50 and same >= 0.98 * total, (same, total)  # (all of them here; float ties aside)
+
+
+def test_hybrid_drafting_mixes_context_and_eagle3_rows_in_one_step_and_outputs_stay_vllms(eagle3: VllmServer,
+                                                                                          expected) -> None:
+    before = status(eagle3)
+    assert before["hybrid"], "hybrid drafting is the eagle3 route's default"
+    answers = ask_all(eagle3, PROMPTS, MAX_TOKENS)  # 4 at a time: rows of both kinds share steps
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        assert token_ids(answer) == expected[prompt], prompt
+    after = status(eagle3)
+    assert after["mixed_steps"] > before["mixed_steps"], "no step had context rows beside EAGLE-3 rows"
+    sources = {s["source"] for r in eagle3.rpc("specd_recent_records", str(len(PROMPTS))) for s in r["steps"]}
+    assert "learned" in sources and any(s.startswith(("context", "table")) for s in sources), sources
+    # each source's acceptance is measured (verified or scored in the shadow), and shown
+    measured = after["acceptance_by_source"]
+    assert "learned" in measured and any(s.startswith("context") for s in measured), measured
 
 
 def test_records_carry_vllms_own_accepted_counts_and_reach_the_learner(eagle3: VllmServer, learner) -> None:
@@ -209,17 +237,18 @@ def test_a_swapped_version_is_the_one_drafting(eagle3: VllmServer) -> None:
         metrics = [a["metrics"]["speculative_decoding"] for a in ask_all(eagle3, PROMPTS[:3], MAX_TOKENS)]
         return sum(m["num_accepted_draft_tokens"] for m in metrics) / sum(m["num_draft_tokens"] for m in metrics)
 
-    try:
-        eagle3.rpc("specd_force_version", "2")  # its output layer is version 1's plus noise as large
-        wait_for(lambda: status(eagle3)["prepared_version"] == "2", 60, what="version 2 prepared")
-        eagle3.chat("Hello!", 4)  # the step that installs it
-        perturbed = acceptance()
-    finally:
-        eagle3.rpc("specd_force_version", "none")
-    wait_for(lambda: status(eagle3)["prepared_version"] == "1", 60, what="version 1 prepared")
-    eagle3.chat("Hello!", 4)
-    assert status(eagle3)["version"] == "1"
-    assert perturbed < 0.5 * acceptance(), "the weights vLLM drafts with did not change with the version"
+    with eagle3_alone(eagle3):  # acceptance of EAGLE-3's drafts alone
+        try:
+            eagle3.rpc("specd_force_version", "2")  # its output layer is version 1's plus noise as large
+            wait_for(lambda: status(eagle3)["prepared_version"] == "2", 60, what="version 2 prepared")
+            eagle3.chat("Hello!", 4)  # the step that installs it
+            perturbed = acceptance()
+        finally:
+            eagle3.rpc("specd_force_version", "none")
+        wait_for(lambda: status(eagle3)["prepared_version"] == "1", 60, what="version 1 prepared")
+        eagle3.chat("Hello!", 4)
+        assert status(eagle3)["version"] == "1"
+        assert perturbed < 0.5 * acceptance(), "the weights vLLM drafts with did not change with the version"
 
 
 @pytest.mark.parametrize(("version", "reason"), [(3, "sha256"), (4, "non-finite")])

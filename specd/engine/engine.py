@@ -34,7 +34,7 @@ from specd.engine.request import SamplingParams, Sequence
 from specd.engine.sampling import Verdict, target_probs, verify_greedy, verify_sampled
 from specd.errors import RequestRefused
 from specd.model.transformer import Transformer
-from specd.records import AcceptanceCounts
+from specd.records import LEARNED_SOURCE, AcceptanceCounts
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +288,10 @@ class Engine:
               lengths: torch.Tensor, version: str) -> StepStats:
         eos = set(self.config.eos_token_ids)
         stats = StepStats(len(self.running), 0, 0, 0, 0.0, version)
+        # who drafted each row: a hybrid drafter names it per row ("context4", "table2", "learned", ...)
+        sources = getattr(self.drafter, "row_sources", None)
+        if sources is None or len(sources) != len(self.running):
+            sources = [LEARNED_SOURCE] * len(self.running)
         for slot, (seq, accepted, row_tokens, row_drafts, row_limit, length) in enumerate(zip(
                 self.running, verdict.num_accepted.tolist(), verdict.tokens.tolist(), drafts.tolist(),
                 limit.tolist(), lengths.tolist(), strict=True)):
@@ -304,7 +308,7 @@ class Engine:
             self.tokens[slot, length:length + len(emitted)] = torch.tensor(emitted, device=self.device)
             seq.output_ids.extend(emitted)
             drafts_kept = min(accepted, len(emitted))
-            seq.record_step(length, row_drafts[:row_limit], accepted, drafts_kept, version)
+            seq.record_step(length, row_drafts[:row_limit], accepted, drafts_kept, version, sources[slot])
             stats.num_drafts_proposed += row_limit
             stats.num_drafts_accepted += drafts_kept
             stats.num_tokens_emitted += len(emitted)

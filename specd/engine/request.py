@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.errors import RequestRefused
-from specd.records import AcceptanceCounts, FeatureBlock, StepRecord, TrajectoryRecord
+from specd.records import LEARNED_SOURCE, AcceptanceCounts, FeatureBlock, StepRecord, TrajectoryRecord
 
 # As vLLM: temperatures below 1e-5 mean greedy. Far below it, logits / temperature overflow float32
 # to inf and the probabilities become NaN (a tiny target then emitted its last token forever).
@@ -67,6 +67,7 @@ class VerifyStep:
     drafts: tuple[int, ...]    # the drafts that were verified (empty without speculation)
     num_accepted: int          # drafts the target accepted
     drafter_version: str
+    source: str = LEARNED_SOURCE  # who drafted: the learned drafter, or "context<n>", "table<n>", ...
 
 
 @dataclass
@@ -116,8 +117,8 @@ class Sequence:
                                 self.num_output_tokens)
 
     def record_step(self, position: int, drafts: list[int], num_accepted: int, num_kept: int,
-                    drafter_version: str) -> None:
-        self.steps.append(VerifyStep(position, tuple(drafts), num_accepted, drafter_version))
+                    drafter_version: str, source: str = LEARNED_SOURCE) -> None:
+        self.steps.append(VerifyStep(position, tuple(drafts), num_accepted, drafter_version, source))
         self.num_drafts_proposed += len(drafts)
         self.num_drafts_accepted += num_kept
 
@@ -126,7 +127,7 @@ def record_from_sequence(seq: Sequence, server_id: str, finished: float, domain:
     """The trajectory record of a finished request."""
     # the engine's step position is the sequence length before the step, which is exactly the
     # index of the first token that step emitted
-    steps = [StepRecord(s.position, list(s.drafts), s.num_accepted, s.drafter_version) for s in seq.steps]
+    steps = [StepRecord(s.position, list(s.drafts), s.num_accepted, s.drafter_version, s.source) for s in seq.steps]
     return TrajectoryRecord(uuid.uuid4().hex, server_id, list(seq.prompt_ids), list(seq.output_ids), steps,
                             seq.params.temperature, seq.params.top_p, seq.created, finished, domain,
                             features=_features(seq))

@@ -25,7 +25,7 @@ from specd.learner.feature_signal import collate, feature_loss, label_rows, simu
 from specd.learner.signal import build_batch, drafter_loss
 from specd.learner.signal import simulated_counts as token_simulated_counts
 from specd.model.transformer import Transformer
-from specd.records import AcceptanceCounts, TrajectoryRecord
+from specd.records import LEARNED_SOURCE, AcceptanceCounts, TrajectoryRecord
 
 
 class Objective(Protocol):
@@ -61,13 +61,18 @@ class TokenObjective:
 
 
 class FeatureObjective:
-    """Forward KL to the target's distribution, unrolled, on a window of each record."""
+    """Forward KL to the target's distribution, unrolled, on a window of each record.
+
+    Label weights follow who drafted: a token the learned drafter missed weighs `miss_weight`; a
+    token that context matching or the traffic table drafted and had accepted weighs
+    `covered_weight` (those positions are served without the learned drafter, so they matter less
+    to it); prompt positions weigh `prompt_weight`; the rest 1."""
 
     min_tokens = 4  # an entry at t needs tokens t + 1 and t + 2 and the target's state at t + 1
 
     def __init__(self, target: Transformer, draft_ids: torch.Tensor, capture_layers: tuple[int, ...],
                  window: int = 256, unroll: int = 3, miss_weight: float = 2.0, prompt_weight: float = 0.5,
-                 objective: str = "kl", cache_records: int = 600) -> None:
+                 objective: str = "kl", cache_records: int = 600, covered_weight: float = 0.5) -> None:
         self.target = target
         self.capture_layers = capture_layers
         if not capture_layers or capture_layers[-1] != target.config.num_layers - 1:
@@ -76,7 +81,7 @@ class FeatureObjective:
         self.feature_size: int | None = len(capture_layers) * target.config.hidden_size
         self.rows = label_rows(target.lm_head.weight, draft_ids, target.norm.weight)
         self.window, self.unroll, self.objective = window, unroll, objective
-        self.miss_weight, self.prompt_weight = miss_weight, prompt_weight
+        self.miss_weight, self.prompt_weight, self.covered_weight = miss_weight, prompt_weight, covered_weight
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._cache_records = cache_records
         self.recomputed_records = 0
@@ -137,7 +142,10 @@ class FeatureObjective:
         first_output = len(record.prompt_ids)
         weights = [self.prompt_weight if i + 1 < first_output else 1.0 for i in range(total)]
         for step in record.steps:
-            if step.num_accepted < len(step.drafts):
+            if step.source != LEARNED_SOURCE:  # drafted by context matching or the table: covered
+                for token in range(max(step.position, 1), min(step.position + step.num_accepted, total)):
+                    weights[token - 1] = min(weights[token - 1], self.covered_weight)
+            elif step.num_accepted < len(step.drafts):
                 miss = step.position + step.num_accepted  # the token the target put in place of a draft
                 if 0 < miss < total:
                     weights[miss - 1] = self.miss_weight

@@ -16,6 +16,14 @@ vLLM's `EagleProposer` once it has loaded, and routes the model runner's proposa
    vLLM does at load; in compiled mode (whose graphs keep the handles they were traced with) those
    layers are served through a plain matmul over real parameters from load on, so every swap is
    an in-place copy.
+3. with `SPECD_DRAFTER=hybrid` (the default), drafts per row and step from the row's context or
+   the traffic table where the draft budget expects that to earn more than EAGLE-3's drafts, and
+   from EAGLE-3 elsewhere (`specd.vllm.hybrid_rows`); every row's drafts are then trimmed to
+   those worth verifying (`specd.vllm.policy.DraftPolicy`, as on the custom route), and records
+   name the source of each step's drafts. EAGLE-3 still runs for every row each step (its KV
+   cache must follow every row). vLLM verifies these drafts as one-hot (EAGLE-3 hands it no
+   probabilities here), so outputs are those of vLLM alone; were a vLLM to hand over draft
+   probabilities, the hybrid stands aside and vLLM's drafts go out unchanged.
 It needs `disable_padded_drafter_batch` (the proposal then runs after vLLM's bookkeeping, on the
 CPU-side sampled tokens, as `custom_class` does); `launch.speculative_config` sets it.
 """
@@ -37,13 +45,17 @@ from torch import nn
 from specd.drafter.base import WeightHandoff
 from specd.drafter.checkpoint import load_drafter, read_metadata
 from specd.drafter.feature_model import FeatureDrafterModel
+from specd.drafter.traffic_table import TrafficTable
 from specd.drafter.vllm_format import SPECD_CHECKPOINT, vllm_parameters
 from specd.errors import CheckpointError
 from specd.hotswap.swapper import Swapper
 from specd.model.checkpoint import read_target_head
 from specd.model.fingerprint import TargetFingerprint
+from specd.vllm.budget import DraftBudget
+from specd.vllm.hybrid_rows import HybridRows
 from specd.vllm.launch import PluginSettings
 from specd.vllm.loop import PinnedSource, RequestBook, follow_versions, force_version
+from specd.vllm.policy import DraftPolicy
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +142,12 @@ class Eagle3Companion:
         self.repack: Callable[[nn.Module], None] | None = None
         self.swapper: Swapper | None = None
         self.source: PinnedSource | None = None
+        self.policy = DraftPolicy(DraftBudget(self.k), self.max_model_len)
+        table = TrafficTable() if self.settings.traffic_table else None
+        # made even when off, so that an operator can switch it on (and off) while serving
+        self.hybrid = HybridRows(self.k, table)
+        self.hybrid_on = self.settings.drafter_kind == "hybrid"
+        self.hybrid_stood_aside = 0        # steps where vLLM's drafts carried probabilities
 
     @property
     def recent(self) -> deque[dict[str, Any]]:
@@ -154,7 +172,7 @@ class Eagle3Companion:
         self.swapper = Swapper(self.source, self.slot, fingerprint, target_embedding=embed)  # type: ignore[arg-type]
         self.swapper.check_once()
         self.swapper.start()
-        self.book.telemetry.start(publisher, None)
+        self.book.telemetry.start(publisher, self.hybrid.table)
         log.info("specd follows versions into vLLM's EAGLE-3 drafter (started from version %s)", version)
         return self
 
@@ -172,13 +190,28 @@ class Eagle3Companion:
         assert self.slot is not None
         self.book.observe(request_ids, sampled, lengths, np.asarray(batch.num_prompt_tokens[:rows]),
                           batch.token_ids_cpu, self.slot.version)
+        self.policy.observe(request_ids, sampled, self.book.tracker, begin)
+        self.hybrid.observe(request_ids, self.book.tracker, self.policy.budget)
         self._install_pending()
         vllm_began = time.perf_counter()
         drafts = vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
         vllm_ended = time.perf_counter()
-        rows_drafts = drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(d) for d in drafts]
-        self.book.remember(request_ids, [list(d) for d in rows_drafts[:rows]], lengths, self.slot.version)
-        self.book.close_finished(runner.requests, request_ids, sampled)
+        eagle = drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(d) for d in drafts]
+        eagle = [list(d) for d in eagle[:rows]]
+        sent, sources = eagle, None
+        if self.hybrid_on and rows:
+            if getattr(runner, "_draft_probs", None) is None:
+                candidates = self.hybrid.candidates(request_ids, eagle, batch.token_ids_cpu, lengths,
+                                                    self.policy.budget)
+                sent = self.policy.choose(request_ids, candidates, lengths, sampled)
+                sources = candidates.sources
+                drafts = sent
+            else:  # drafts with probabilities are verified against them: not ours to replace
+                self.hybrid_stood_aside += 1
+        self.book.remember(request_ids, sent, lengths, self.slot.version, sources)
+        for request_id in self.book.close_finished(runner.requests, request_ids, sampled):
+            self.policy.forget(request_id)
+            self.hybrid.forget(request_id)
         self.num_steps += 1
         self.seconds_outside_vllm += (vllm_began - begin) + (time.perf_counter() - vllm_ended)
         self.seconds_drafting += vllm_ended - vllm_began
@@ -216,7 +249,15 @@ class Eagle3Companion:
                 "mean_vllm_drafting_ms": 1000 * self.seconds_drafting / max(self.num_steps, 1),
                 "install_ms": [round(1000 * s, 2) for s in self.install_seconds],
                 "swaps": slot.num_swaps if slot else 0,
-                "refused_versions": dict(swapper.refused) if swapper else {}, **self.book.telemetry.status()}
+                "refused_versions": dict(swapper.refused) if swapper else {},
+                "hybrid": self.hybrid_on, "hybrid_stood_aside": self.hybrid_stood_aside,
+                "rows_by_source": dict(self.hybrid.rows_by_source), "mixed_steps": self.hybrid.mixed_steps,
+                **self.policy.status(), **self.book.telemetry.status()}
+
+    def set_hybrid(self, on: bool) -> dict[str, Any]:
+        """Hybrid drafting on or off from the next step (the decoding thread reads one flag)."""
+        self.hybrid_on = on
+        return self.status()
 
     def force_version(self, version: int | None) -> dict[str, Any]:
         """Serve `version` regardless of announcements (None: follow them again); it takes over within a poll."""

@@ -44,6 +44,19 @@ class SpecdWorkerExtension:
             raise ValueError(f"version must be a non-negative integer or none, got {version!r}")
         return self._specd_proposer().force_version(version)
 
+    def specd_hybrid(self, on: bool | str = True) -> dict[str, Any]:
+        """eagle3 route: draft from context matches and the traffic table where they pay ("1"), or
+        from EAGLE-3 alone ("0"), from the next step on. vLLM's HTTP route passes strings."""
+        proposer = self._specd_proposer()
+        if not isinstance(proposer, Eagle3Companion):
+            raise RuntimeError("the custom route's drafter kind is chosen at start (SPECD_DRAFTER)")
+        if isinstance(on, str):
+            text = on.strip().lower()
+            if text not in ("0", "1", "true", "false", "on", "off"):
+                raise ValueError(f"on must be 1 or 0, got {on!r}")
+            on = text in ("1", "true", "on")
+        return proposer.set_hybrid(bool(on))
+
     def specd_recent_records(self, count: int = 64) -> list[dict[str, Any]]:
         """The last finished trajectory records (at most 64), newest last."""
         recent = list(self._specd_proposer().recent)

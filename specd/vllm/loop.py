@@ -95,9 +95,10 @@ class RequestBook:
         with self.telemetry.lock:
             return self.tracker.observe(request_ids, sampled, lengths, prompt_lengths, token_ids_cpu, version)
 
-    def remember(self, request_ids: list[str], drafts: list[list[int]], lengths: np.ndarray, version: str) -> None:
+    def remember(self, request_ids: list[str], drafts: list[list[int]], lengths: np.ndarray, version: str,
+                 sources: list[str] | None = None) -> None:
         with self.telemetry.lock:
-            self.tracker.remember(request_ids, drafts, lengths, version)
+            self.tracker.remember(request_ids, drafts, lengths, version, sources)
 
     def close_finished(self, requests: dict[str, Any], request_ids: list[str],
                        sampled: Sequence[Sequence[int]]) -> list[str]:

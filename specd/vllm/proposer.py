@@ -115,7 +115,7 @@ class SpecdProposer:
             return []
         candidates = self._draft(request_ids, lengths, prompt_lengths, token_ids_cpu)
         drafts = self.policy.choose(request_ids, candidates, lengths, sampled_token_ids)
-        self._remember(request_ids, drafts, lengths, sampled_token_ids)
+        self._remember(request_ids, drafts, lengths, sampled_token_ids, candidates.sources)
         self.num_steps += 1
         self.seconds_proposing += time.perf_counter() - begin
         return drafts
@@ -154,10 +154,10 @@ class SpecdProposer:
                           learned_seconds=learned_seconds)
 
     def _remember(self, request_ids: list[str], drafts: list[list[int]], lengths: np.ndarray,
-                  sampled: list[list[int]]) -> None:
-        """What was sent, for the next step's observe; requests that ended, for telemetry."""
+                  sampled: list[list[int]], sources: list[str] | None = None) -> None:
+        """What was sent (and who drafted it), for the next step's observe; requests that ended, for telemetry."""
         assert self.drafter is not None
-        self.book.remember(request_ids, drafts, lengths, self.drafter.version)
+        self.book.remember(request_ids, drafts, lengths, self.drafter.version, sources)
         for request_id in self.book.close_finished(self.runner.requests, request_ids, sampled):
             self.slots.release(request_id)
             self.policy.forget(request_id)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from specd.records import AcceptanceCounts, AcceptanceReport, StepRecord, TrajectoryRecord
+from specd.records import LEARNED_SOURCE, AcceptanceCounts, AcceptanceReport, StepRecord, TrajectoryRecord
 
 
 class SlotDrafter(Protocol):
@@ -124,6 +124,7 @@ class Trajectory:
     drafts: list[int] = field(default_factory=list)   # proposed at the last step, not yet verified
     drafted_at: int = 0                # sequence length when they were proposed
     version: str = ""
+    source: str = LEARNED_SOURCE       # who drafted them
     stop_checked: int = 0              # output tokens already known not to be stop tokens
 
 
@@ -166,7 +167,7 @@ class StepTracker:
             if trajectory is not None and trajectory.drafts and row is not None and sampled[row]:
                 accepted = min(len(sampled[row]) - 1, len(trajectory.drafts))
                 trajectory.steps.append(StepRecord(trajectory.drafted_at, trajectory.drafts, accepted,
-                                                   trajectory.version))
+                                                   trajectory.version, trajectory.source))
                 totals = self.totals.setdefault(trajectory.version, AcceptanceCounts())
                 totals.drafts += len(trajectory.drafts)
                 totals.accepted += accepted
@@ -192,13 +193,14 @@ class StepTracker:
         return accepted_by_previous_row
 
     def remember(self, request_ids: Sequence[str], drafts: Sequence[list[int]], lengths: np.ndarray,
-                 version: str) -> None:
-        """The drafts just proposed per row; the next `observe` learns their fate."""
+                 version: str, sources: Sequence[str] | None = None) -> None:
+        """The drafts just proposed per row (and who drafted them); the next `observe` learns their fate."""
         self.previous_rows = list(request_ids)
         for row, request_id in enumerate(request_ids):
             trajectory = self.live.get(request_id)
             if trajectory is not None:
                 trajectory.drafts, trajectory.drafted_at, trajectory.version = drafts[row], int(lengths[row]), version
+                trajectory.source = sources[row] if sources is not None else LEARNED_SOURCE
 
     def is_finished(self, request_id: str) -> bool:
         return request_id in self._finished

@@ -1,0 +1,127 @@
+"""Choose the demo learner's online learning rate on validation code traffic, never on the demo's.
+
+The demo (`specd demo`) serves HumanEval problems `traffic.default_shift_traffic` picks and
+reports its adaptation curve on `traffic.default_held_out`'s; this sweep draws its problems from
+the rest of HumanEval (checked disjoint), so the setting it picks is not tuned on the figures it
+is then judged by. SmolLM2 answers them greedily with no drafter; the outputs become records (ids
+only: the learner recomputes features, equal to carried ones). Each arm is the service's own
+`Learner` with `DEMO_LEARNER`'s settings and one `feature_learning_rate`, starting from the
+shipped pretrained drafter, fed `--per-round` records at a time with `--steps-per-round` steps
+after each (the demo's learner makes about 2.5 steps a request), and replayed on the validation
+held-out records after every round (greedy, k = 4, exact). Reported per arm and seed: the curve,
+its mean over rounds after the first (how fast it adapts) and its last point. Writes JSON
+(default out/demo_learner_sweep.json; `--repeats`: seeds) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+from common import markdown_table, parser, write_result
+
+from specd.bus import InProcessBus
+from specd.demo import DEMO_LEARNER, DemoConfig, encode
+from specd.drafter.factory import DrafterSpec, initial_model
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.request import SamplingParams, record_from_sequence
+from specd.hotswap.store import WeightStore
+from specd.learner.learner import Learner
+from specd.model.target import LoadedTarget
+from specd.records import TrajectoryRecord, validate_record
+from specd.traffic import TrafficItem, default_held_out, default_shift_traffic, load_humaneval
+
+K = 4
+DEMO_REQUESTS = 40  # `specd demo`'s default traffic: what this sweep must never draw from
+
+
+def validation_items(count: int) -> list[TrafficItem]:
+    """HumanEval problems that the default demo neither serves nor holds out."""
+    demo = {i.prompt for i in default_shift_traffic(DEMO_REQUESTS) + default_held_out(DEMO_REQUESTS)}
+    rest = [i for i in load_humaneval(10**6, seed=1) if i.prompt not in demo]
+    if len(rest) < count:
+        raise SystemExit(f"only {len(rest)} HumanEval problems lie outside the demo's, {count} asked for")
+    return rest[:count]
+
+
+def make_records(loaded: LoadedTarget, items: list[TrafficItem], max_tokens: int) -> list[TrajectoryRecord]:
+    prompts = [encode(loaded, item) for item in items]
+    engine = Engine(loaded.model, None, EngineConfig(max_batch=8, max_context=max(map(len, prompts)) + max_tokens,
+                                                     eos_token_ids=loaded.eos_token_ids))
+    seqs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    vocab = loaded.model.config.vocab_size
+    return [validate_record(record_from_sequence(s, "sweep", time.time(), "humaneval").to_dict(), vocab)
+            for s in seqs]
+
+
+def run_arm(loaded: LoadedTarget, learning_rate: float, seed: int, train: list[TrajectoryRecord],
+            held_out: list[TrajectoryRecord], per_round: int, steps_per_round: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    initial = initial_model(loaded.model, DrafterSpec(), seed=seed, fingerprint=loaded.fingerprint)
+    # the demo's settings; the gate and publishing are off: this sweep holds out its own records
+    config = replace(DEMO_LEARNER, feature_learning_rate=learning_rate, duty_cycle=1.0, seed=seed,
+                     holdout_every=10**9, publish_every_steps=10**9, publish_every_seconds=math.inf)
+    embedding = loaded.model.embed.weight
+    with tempfile.TemporaryDirectory(prefix="demo-sweep-") as tmp:
+        learner = Learner(config, InProcessBus(), WeightStore(tmp), initial, loaded.fingerprint, embedding.dtype,
+                          embedding, target=loaded.model)
+
+        def evaluate() -> float:
+            learner.model.eval()
+            try:
+                return learner.simulated_accept_length(learner.model, held_out)
+            finally:
+                learner.model.train()
+
+        curve = [evaluate()]
+        for start in range(0, len(train), per_round):
+            for record in train[start:start + per_round]:
+                learner.bus.publish(record.to_dict())
+            learner.intake()
+            for _ in range(steps_per_round):
+                learner.train_step()
+            curve.append(evaluate())
+            print(f"  lr {learning_rate:g} seed {seed}: {start + per_round} records, accept length {curve[-1]:.3f}",
+                  flush=True)
+    return {"learning_rate": learning_rate, "seed": seed, "curve": curve,
+            "mean_after_first_round": statistics.fmean(curve[1:]), "last": curve[-1]}
+
+
+def main() -> None:
+    p = parser(__doc__, "out/demo_learner_sweep.json", 1)
+    p.add_argument("--rates", default="5e-5,1.5e-4,5e-4,1.5e-3", help="feature learning rates to compare")
+    p.add_argument("--records", type=int, default=20, help="training records (the demo serves 20 of code)")
+    p.add_argument("--held-out", type=int, default=12)
+    p.add_argument("--per-round", type=int, default=4)
+    p.add_argument("--steps-per-round", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=DemoConfig.max_tokens)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = LoadedTarget.load()
+    items = validation_items(args.records + args.held_out)
+    records = make_records(loaded, items, args.max_tokens)
+    train, held_out = records[:args.records], records[args.records:]
+    arms = [run_arm(loaded, float(rate), seed, train, held_out, args.per_round, args.steps_per_round)
+            for seed in range(args.repeats) for rate in args.rates.split(",")]
+    rows = []
+    for rate in sorted({a["learning_rate"] for a in arms}):
+        mine = [a for a in arms if a["learning_rate"] == rate]
+        rows.append([f"{rate:g}", f"{mine[0]['curve'][0]:.3f}",
+                     f"{statistics.fmean(a['mean_after_first_round'] for a in mine):.3f}",
+                     f"{statistics.fmean(a['last'] for a in mine):.3f}",
+                     " / ".join(f"{a['last']:.3f}" for a in mine)])
+    print(markdown_table(["feature lr", "day 0", "mean over rounds", "last", "last per seed"], rows))
+    write_result(args.out, args, {
+        "validation_problems": len(items), "records": len(train), "held_out": len(held_out), "k": K,
+        "per_round": args.per_round, "steps_per_round": args.steps_per_round, "max_tokens": args.max_tokens,
+        "arms": arms})
+
+
+if __name__ == "__main__":
+    main()

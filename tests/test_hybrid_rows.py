@@ -1,0 +1,73 @@
+"""The eagle3 route's hybrid choice, per row and step, without vLLM: context matching where it is
+expected to earn more than EAGLE-3's drafts, EAGLE-3 elsewhere, the other source scored in the shadow.
+Records name the drafting source, and records without one read as the learned drafter's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specd.errors import RecordRefused
+from specd.records import StepRecord, TrajectoryRecord, validate_record
+from specd.vllm.budget import DraftBudget
+from specd.vllm.hybrid_rows import HybridRows
+from specd.vllm.tracking import StepTracker
+
+K = 4
+REPEATING = [7, 8, 9, 10, 11, 12, 3, 7, 8, 9]   # "7 8 9" occurred before: context proposes 10 11 12 3
+FRESH = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]  # nothing repeats: no context match
+
+
+def rows(*sequences: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    width = max(len(s) for s in sequences) + K
+    table = np.zeros((len(sequences), width), dtype=np.int64)
+    for row, sequence in enumerate(sequences):
+        table[row, :len(sequence)] = sequence
+    return table, np.array([len(s) for s in sequences])
+
+
+def test_a_row_with_a_context_match_drafts_from_it_and_the_others_keep_eagle3s_drafts() -> None:
+    hybrid, budget = HybridRows(K), DraftBudget(K)
+    tokens, lengths = rows(REPEATING, FRESH)
+    eagle = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    candidates = hybrid.candidates(["a", "b"], eagle, tokens, lengths, budget)
+    assert candidates.drafts == [[10, 11, 12, 3], [5, 6, 7, 8]]
+    assert candidates.sources == ["context3", "learned"] and candidates.limits == [4, 4]
+    assert hybrid.mixed_steps == 1
+
+
+def test_eagle3_keeps_a_row_when_its_drafts_are_measured_to_pay_more_than_the_context_match() -> None:
+    hybrid, budget = HybridRows(K), DraftBudget(K)
+    for _ in range(50):  # measured: context3 drafts are never accepted, EAGLE-3's always are
+        budget.observe_drafts("context3", 4, 0)
+        budget.observe_drafts("learned", 4, 4)
+    tokens, lengths = rows(REPEATING)
+    candidates = hybrid.candidates(["a"], [[1, 2, 3, 4]], tokens, lengths, budget)
+    assert candidates.drafts == [[1, 2, 3, 4]] and candidates.sources == ["learned"]
+
+
+def test_the_source_not_chosen_is_scored_against_what_the_target_then_produced() -> None:
+    hybrid, budget = HybridRows(K), DraftBudget(K)
+    tracker = StepTracker("test")
+    tokens, lengths = rows(REPEATING)
+    tracker.observe(["a"], [[REPEATING[-1]]], lengths, np.array([3]), tokens, "1")
+    before = budget.alpha("learned")[0]
+    hybrid.candidates(["a"], [[1, 2, 3, 4]], tokens, lengths, budget)  # context chosen, EAGLE-3's shadowed
+    # the target went on with 10 11 (the context's guess), not EAGLE-3's 1
+    grown, grown_lengths = rows(REPEATING + [10, 11])
+    tracker.observe(["a"], [[10, 11]], grown_lengths, np.array([3]), grown, "1")
+    hybrid.observe(["a"], tracker, budget)
+    assert budget.alpha("learned")[0] < before  # its first draft was scored, and rejected
+
+
+def test_records_name_their_drafting_source_and_an_unnamed_source_is_the_learned_drafter() -> None:
+    steps = [StepRecord(3, [4, 5], 1, "2", "context4"), StepRecord(5, [6], 1, "2")]
+    record = TrajectoryRecord("r", "s", [1, 2, 3], [4, 6, 6, 7], steps, 0.0, 1.0, 0.0, 0.0)
+    raw = record.to_dict()
+    assert validate_record(raw, 100).steps == steps
+    del raw["steps"][0]["source"]
+    assert validate_record(raw, 100).steps[0].source == "learned"
+    for bad in ("", 7, "x" * 33):
+        raw["steps"][0]["source"] = bad
+        with pytest.raises(RecordRefused, match="source"):
+            validate_record(raw, 100)
