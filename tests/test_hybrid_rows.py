@@ -54,7 +54,7 @@ def test_the_source_not_chosen_is_scored_against_what_the_target_then_produced()
     before = budget.alpha("learned")[0]
     hybrid.candidates(["a"], [[1, 2, 3, 4]], tokens, lengths, budget)  # context chosen, EAGLE-3's shadowed
     # the target went on with 10 11 (the context's guess), not EAGLE-3's 1
-    grown, grown_lengths = rows(REPEATING + [10, 11])
+    grown, grown_lengths = rows([*REPEATING, 10, 11])
     tracker.observe(["a"], [[10, 11]], grown_lengths, np.array([3]), grown, "1")
     hybrid.observe(["a"], tracker, budget)
     assert budget.alpha("learned")[0] < before  # its first draft was scored, and rejected

@@ -172,6 +172,17 @@ def test_vllm_command_runs_specds_proposer_extension_and_metrics(capsys) -> None
     assert "at least 1" in capsys.readouterr().err
 
 
+def test_vllms_own_draft_count_per_batch_size_is_passed_through(capsys) -> None:
+    assert main(["vllm", "--print", "--json", "--store", "/tmp/store", "-k", "4", "--route", "custom",
+                 "--drafts-per-batch", "1-2:4,3-8:2"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    spec = json.loads(printed["argv"][printed["argv"].index("--speculative-config") + 1])
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 2, 4], [3, 8, 2]]
+    for bad in ("1-2", "2-1:4", "1-8:5", "a:1"):
+        assert main(["vllm", "--print", "--store", "/s", "--drafts-per-batch", bad]) == 2
+        assert "drafts per batch size" in capsys.readouterr().err
+
+
 def test_draft_budget_withholds_drafts_that_cost_more_verification_than_they_return() -> None:
     budget = DraftBudget(k=4, explore_every=0)
     assert budget.keep("table", 4) == 4                    # nothing measured yet: send everything

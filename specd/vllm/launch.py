@@ -113,29 +113,56 @@ class PluginSettings:
         return MqttSettings.from_url(self.broker, self.deployment) if self.broker else None
 
 
-def speculative_config(k: int, route: str = "custom", drafter_dir: str | None = None) -> dict[str, object]:
-    """vLLM's --speculative-config for a route; "eagle3" needs the exported drafter folder."""
+Schedule = list[tuple[int, int, int]]  # vLLM's (first batch size, last batch size, drafts) entries
+
+
+def parse_schedule(text: str, k: int) -> Schedule:
+    """"1-2:4,3-8:2" -> [(1, 2, 4), (3, 8, 2)]: vLLM's `num_speculative_tokens_per_batch_size`."""
+    schedule = []
+    for entry in text.split(","):
+        try:
+            sizes, count = entry.strip().split(":")
+            bounds = [int(n) for n in sizes.split("-")]
+            if len(bounds) not in (1, 2):
+                raise ValueError(sizes)
+            schedule.append((bounds[0], bounds[-1], int(count)))
+        except ValueError:
+            raise ConfigurationError(f"drafts per batch size {entry!r}: write FIRST-LAST:DRAFTS, "
+                                     f"e.g. 1-2:4,3-8:2") from None
+    for first, last, drafts in schedule:
+        if not 1 <= first <= last or not 0 <= drafts <= k:
+            raise ConfigurationError(f"drafts per batch size ({first}-{last}:{drafts}): batch sizes from 1 "
+                                     f"upwards, drafts from 0 to k = {k}")
+    return schedule
+
+
+def speculative_config(k: int, route: str = "custom", drafter_dir: str | None = None,
+                       per_batch_size: Schedule | None = None) -> dict[str, object]:
+    """vLLM's --speculative-config for a route; "eagle3" needs the exported drafter folder.
+    `per_batch_size` is vLLM's own schedule of draft counts by batch size, passed through."""
     if k < 1:
         raise ConfigurationError(f"k (draft tokens per step) must be at least 1, got {k}")
+    schedule: dict[str, object] = {"num_speculative_tokens_per_batch_size": per_batch_size} if per_batch_size else {}
     if route == "custom":
-        return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
+        return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k, **schedule}
     if route != "eagle3" or drafter_dir is None:
         raise ConfigurationError(f"route {route!r}: choose custom, or eagle3 with an exported drafter folder")
     # unpadded drafting runs after vLLM's bookkeeping on CPU-side tokens: the companion reads them
     return {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": k,
-            "disable_padded_drafter_batch": True}
+            "disable_padded_drafter_batch": True, **schedule}
 
 
 def vllm_command(target: str, settings: PluginSettings, k: int = 4, host: str = "127.0.0.1", port: int = 8000,
                  max_num_seqs: int = 8, max_model_len: int = 4096, extra: list[str] | None = None,
-                 python: str | None = None, drafter_dir: str | None = None) -> tuple[dict[str, str], list[str]]:
+                 python: str | None = None, drafter_dir: str | None = None,
+                 per_batch_size: Schedule | None = None) -> tuple[dict[str, str], list[str]]:
     """(environment, argv) for vLLM's OpenAI server with specd's drafter beside it (the eagle3 route
     serves the exported folder `drafter_dir`)."""
     env = {**settings.to_env(), "VLLM_SERVER_DEV_MODE": "1"}  # DEV_MODE opens POST /collective_rpc
     argv = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
             "--host", host, "--port", str(port), "--max-num-seqs", str(max_num_seqs),
             "--max-model-len", str(max_model_len),
-            "--speculative-config", json.dumps(speculative_config(k, settings.route, drafter_dir),
+            "--speculative-config", json.dumps(speculative_config(k, settings.route, drafter_dir, per_batch_size),
                                                separators=(",", ":")),
             "--worker-extension-cls", WORKER_EXTENSION,
             "--per-request-spec-decode-metrics", "detailed", *(extra or [])]
