@@ -20,8 +20,7 @@ from specd.hotswap.store import WeightStore
 from specd.server.serve import ServeOptions, build_server
 from specd.testing import ByteTokenizer, tiny_loaded_target
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
-                                                      reason="a learner process needs a core of its own")]
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a learner process needs a core of its own")
 TOKEN = "secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -40,6 +39,7 @@ async def status_when(client: TestClient, ready, timeout: float = 90.0) -> dict:
         await asyncio.sleep(0.2)
 
 
+@pytest.mark.asyncio
 async def test_the_learner_trains_in_a_child_process_while_the_server_keeps_its_own_cores(tmp_path: Path) -> None:
     before = os.sched_getaffinity(0)
     loaded = replace(tiny_loaded_target(), tokenizer=ByteTokenizer())
@@ -60,6 +60,7 @@ async def test_the_learner_trains_in_a_child_process_while_the_server_keeps_its_
         os.kill(child["pid"], 0)
 
 
+@pytest.mark.asyncio
 async def test_an_operators_candidate_is_judged_by_the_childs_gate(tmp_path: Path) -> None:
     loaded = replace(tiny_loaded_target(), tokenizer=ByteTokenizer())
     app = build_server(options(tmp_path, learner_mode="process"), loaded)
@@ -78,6 +79,7 @@ async def test_an_operators_candidate_is_judged_by_the_childs_gate(tmp_path: Pat
     assert store.live_version() == day0
 
 
+@pytest.mark.asyncio
 async def test_learner_mode_thread_keeps_the_learner_in_the_server(tmp_path: Path) -> None:
     loaded = replace(tiny_loaded_target(), tokenizer=ByteTokenizer())
     before = os.sched_getaffinity(0)
@@ -86,3 +88,16 @@ async def test_learner_mode_thread_keeps_the_learner_in_the_server(tmp_path: Pat
         status = await (await client.get("/v1/status")).json()
         assert os.sched_getaffinity(0) == before
     assert status["learner"]["running"] and "process" not in status["learner"]
+
+
+def test_a_candidate_sent_to_a_learner_process_that_is_not_running_fails_with_a_reason(tmp_path: Path) -> None:
+    from specd.errors import SpecdError
+    from specd.learner.learner import LearnerConfig
+    from specd.learner.process import LearnerProcess
+
+    loaded = tiny_loaded_target()
+    process = LearnerProcess(LearnerConfig(), tmp_path / "store", loaded.model, loaded.fingerprint,
+                             loaded.model.embed.weight.dtype, [0])  # never started
+    with pytest.raises(SpecdError, match="not running"):
+        process.submit(1).result(timeout=1)
+    assert process.stats.steps == 0 and process.staleness == {}  # nothing reported yet reads as nothing done
