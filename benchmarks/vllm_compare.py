@@ -313,10 +313,10 @@ def markdown(result: dict[str, Any], out: Path, name: str = "vllm_compare") -> s
     frozen = [[name, cell(s, 2)] for name, s in result["versus_frozen"].items()]
     if frozen:
         text += "\n\n" + markdown_table(["specd adaptive / frozen EAGLE-3, per round", "ratio"], frozen)
-    for name, status in result["specd"].items():  # where specd's accepted tokens came from
+    for server, status in result["specd"].items():  # where specd's accepted tokens came from
         sources = status.get("acceptance_by_source") or {}
         if sources:
-            text += f"\n\n{name}: rows by source {status.get('rows_by_source')}; acceptance by draft position: " + \
+            text += f"\n\n{server}: rows by source {status.get('rows_by_source')}; acceptance by draft position: " + \
                 "; ".join(f"{src} {alphas}" for src, alphas in sources.items())
     if result["errors"]:
         text += "\n\nDid not run: " + "; ".join(f"{n}: {e[-160:]}" for n, e in result["errors"].items())
