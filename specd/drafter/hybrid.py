@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from specd.drafter.base import DraftBatch, Proposal, one_hot_q
@@ -25,6 +26,21 @@ from specd.drafter.feature_model import FeatureDrafterModel
 from specd.drafter.token_drafter import TokenDrafter
 from specd.drafter.traffic_table import TrafficTable
 from specd.model.transformer import Transformer
+
+
+def continuation(tokens: np.ndarray, k: int, table: TrafficTable | None, max_n: int = 4,
+                 min_n: int = 2) -> tuple[list[int], str]:
+    """Up to k drafts for a row whose tokens are `tokens`, and their source: its own context match
+    ("context<n>"), else the traffic table's continuation ("table<n>"), else ([], ""). The source
+    names the match length too: a 4-token match is right far more often than a 2-token one."""
+    found, order = context_match(tokens, k, max_n, min_n)
+    if found:
+        return found, f"context{order}"
+    if table is not None:
+        found, order = table.draft_with_order([int(t) for t in tokens[-table.max_n:]], k)
+        if found:
+            return found, f"table{order}"
+    return [], ""
 
 
 class HybridDrafter:
@@ -95,14 +111,9 @@ class HybridDrafter:
         self.row_sources = []  # per row: "context<n>", "table<n>", "learned" or "none"
         for row, length in enumerate(batch.lengths.tolist()):
             start = max(0, length - self.window)
-            # the source names the match length too: a 4-token match is right far more often than a 2-token one
-            found, order = context_match(batch.tokens[row, start:length].cpu().numpy(), k, self.max_n, self.min_n)
-            source = f"context{order}"
-            if not found and self.table is not None:
-                recent = batch.tokens[row, max(0, length - self.table.max_n):length].tolist()
-                found, order = self.table.draft_with_order(recent, k)
-                source = f"table{order}"
-                self.num_table_rows += bool(found)
+            found, source = continuation(batch.tokens[row, start:length].cpu().numpy(), k, self.table,
+                                         self.max_n, self.min_n)
+            self.num_table_rows += source.startswith("table")
             if not found:
                 source = "learned" if self.learned_ran and int(limits[row]) > 0 else "none"
             self.row_sources.append(source)

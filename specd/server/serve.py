@@ -186,10 +186,11 @@ def _learner_status(wiring: Wiring) -> Callable[[], dict[str, Any]]:
         learner, counters = wiring.learner, wiring.counters
         if learner is None:
             return {}
-        return {"records_in": learner.stats.records_in, "records_waiting": counters.published - counters.delivered,
-                "records_refused": sum(learner.stats.refused.values()), "learner_steps": learner.stats.steps,
+        stats = learner.stats  # one read: a learner process builds it from its latest report
+        return {"records_in": stats.records_in, "records_waiting": counters.published - counters.delivered,
+                "records_refused": sum(stats.refused.values()), "learner_steps": stats.steps,
                 "mean_record_age_s": learner.staleness.get("mean_record_age_s"),
-                "learner_loop_failures": learner.stats.loop_failures, "learner": learner.health(),
+                "learner_loop_failures": stats.loop_failures, "learner": learner.health(),
                 "background": wiring.health.snapshot()}
     return status
 

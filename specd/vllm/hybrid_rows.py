@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specd.drafter.context_match import context_match
+from specd.drafter.hybrid import continuation
 from specd.drafter.traffic_table import TrafficTable
 from specd.records import LEARNED_SOURCE
 from specd.vllm.budget import DraftBudget, ShadowBook
@@ -36,25 +36,14 @@ class HybridRows:
         self.rows_by_source: dict[str, int] = {}
         self.mixed_steps = 0               # steps where some rows drafted from context and others from EAGLE-3
 
-    def continuation(self, tokens: np.ndarray) -> tuple[list[int], str]:
-        """The row's own context match, else the traffic table's continuation, else nothing."""
-        recent = tokens[-self.window:]
-        found, order = context_match(recent, self.k, self.max_n, self.min_n)
-        if found:
-            return found, f"context{order}"
-        if self.table is not None:
-            found, order = self.table.draft_with_order([int(t) for t in recent[-self.table.max_n:]], self.k)
-            if found:
-                return found, f"table{order}"
-        return [], ""
-
     def candidates(self, request_ids: Sequence[str], learned: Sequence[Sequence[int]], token_rows: np.ndarray,
                    lengths: np.ndarray, budget: DraftBudget) -> Candidates:
         drafts, limits, sources = [], [], []
         for row, request_id in enumerate(request_ids):
             length = int(lengths[row])
             eagle = [int(t) for t in learned[row]]
-            found, source = self.continuation(token_rows[row, :length])
+            found, source = continuation(token_rows[row, max(0, length - self.window):length], self.k, self.table,
+                                         self.max_n, self.min_n)
             context_pays = bool(found) and \
                 budget.expected_accepted(source, len(found)) >= budget.expected_accepted(LEARNED_SOURCE, len(eagle))
             if context_pays:
