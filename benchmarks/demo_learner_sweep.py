@@ -25,16 +25,16 @@ from typing import Any
 import torch
 from common import markdown_table, parser, write_result
 
-from specd.bus import InProcessBus
-from specd.demo import DEMO_LEARNER, DemoConfig, encode
+from specd.core.records import TrajectoryRecord, validate_record
+from specd.core.traffic import TrafficItem, default_held_out, default_shift_traffic, load_humaneval
+from specd.demo.deployment import DEMO_LEARNER, DemoConfig, encode
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
 from specd.hotswap.store import WeightStore
 from specd.learner.learner import Learner
 from specd.model.target import LoadedTarget
-from specd.records import TrajectoryRecord, validate_record
-from specd.traffic import TrafficItem, default_held_out, default_shift_traffic, load_humaneval
+from specd.transport.bus import InProcessBus
 
 K = 4
 DEMO_REQUESTS = 40  # `specd demo`'s default traffic: what this sweep must never draw from

@@ -1,6 +1,6 @@
 """Bulk generation for self-distillation: specd's engine against vLLM offline, tokens/s.
 
-The same training prompts (the first `--prompts` of `specd.learner.distill.iter_training_prompts`)
+The same training prompts (the first `--prompts` of `specd.offline.distill.iter_training_prompts`)
 answered greedily with up to 128 new tokens, by: specd's engine with the distillation stage's
 feature capture (the features every training example needs come from the same passes) at batch
 32 and 64 in float32 and bfloat16; and vLLM's offline `LLM.generate` (eager, bfloat16, batch 64),
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from common import interleaved, markdown_table, parser, spread, write_result
 
-from specd.learner.distill import DistillConfig, generate_examples, iter_training_prompts
 from specd.model.target import LoadedTarget
+from specd.offline.distill import DistillConfig, generate_examples, iter_training_prompts
 
 CAPTURE = (2, 15, 27, 29)
 

@@ -27,7 +27,7 @@ from common import cell, dot_plot, field_spreads, interleaved, markdown_table, p
 
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
-from specd.engine.replay import record_greedy
+from specd.engine.greedy_recording import record_greedy
 from specd.engine.request import SamplingParams
 from specd.model.target import LoadedTarget
 from specd.model.transformer import Transformer

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from common import cell, markdown_table, parser, spread, write_result
 
+from specd.core.errors import CheckpointError
+from specd.core.traffic import load_sharegpt
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.drafter.pretrained import SHIPPED_DRAFTER, load_pretrained
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams
-from specd.errors import CheckpointError
 from specd.model.target import LoadedTarget
 from specd.model.transformer import Transformer
-from specd.traffic import load_sharegpt
 
 CONTEXT = 128
 

@@ -30,18 +30,18 @@ from typing import Any
 import torch
 from common import cell, markdown_table, parser, spread, write_result
 
-from specd.bus import InProcessBus
+from specd.core.errors import CheckpointError
+from specd.core.records import TrajectoryRecord, validate_record
+from specd.core.traffic import load_humaneval, load_sharegpt
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.drafter.pretrained import SHIPPED_DRAFTER, load_pretrained
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
-from specd.errors import CheckpointError
 from specd.hotswap.store import WeightStore
 from specd.learner.learner import Learner, LearnerConfig
 from specd.learner.objectives import FeatureObjective
 from specd.model.target import LoadedTarget
-from specd.records import TrajectoryRecord, validate_record
-from specd.traffic import load_humaneval, load_sharegpt
+from specd.transport.bus import InProcessBus
 
 # name: (arch, from the pretrained version)
 CURVES = {"feature-scratch": ("feature", False), "feature-pretrained": ("feature", True),
@@ -55,7 +55,7 @@ QUICK = {"records": 16, "held_out": 6, "per_round": 8, "steps_per_round": 2, "ma
 def make_records(loaded: LoadedTarget, count: int, held_out: int, max_tokens: int, seed: int,
                  domain: str = "sharegpt") -> tuple[list[TrajectoryRecord], list[TrajectoryRecord], dict[str, Any]]:
     """The target's own greedy outputs on disjoint training and evaluation prompts, and the served rate."""
-    from specd.demo import encode
+    from specd.demo.deployment import encode
 
     load = load_sharegpt if domain == "sharegpt" else load_humaneval
     items = load(count + held_out, seed)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from common import cell, dot_plot, markdown_table, parser, spread, write_result
 
-from specd.bus import InProcessBus
+from specd.core.records import validate_record
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
@@ -31,8 +31,8 @@ from specd.hotswap.store import WeightStore
 from specd.learner.learner import Learner, LearnerConfig
 from specd.learner.signal import simulated_accept_length
 from specd.model.fingerprint import TargetFingerprint
-from specd.records import validate_record
 from specd.testing import learnable_target
+from specd.transport.bus import InProcessBus
 
 SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
 
@@ -55,9 +55,9 @@ def tiny_setup():
 
 
 def smollm2_setup(requests: int):
-    from specd.demo import encode
+    from specd.core.traffic import default_shift_traffic
+    from specd.demo.deployment import encode
     from specd.model.target import LoadedTarget
-    from specd.traffic import default_shift_traffic
 
     loaded = LoadedTarget.load(None)
     initial = initial_model(loaded.model, DrafterSpec(), seed=0)  # the day-0 drafter servers start from

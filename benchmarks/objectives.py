@@ -21,8 +21,8 @@ from common import markdown_table, parser, write_result
 
 from specd.drafter.feature_model import new_feature_drafter
 from specd.learner.feature_signal import collate, feature_loss, label_rows
-from specd.learner.pretrain import PretrainConfig, eval_set, extract_features, held_out_accept_length, prepare_data
 from specd.model.target import LoadedTarget
+from specd.offline.pretrain import PretrainConfig, eval_set, extract_features, held_out_accept_length, prepare_data
 
 OBJECTIVES = ("kl", "accept")
 

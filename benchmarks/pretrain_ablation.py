@@ -44,7 +44,7 @@ def run_arm(name: str, root: Path, seconds: float, share: Path | None) -> int:
     for item in SHARED:
         if share is not None and (share / item).exists() and not (work / item).exists():
             (work / item).symlink_to((share / item).resolve())  # generated once, read by every arm
-    command = [sys.executable, "-m", "specd.cli", "pretrain", *ARMS[name], "--work", str(work),
+    command = [sys.executable, "-m", "specd.cli.main", "pretrain", *ARMS[name], "--work", str(work),
                "--out", str(work / "drafter.safetensors"), "--threads", "1", "--max-seconds", str(seconds)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(work / "run.log", "ab") as log:

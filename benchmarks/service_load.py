@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,9 +35,7 @@ from common import cell, dot_plot, field_spreads, interleaved, markdown_table, p
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.hotswap.store import WeightStore
 from specd.model.target import LoadedTarget
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the process harness lives with the tests
-from harness import SpecdProcess, free_port
+from specd.testing.processes import SpecdProcess, free_port
 
 PROMPTS = ["Write a haiku about the sea.", "What is recursion?", "List three fruits.", "Explain DNS briefly.",
            "Describe a cat.", "How do planes fly?", "Give me a pasta recipe.", "What is entropy?"]

@@ -1,6 +1,6 @@
 """The shift run on SmolLM2: adaptive vs static vs no speculation, ShareGPT then HumanEval, repeated.
 
-Each repeat is one `specd demo` run (`specd.demo.run_demo`) with its own seed (the day-0 drafter
+Each repeat is one `specd demo` run (`specd.demo.deployment.run_demo`) with its own seed (the day-0 drafter
 and the learner's): `adaptive`, `static` and `none` decode the same traffic greedily one after
 the other, so over `--repeats` the modes run interleaved (A S N, A S N, ...). Both drafters are
 built by `specd.drafter.factory.build_drafter` from the same spec, each with a traffic table of
@@ -23,11 +23,11 @@ from typing import Any
 
 from common import cell, markdown_table, parser, spread, write_result
 
-from specd.demo import MODES, DemoConfig, plot, run_demo
+from specd.core.traffic import default_shift_traffic
+from specd.demo.deployment import MODES, DemoConfig, plot, run_demo
 from specd.drafter.factory import DrafterSpec
 from specd.learner.learner import LearnerConfig
 from specd.model.target import LoadedTarget
-from specd.traffic import default_shift_traffic
 
 GOALS = ("adaptive_over_static_accept_length_after_shift", "adaptive_over_none_tokens_per_s_after_shift",
          "adaptive_over_none_tokens_per_s_first_domain", "requests_after_shift_to_pass_static",

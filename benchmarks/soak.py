@@ -31,17 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from common import markdown_table, parser, write_result
+from soak_faults import Faults, MemoryWatch
 from soak_traffic import Prompt, Tally, client_loop, flood
 
+from specd.core.traffic import load_humaneval, load_sharegpt
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams
 from specd.model.bundled import bundled_target_dir
 from specd.model.target import LoadedTarget
-from specd.traffic import load_humaneval, load_sharegpt
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the process harness lives with the tests
-from harness import Broker, SpecdProcess, free_port, get_json, tiny_checkpoint, wait_for
-from soak_faults import Faults, MemoryWatch
+from specd.testing.processes import Broker, SpecdProcess, free_port, get_json, tiny_checkpoint, wait_for
 
 TOKEN = "soak-token"
 DEPLOYMENT = "soak"

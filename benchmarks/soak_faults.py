@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import Broker, SpecdProcess, get_json
 from soak_traffic import Tally
 
+from specd.core.errors import VersionNotFound
 from specd.drafter.checkpoint import load_drafter
-from specd.errors import VersionNotFound
 from specd.hotswap.store import WeightStore
 from specd.model.target import LoadedTarget
+from specd.testing.processes import Broker, SpecdProcess, get_json
 
 SCHEDULE = [(0.15, "restart the broker"), (0.30, "kill and restart the learner"),
             (0.45, "publish a corrupt version"), (0.55, "publish a worse version"),

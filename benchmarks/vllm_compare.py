@@ -34,7 +34,6 @@ Writes out/vllm_compare.json (or --out).
 
 from __future__ import annotations
 
-import sys
 import tempfile
 import threading
 import time
@@ -44,12 +43,10 @@ from typing import Any
 
 from common import cell, dot_plot, field_spreads, interleaved, markdown_table, paired, parser, write_result
 
+from specd.core.traffic import TrafficItem, load_humaneval, load_sharegpt
 from specd.model.bundled import bundled_target_dir
-from specd.traffic import TrafficItem, load_humaneval, load_sharegpt
-from specd.vllm.launch import PluginSettings, prepare_eagle3_drafter, vllm_command
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the process harness lives with the tests
-from harness import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
+from specd.serving.vllm.shared.launch import PluginSettings, prepare_eagle3_drafter, vllm_command
+from specd.testing.processes import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
 
 CONFIGS = ("plain", "ngram", "suffix", "eagle3_static", "specd_adaptive", "specd_custom")
 DEFAULT_CONFIGS = CONFIGS[:5]

@@ -10,13 +10,13 @@ whoever runs pytest, by deselecting them (`-m "not vllm"`), and deselected tests
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from specd.testing.processes import chromium_binary, mosquitto_binary
 
 
 @dataclass(frozen=True)
@@ -26,17 +26,6 @@ class Dependency:
     install: str  # the command that installs it
 
 
-def _binary(name: str, fallback: str) -> str | None:
-    """The program's path: on PATH, or where Debian puts it (PATH may lack /usr/sbin)."""
-    return shutil.which(name) or (fallback if os.access(fallback, os.X_OK) else None)
-
-
-def mosquitto_binary() -> str | None:
-    return _binary("mosquitto", "/usr/sbin/mosquitto")
-
-
-def chromium_binary() -> str | None:
-    return _binary("chromium", "/usr/bin/chromium")
 
 
 def _has_module(name: str) -> Callable[[], bool]:

@@ -21,8 +21,8 @@ from specd.drafter.factory import DrafterSpec
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.lookahead import LookaheadConfig, LookaheadController
 from specd.engine.request import SamplingParams, Sequence
-from specd.server.api import STATE, ApiState
-from specd.server.serve import ServeOptions, build_server
+from specd.serving.http.api import STATE, ApiState
+from specd.serving.serve import ServeOptions, build_server
 from specd.testing import ByteTokenizer, tiny_loaded_target
 
 pytestmark = pytest.mark.asyncio
@@ -197,7 +197,7 @@ async def test_cancellations_waiting_in_the_inbox_do_not_count_as_queued_request
 
 
 async def test_client_chosen_domain_labels_are_bounded(client) -> None:
-    from specd.server.api import MAX_DOMAINS, OTHER_DOMAIN
+    from specd.serving.http.api import MAX_DOMAINS, OTHER_DOMAIN
 
     body = {"model": "tiny", "prompt": "abc", "max_tokens": 2, "temperature": 0}
     for i in range(MAX_DOMAINS + 5):

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from specd.drafter.factory import DrafterSpec
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams
-from specd.server.api import STATE
-from specd.server.serve import ServeOptions, build_server
+from specd.serving.http.api import STATE
+from specd.serving.serve import ServeOptions, build_server
 from specd.testing import tiny_loaded_target
 
 T = TypeVar("T")

@@ -9,11 +9,11 @@ import time
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from specd.core.threads import BackgroundHealth, supervise, supervised_thread
 from specd.drafter.factory import DrafterSpec
-from specd.server.metrics import ServingMetrics
-from specd.server.serve import REPORTS_TASK, ServeOptions, build_server
+from specd.serving.http.metrics import ServingMetrics
+from specd.serving.serve import REPORTS_TASK, ServeOptions, build_server
 from specd.testing import tiny_loaded_target
-from specd.threads import BackgroundHealth, supervise, supervised_thread
 
 
 def test_a_failing_async_task_is_restarted_and_its_failures_counted() -> None:
@@ -117,9 +117,9 @@ async def test_a_failing_report_loop_is_restarted_and_seen_in_health_and_metrics
 @pytest.mark.mqtt
 def test_a_publisher_whose_send_fails_keeps_publishing_and_loses_nothing(tmp_path, monkeypatch) -> None:
     import aiomqtt
-    from harness import Broker, wait_for
 
-    from specd.mqtt import PUBLISHER_TASK, MqttPublisher, MqttSettings
+    from specd.testing.processes import Broker, wait_for
+    from specd.transport.mqtt import PUBLISHER_TASK, MqttPublisher, MqttSettings
 
     broker = Broker(tmp_path / "broker").start()
     failures_left = [2]
@@ -151,9 +151,8 @@ def test_a_publisher_whose_send_fails_keeps_publishing_and_loses_nothing(tmp_pat
 def test_an_announcement_the_server_cannot_take_is_counted_and_the_next_one_is_taken(tmp_path) -> None:
     import json
 
-    from harness import Broker, wait_for
-
-    from specd.mqtt import ANNOUNCEMENTS_TASK, MqttPublisher, MqttSettings, announce
+    from specd.testing.processes import Broker, wait_for
+    from specd.transport.mqtt import ANNOUNCEMENTS_TASK, MqttPublisher, MqttSettings, announce
 
     broker = Broker(tmp_path / "broker").start()
     settings = MqttSettings.from_url(broker.url, deployment="bad-announcement")
@@ -179,10 +178,9 @@ def test_an_announcement_the_server_cannot_take_is_counted_and_the_next_one_is_t
 
 
 def test_the_sidecar_counts_failed_announcements_and_carries_the_learner_loop_failures(tmp_path) -> None:
-    from harness import free_port
-
-    from specd.mqtt import MqttSettings
-    from specd.server.sidecar import ANNOUNCER_TASK, Sidecar, SidecarOptions
+    from specd.learner.sidecar import ANNOUNCER_TASK, Sidecar, SidecarOptions
+    from specd.testing.processes import free_port
+    from specd.transport.mqtt import MqttSettings
 
     unreachable = MqttSettings(port=free_port())   # nothing listens there
     sidecar = Sidecar(SidecarOptions(store=str(tmp_path / "store"), mqtt=unreachable), tiny_loaded_target())

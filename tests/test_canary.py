@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from conftest import tiny_target
 
+from specd.control.canary import AcceptanceLog, CanaryConfig, apply_canary
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
-from specd.hotswap.canary import AcceptanceLog, CanaryConfig, apply_canary
 from specd.hotswap.store import WeightStore
 from specd.model.fingerprint import TargetFingerprint
 

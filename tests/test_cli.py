@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from specd.cli import main
-from specd.errors import ConfigurationError
+from specd.cli.main import main
+from specd.core.errors import ConfigurationError
 
 
 def test_missing_target_folder_is_a_clear_error(capsys, tmp_path) -> None:
@@ -30,7 +30,7 @@ def test_bad_option_value_is_a_clear_error(capsys) -> None:
 @pytest.mark.slow
 def test_generate_json_reports_speculation_figures() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "specd.cli", "generate", "--prompt", "Name three colours.", "--chat",
+        [sys.executable, "-m", "specd.cli.main", "generate", "--prompt", "Name three colours.", "--chat",
          "--drafter", "replay", "-k", "4", "--max-tokens", "24", "--json"],
         capture_output=True, text=True, check=True, timeout=600)
     result = json.loads(out.stdout)
@@ -49,8 +49,8 @@ def test_generate_refuses_a_too_long_request(capsys) -> None:
 
 
 def test_pretrain_flags_override_the_recipe_and_nothing_else() -> None:
-    from specd.cli import build_parser, pretrain_config
-    from specd.learner.pretrain import RECIPES, PretrainConfig
+    from specd.cli.main import build_parser, pretrain_config
+    from specd.offline.pretrain import RECIPES, PretrainConfig
 
     def config(*flags: str) -> PretrainConfig:
         return pretrain_config(build_parser().parse_args(["pretrain", "--out", "o", "--work", "w", *flags]))

@@ -14,16 +14,16 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from specd.bus import InProcessBus
+from specd.control.canary import AcceptanceLog
+from specd.control.plane import ControlPlane, add_control_routes
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
-from specd.hotswap.canary import AcceptanceLog
-from specd.hotswap.control import ControlPlane, add_control_routes
 from specd.hotswap.store import WeightStore
 from specd.learner.learner import Learner, LearnerConfig
 from specd.model.fingerprint import TargetFingerprint
 from specd.testing import TINY, learnable_target
+from specd.transport.bus import InProcessBus
 
 pytestmark = pytest.mark.asyncio
 

@@ -7,12 +7,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from dependencies import chromium_binary
-from harness import SpecdProcess, free_port, get_json, tiny_checkpoint, wait_for
 
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.hotswap.store import WeightStore
 from specd.model.target import LoadedTarget
+from specd.testing.processes import SpecdProcess, chromium_binary, free_port, get_json, tiny_checkpoint, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]  # conftest fails it when Playwright or Chromium is missing
 

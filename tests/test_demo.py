@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specd.demo import MODES, DemoConfig, plot, run_demo
+from specd.core.traffic import TrafficItem, load_jsonl
+from specd.demo.deployment import MODES, DemoConfig, plot, run_demo
 from specd.drafter.factory import DrafterSpec
 from specd.learner.learner import LearnerConfig
 from specd.testing import tiny_loaded_target
-from specd.traffic import TrafficItem, load_jsonl
 
 
 def test_demo_replays_traffic_in_three_modes_losslessly(tmp_path: Path) -> None:

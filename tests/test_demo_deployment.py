@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from specd.demo import DemoConfig, plot, run_demo
+from specd.core.traffic import TrafficItem
+from specd.demo.deployment import DemoConfig, plot, run_demo
 from specd.drafter.factory import DrafterSpec
 from specd.learner.learner import LearnerConfig
 from specd.model.target import LoadedTarget
 from specd.testing import ByteTokenizer, learnable_target, tiny_loaded_target
-from specd.traffic import TrafficItem
 
 TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a learner of its own needs a second core")
 FAST_LEARNER = LearnerConfig(publish_every_steps=1, publish_every_seconds=0.5, min_records=1, window=16,

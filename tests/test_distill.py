@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-import specd.learner.distill as distill_module
-import specd.traffic as traffic
+import specd.core.traffic as traffic
+import specd.offline.distill as distill_module
+from specd.core.errors import ConfigurationError
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams
-from specd.errors import ConfigurationError
-from specd.learner.distill import DistillConfig, distill, iter_training_prompts, prompt_params
-from specd.learner.pretrain_data import first_user_turns
+from specd.offline.corpus import first_user_turns
+from specd.offline.distill import DistillConfig, distill, iter_training_prompts, prompt_params
 from specd.testing import tiny_loaded_target
 
 CAPTURE = (0, 1)

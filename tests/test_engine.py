@@ -8,14 +8,14 @@ import pytest
 import torch
 from conftest import TINY, always_right_counts, fixed_k, tiny_drafter, tiny_target
 
+from specd.core.errors import RequestRefused
+from specd.core.records import AcceptanceCounts
 from specd.drafter.base import DraftBatch, Proposal
 from specd.drafter.replay import ReplayDrafter
 from specd.drafter.token_drafter import TokenDrafter
 from specd.engine.engine import Engine, EngineConfig
-from specd.engine.replay import record_greedy
+from specd.engine.greedy_recording import record_greedy
 from specd.engine.request import SamplingParams
-from specd.errors import RequestRefused
-from specd.records import AcceptanceCounts
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [12, 13], [20, 30, 40, 50], [7] * 9]
 GREEDY = SamplingParams(max_tokens=40)

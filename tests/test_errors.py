@@ -11,16 +11,16 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from specd import errors
-from specd.cli import main
+from specd.cli.main import main
+from specd.control.canary import AcceptanceLog
+from specd.control.plane import ControlPlane, add_control_routes
+from specd.core import errors
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
-from specd.hotswap.canary import AcceptanceLog
-from specd.hotswap.control import ControlPlane, add_control_routes
 from specd.hotswap.store import WeightStore
 from specd.model.fingerprint import TargetFingerprint
-from specd.mqtt import MqttSettings
+from specd.serving.vllm.shared.launch import PluginSettings
 from specd.testing import tiny_target
-from specd.vllm.launch import PluginSettings
+from specd.transport.mqtt import MqttSettings
 
 
 def publish_tiny_version(store: WeightStore) -> int:

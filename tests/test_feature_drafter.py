@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import fixed_k, tiny_drafter, tiny_target
 
+from specd.core.errors import BadWeights
 from specd.drafter.base import DraftBatch, Proposal
 from specd.drafter.factory import DrafterSpec, build_drafter
 from specd.drafter.feature_drafter import FeatureDrafter
@@ -21,7 +22,6 @@ from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.drafter.hybrid import HybridDrafter
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, Sequence, record_from_sequence
-from specd.errors import BadWeights
 from specd.learner.feature_signal import collate, feature_loss, label_rows
 from specd.model.transformer import Transformer
 from specd.testing import learnable_target

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specd.bus import InProcessBus
+from specd.core.records import FeatureBlock, StepRecord, TrajectoryRecord, validate_record
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.hotswap.store import WeightStore
 from specd.learner.feature_signal import collate, feature_loss, label_rows, soft_cross_entropy, target_log_probs
@@ -24,8 +24,8 @@ from specd.learner.learner import Learner, LearnerConfig
 from specd.learner.objectives import FeatureObjective
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
-from specd.records import FeatureBlock, StepRecord, TrajectoryRecord, validate_record
 from specd.testing import learnable_target
+from specd.transport.bus import InProcessBus
 
 VOCAB = 96
 STEPS = 100  # learner steps in which a feature drafter learns this target (3.9 at 100 steps, seed 0)

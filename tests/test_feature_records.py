@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 import torch
 
-from specd.bus import InProcessBus
+from specd.core.errors import RecordRefused
+from specd.core.records import FeatureBlock, StepRecord, TrajectoryRecord, validate_record
 from specd.drafter.feature_model import new_feature_drafter
-from specd.errors import RecordRefused
 from specd.hotswap.store import WeightStore
 from specd.learner.learner import Learner, LearnerConfig
 from specd.model.fingerprint import TargetFingerprint
-from specd.records import FeatureBlock, StepRecord, TrajectoryRecord, validate_record
 from specd.testing import learnable_target
+from specd.transport.bus import InProcessBus
 
 VOCAB = 96
 WIDTH = 32  # a feature drafter on learnable_target (one layer) reads layer 0: 1 x 32
@@ -76,9 +76,8 @@ def test_features_round_trip_json_bit_exactly() -> None:
 
 @pytest.mark.mqtt
 def test_features_round_trip_the_mqtt_transport_bit_exactly(tmp_path: Path) -> None:
-    from harness import Broker
-
-    from specd.mqtt import MqttPublisher, MqttSettings, subscribe_forever
+    from specd.testing.processes import Broker
+    from specd.transport.mqtt import MqttPublisher, MqttSettings, subscribe_forever
 
     broker = Broker(tmp_path / "broker").start()
     received: list[tuple[str, bytes]] = []

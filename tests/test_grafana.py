@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.drafter.factory import DrafterSpec
-from specd.server.serve import ServeOptions, build_server
+from specd.serving.serve import ServeOptions, build_server
 from specd.testing import ByteTokenizer, tiny_loaded_target
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "specd-dashboard.json"

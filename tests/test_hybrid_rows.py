@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specd.errors import RecordRefused
-from specd.records import StepRecord, TrajectoryRecord, validate_record
-from specd.vllm.budget import DraftBudget
-from specd.vllm.hybrid_rows import HybridRows
-from specd.vllm.tracking import StepTracker
+from specd.core.errors import RecordRefused
+from specd.core.records import StepRecord, TrajectoryRecord, validate_record
+from specd.serving.vllm.eagle3.hybrid_rows import HybridRows
+from specd.serving.vllm.shared.budget import DraftBudget
+from specd.serving.vllm.shared.tracking import StepTracker
 
 K = 4
 REPEATING = [7, 8, 9, 10, 11, 12, 3, 7, 8, 9]   # "7 8 9" occurred before: context proposes 10 11 12 3

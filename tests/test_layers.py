@@ -13,14 +13,17 @@ ROOT = Path(__file__).resolve().parents[1] / "specd"
 
 # bottom first: a module may import modules of its own layer and of the layers below it
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("specd", "specd.errors", "specd.threads")),
+    ("core", ("specd", "specd.core")),
     ("model", ("specd.model", "specd.testing")),
-    ("records and transport", ("specd.records", "specd.bus", "specd.mqtt", "specd.traffic")),
+    ("transport", ("specd.transport",)),
     ("drafter", ("specd.drafter",)),
     ("engine", ("specd.engine",)),
     ("hotswap", ("specd.hotswap",)),
+    ("control", ("specd.control",)),
     ("learner", ("specd.learner",)),
-    ("top", ("specd.server", "specd.vllm", "specd.cli", "specd.demo", "specd.demo_report")),
+    ("offline", ("specd.offline",)),
+    ("serving", ("specd.serving",)),
+    ("entry points", ("specd.cli", "specd.demo")),
 ]
 
 
@@ -122,10 +125,10 @@ def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
     """A planted lazy import from the model layer up to the server must be reported."""
     fake_root = tmp_path / "specd"
     (fake_root / "model").mkdir(parents=True)
-    (fake_root / "server").mkdir()
-    (fake_root / "server" / "api.py").write_text("")
+    (fake_root / "serving").mkdir()
+    (fake_root / "serving" / "api.py").write_text("")
     planted = fake_root / "model" / "bad.py"
-    planted.write_text("def f():\n    from specd.server import api\n    return api\n")
+    planted.write_text("def f():\n    from specd.serving import api\n    return api\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", fake_root)
-    assert specd_imports(planted) == [(2, "specd.server.api")]
-    assert layer_of("specd.server.api") > layer_of(module_name(planted))
+    assert specd_imports(planted) == [(2, "specd.serving.api")]
+    assert layer_of("specd.serving.api") > layer_of(module_name(planted))

@@ -16,19 +16,19 @@ import pytest
 import torch
 from conftest import TINY, fixed_k, learnable_target, tiny_target
 
-from specd.bus import InProcessBus
-from specd.cli import main
+from specd.cli.main import main
+from specd.core.errors import ConfigurationError, RecordRefused, StoreError
+from specd.core.records import validate_record
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
-from specd.errors import ConfigurationError, RecordRefused, StoreError
 from specd.hotswap.store import LiveVersionChanged, WeightStore
 from specd.hotswap.swapper import Swapper
 from specd.learner import learner as learner_module
 from specd.learner.learner import Learner, LearnerConfig
 from specd.learner.signal import simulated_accept_length
 from specd.model.fingerprint import TargetFingerprint
-from specd.records import validate_record
+from specd.transport.bus import InProcessBus
 
 FINGERPRINT = TargetFingerprint(TINY.vocab_size, "none")
 SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -395,8 +395,8 @@ def test_learner_holds_publishing_after_an_operator_rollback(tmp_path: Path) -> 
 
 
 def test_versions_reference_a_frozen_target_embedding_instead_of_copying_it(tmp_path: Path) -> None:
+    from specd.core.errors import CheckpointError
     from specd.drafter.checkpoint import load_drafter
-    from specd.errors import CheckpointError
 
     target = tiny_target()
     store = WeightStore(tmp_path)

@@ -10,8 +10,8 @@ import torch
 from conftest import TINY, tiny_target
 from safetensors.torch import load_file, save_file
 
-from specd.errors import CheckpointError
-from specd.model.checkpoint import load_target
+from specd.core.errors import CheckpointError
+from specd.model.loading import load_target
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import aiomqtt
 import pytest
-from harness import SpecdProcess, TlsBroker, free_port, get_json, tiny_checkpoint, wait_for
 
-from specd.mqtt import PUBLISHER_TASK, MqttPublisher, MqttSettings, subscribe_forever
+from specd.testing.processes import SpecdProcess, TlsBroker, free_port, get_json, tiny_checkpoint, wait_for
+from specd.transport.mqtt import PUBLISHER_TASK, MqttPublisher, MqttSettings, subscribe_forever
 
 pytestmark = pytest.mark.mqtt
 

@@ -22,17 +22,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import specd.learner.pretrain as pretrain_module
-import specd.learner.pretrain_data as pretrain_data
+import specd.offline.corpus as pretrain_data
+import specd.offline.pretrain as pretrain_module
+from specd.core.errors import CheckpointError
 from specd.drafter.checkpoint import load_drafter, read_metadata, save_drafter
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.drafter.pretrained import SHIPPED_DRAFTER, check_manifest, day0_feature_model
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
-from specd.errors import CheckpointError
-from specd.learner.distill import DistillConfig
-from specd.learner.pretrain import RECIPES, PretrainConfig, config_from_settings, pretrain
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import ModelConfig, Transformer
+from specd.offline.distill import DistillConfig
+from specd.offline.pretrain import RECIPES, PretrainConfig, config_from_settings, pretrain
 from specd.testing import TINY, tiny_loaded_target, tiny_target
 
 TINY_PRETRAIN = PretrainConfig(data="sharegpt", conversations=4, max_length=48, steps=4, batch_size=2, eval_prompts=2,
@@ -380,7 +380,7 @@ def test_batches_come_from_one_length_bucket_and_cover_every_example() -> None:
     import itertools
     import random
 
-    from specd.learner.pretrain import length_buckets, sample_batch
+    from specd.offline.pretrain import length_buckets, sample_batch
 
     rng = random.Random(3)
     lengths = [rng.randrange(10, 500) for _ in range(203)]

@@ -16,18 +16,18 @@ import pytest
 import torch
 from conftest import TINY, learnable_target, tiny_target
 
-from specd.bus import InProcessBus
+from specd.control.canary import AcceptanceLog, CanaryConfig, apply_canary
+from specd.core.errors import VersionNotFound
 from specd.drafter.checkpoint import load_drafter
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
-from specd.errors import VersionNotFound
-from specd.hotswap import canary
+from specd.control import canary
 from specd.hotswap import store as store_module
-from specd.hotswap.canary import AcceptanceLog, CanaryConfig, apply_canary
 from specd.hotswap.store import WeightStore
 from specd.learner.learner import Learner, LearnerConfig
 from specd.model.fingerprint import TargetFingerprint
+from specd.transport.bus import InProcessBus
 
 FINGERPRINT = TargetFingerprint(TINY.vocab_size, "none")
 SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)

@@ -25,8 +25,8 @@ from specd.drafter.hybrid import HybridDrafter
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import Engine
 from specd.engine.request import SamplingParams, Sequence
-from specd.engine.sampling import verify_sampled
-from specd.model.sampling import target_probs
+from specd.engine.verification import verify_sampled
+from specd.model.distributions import target_probs
 from specd.model.transformer import ModelConfig, Transformer
 
 SMALL = ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specd.engine.sampling import sample_from, target_probs, verify_greedy, verify_sampled
+from specd.engine.verification import sample_from, target_probs, verify_greedy, verify_sampled
 
 
 def one_hot_logits(rows: list[list[int]], vocab: int = 6) -> torch.Tensor:

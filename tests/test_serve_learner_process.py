@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.hotswap.store import WeightStore
-from specd.server.serve import ServeOptions, build_server
+from specd.serving.serve import ServeOptions, build_server
 from specd.testing import ByteTokenizer, tiny_loaded_target
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a learner process needs a core of its own")
@@ -91,7 +91,7 @@ async def test_learner_mode_thread_keeps_the_learner_in_the_server(tmp_path: Pat
 
 
 def test_a_candidate_sent_to_a_learner_process_that_is_not_running_fails_with_a_reason(tmp_path: Path) -> None:
-    from specd.errors import SpecdError
+    from specd.core.errors import SpecdError
     from specd.learner.learner import LearnerConfig
     from specd.learner.process import LearnerProcess
 

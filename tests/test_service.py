@@ -15,11 +15,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from harness import Broker, SpecdProcess, free_port, get_json, post_json, tiny_checkpoint, wait_for
 
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams
 from specd.model.target import LoadedTarget
+from specd.testing.processes import Broker, SpecdProcess, free_port, get_json, post_json, tiny_checkpoint, wait_for
 
 pytestmark = [pytest.mark.mqtt, pytest.mark.slow]
 
@@ -124,7 +124,7 @@ def test_two_servers_learn_swap_roll_back_and_stay_lossless(tmp_path, broker, ch
         for question in QUESTIONS:
             assert ask(servers[0], question) == expected[question]
         # an operator rolls back to day 0 with the CLI: both servers follow within seconds
-        out = subprocess.run([sys.executable, "-m", "specd.cli", "rollback", "1", "--url", brain.url,
+        out = subprocess.run([sys.executable, "-m", "specd.cli.main", "rollback", "1", "--url", brain.url,
                               "--token", "secret"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         restored = get_json(brain.url + "/v1/versions")["live"]

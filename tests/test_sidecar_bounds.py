@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from specd.server.metrics import OLDER, ServingMetrics
-from specd.server.spool import RecordSpool, SpoolConfig
+from specd.learner.spool import RecordSpool, SpoolConfig
+from specd.serving.http.metrics import OLDER, ServingMetrics
 
 
 def record(i: int, size: int = 0) -> dict:
@@ -129,7 +129,7 @@ def test_lines_cut_by_a_crash_are_repaired_at_load(tmp_path) -> None:
 
 
 def test_the_sidecar_counts_records_across_restarts_and_spools_only_what_it_keeps(tmp_path) -> None:
-    from specd.server.sidecar import Sidecar, SidecarOptions
+    from specd.learner.sidecar import Sidecar, SidecarOptions
     from specd.testing import tiny_loaded_target
 
     loaded = tiny_loaded_target()
@@ -158,10 +158,9 @@ def test_the_sidecar_counts_records_across_restarts_and_spools_only_what_it_keep
 def test_a_message_is_acknowledged_only_after_its_handler_stored_it(tmp_path) -> None:
     """A handler that dies before storing (as a killed learner would) gets the message again:
     the broker still holds it because no PUBACK was sent."""
-    from harness import Broker
-
-    from specd.mqtt import MqttPublisher, MqttSettings, subscribe_forever
-    from specd.threads import BackgroundHealth
+    from specd.core.threads import BackgroundHealth
+    from specd.testing.processes import Broker
+    from specd.transport.mqtt import MqttPublisher, MqttSettings, subscribe_forever
 
     broker = Broker(tmp_path / "broker").start()
     settings = MqttSettings.from_url(broker.url, deployment="manual-ack")

@@ -8,7 +8,7 @@ from conftest import always_right_counts, fixed_k
 
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
-from specd.engine.replay import record_greedy
+from specd.engine.greedy_recording import record_greedy
 from specd.engine.request import SamplingParams
 from specd.model.target import LoadedTarget
 

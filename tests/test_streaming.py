@@ -30,9 +30,9 @@ from test_api import EndlessByteTokenizer, eventually, target_only_text
 from specd.drafter.factory import DrafterSpec
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, Sequence
-from specd.server.api import MAX_BODY_BYTES, STATE
-from specd.server.detokenize import IncrementalDetokenizer, StopStrings
-from specd.server.serve import ServeOptions, build_server
+from specd.serving.http.api import MAX_BODY_BYTES, STATE
+from specd.serving.http.detokenize import IncrementalDetokenizer, StopStrings
+from specd.serving.serve import ServeOptions, build_server
 from specd.testing import ByteTokenizer, tiny_loaded_target
 
 BYTES = ByteTokenizer()

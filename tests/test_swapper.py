@@ -20,19 +20,19 @@ from typing import Any
 
 import pytest
 from conftest import TINY, fixed_k, tiny_target
-from harness import free_port
 
+from specd.core.errors import TransportError
+from specd.core.threads import BackgroundHealth
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import Engine
 from specd.engine.request import SamplingParams
-from specd.errors import TransportError
 from specd.hotswap.remote import RemoteSource
 from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import LocalStore, Swapper
 from specd.model.fingerprint import TargetFingerprint
-from specd.threads import BackgroundHealth
-from specd.vllm.launch import OWNER_FILE, temporary_folder
-from specd.vllm.loop import PinnedSource, force_version
+from specd.serving.vllm.shared.launch import OWNER_FILE, temporary_folder
+from specd.serving.vllm.shared.loop import PinnedSource, force_version
+from specd.testing.processes import free_port
 
 FINGERPRINT = TargetFingerprint(TINY.vocab_size, "none")
 SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -288,14 +288,14 @@ def run_python(code: str, tmp: Path) -> str:
 
 
 def test_the_workers_temporary_folder_is_removed_when_its_process_exits(tmp_path: Path) -> None:
-    made = run_python("from specd.vllm.launch import temporary_folder as t; f = t('specd-vllm-'); "
+    made = run_python("from specd.serving.vllm.shared.launch import temporary_folder as t; f = t('specd-vllm-'); "
                       "(f / 'fetched').mkdir(); print(f)", tmp_path)
     assert made.startswith(str(tmp_path)) and not Path(made).exists()
 
 
 def test_an_export_folder_outlives_its_process_until_the_next_export(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    made = Path(run_python("from specd.vllm.launch import temporary_folder as t; "
+    made = Path(run_python("from specd.serving.vllm.shared.launch import temporary_folder as t; "
                            "print(t('specd-eagle3-', remove_at_exit=False))", tmp_path))
     assert made.is_dir()  # vLLM (exec'd in the same process) or a printed command still reads it
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))

@@ -11,7 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from harness import (
+
+from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+from specd.hotswap.store import WeightStore
+from specd.model.target import LoadedTarget
+from specd.serving.vllm.shared.launch import PluginSettings, vllm_command
+from specd.testing.processes import (
     Broker,
     KeepAsking,
     SpecdProcess,
@@ -23,11 +28,6 @@ from harness import (
     token_ids,
     wait_for,
 )
-
-from specd.drafter.token_drafter import DrafterShape, new_drafter_model
-from specd.hotswap.store import WeightStore
-from specd.model.target import LoadedTarget
-from specd.vllm.launch import PluginSettings, vllm_command
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mqtt, pytest.mark.slow]
 

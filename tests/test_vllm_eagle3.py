@@ -19,7 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from harness import (
+
+from specd.drafter.pretrained import SHIPPED_DRAFTER, load_pretrained
+from specd.hotswap.store import WeightStore
+from specd.model.target import LoadedTarget
+from specd.serving.vllm.shared.launch import PluginSettings, prepare_eagle3_drafter, vllm_command
+from specd.testing.processes import (
     Broker,
     KeepAsking,
     SpecdProcess,
@@ -31,11 +36,6 @@ from harness import (
     token_ids,
     wait_for,
 )
-
-from specd.drafter.pretrained import SHIPPED_DRAFTER, load_pretrained
-from specd.hotswap.store import WeightStore
-from specd.model.target import LoadedTarget
-from specd.vllm.launch import PluginSettings, prepare_eagle3_drafter, vllm_command
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mqtt, pytest.mark.slow]
 

@@ -12,16 +12,16 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from specd.core.errors import CheckpointError, ConfigurationError
 from specd.drafter.checkpoint import load_drafter, read_metadata
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.drafter.vllm_format import SPECD_CHECKPOINT, checkpoint_tensors, export_eagle3, vllm_parameters
-from specd.errors import CheckpointError, ConfigurationError
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
+from specd.serving.vllm.eagle3 import plugin
+from specd.serving.vllm.eagle3.companion import VllmDrafterSlot, install
+from specd.serving.vllm.shared.launch import PluginSettings, speculative_config
 from specd.testing import tiny_target
-from specd.vllm import plugin
-from specd.vllm.eagle3 import VllmDrafterSlot, install
-from specd.vllm.launch import PluginSettings, speculative_config
 
 # vLLM 0.32's Eagle3LlamaForCausalLM parameters for a one-layer drafter reading 2 target layers
 VLLM_NAMES = {"model.fc_norm.0.weight", "model.fc_norm.1.weight", "model.fc.weight",
@@ -166,12 +166,11 @@ def test_eagle3_route_settings_and_speculative_config() -> None:
 
 def test_the_eagle3_route_starts_from_the_stores_live_version_else_the_shipped_drafter(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from harness import free_port, tiny_checkpoint
-
     from specd.hotswap.store import WeightStore
-    from specd.model.checkpoint import read_target_head
+    from specd.model.loading import read_target_head
     from specd.model.target import LoadedTarget
-    from specd.vllm.launch import prepare_eagle3_drafter
+    from specd.serving.vllm.shared.launch import prepare_eagle3_drafter
+    from specd.testing.processes import free_port, tiny_checkpoint
 
     folder = tiny_checkpoint(tmp_path / "tiny")
     target = LoadedTarget.load(folder).model.float()

@@ -12,17 +12,17 @@ import pytest
 import torch
 from conftest import tiny_drafter
 
-from specd.bus import BusCounters
-from specd.cli import main
+from specd.cli.main import main
+from specd.core.records import TrajectoryRecord, validate_record
 from specd.drafter.base import DraftBatch
 from specd.drafter.traffic_table import TrafficTable
-from specd.records import TrajectoryRecord, validate_record
+from specd.serving.vllm.shared.budget import DraftBudget, LearnedGate, ShadowBook
+from specd.serving.vllm.shared.launch import PROPOSER_CLASS, WORKER_EXTENSION, PluginSettings, vllm_command
+from specd.serving.vllm.shared.policy import Candidates, DraftPolicy
+from specd.serving.vllm.shared.telemetry import Telemetry
+from specd.serving.vllm.shared.tracking import SlotTable, StepTracker, stop_index
 from specd.testing import tiny_target
-from specd.vllm.budget import DraftBudget, LearnedGate, ShadowBook
-from specd.vllm.launch import PROPOSER_CLASS, WORKER_EXTENSION, PluginSettings, vllm_command
-from specd.vllm.policy import Candidates, DraftPolicy
-from specd.vllm.telemetry import Telemetry
-from specd.vllm.tracking import SlotTable, StepTracker, stop_index
+from specd.transport.bus import BusCounters
 
 
 class LabelledSlots:

@@ -25,10 +25,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from specd.core.errors import CheckpointError
 from specd.drafter.feature_model import FeatureDrafterConfig, FeatureDrafterModel
-from specd.errors import CheckpointError
-from specd.model.checkpoint import load_state_into
 from specd.model.fingerprint import TargetFingerprint
+from specd.model.loading import load_state_into
 from specd.model.transformer import ModelConfig, Transformer
 
 FEATURE_FORMAT = "feature-drafter/2"

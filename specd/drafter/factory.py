@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from specd.core.errors import ConfigurationError
 from specd.drafter.checkpoint import DrafterModel
 from specd.drafter.feature_drafter import FeatureDrafter
 from specd.drafter.feature_model import FeatureDrafterModel
@@ -23,7 +24,6 @@ from specd.drafter.hybrid import HybridDrafter
 from specd.drafter.pretrained import SHIPPED_DRAFTER, day0_feature_model
 from specd.drafter.token_drafter import DrafterShape, TargetHead, TokenDrafter, new_drafter_model
 from specd.drafter.traffic_table import TrafficTable
-from specd.errors import ConfigurationError
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from specd.core.errors import BadWeights
 from specd.drafter.base import DraftBatch, Proposal, WeightHandoff
 from specd.drafter.feature_model import FeatureDrafterModel
-from specd.errors import BadWeights
-from specd.model.sampling import sample_from, target_probs
+from specd.model.distributions import sample_from, target_probs
 from specd.model.transformer import KVCache, Transformer
 
 

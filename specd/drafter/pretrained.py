@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from specd.core.errors import CheckpointError
 from specd.drafter.checkpoint import load_drafter, read_metadata
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
-from specd.errors import CheckpointError
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
 

@@ -5,7 +5,7 @@ For a row whose prompt was recorded it proposes the next k recorded tokens after
 emitted so far (deterministic, q one-hot); past the recording's end, or for an unknown prompt, it
 proposes token 0, which the target rejects like any wrong guess. Under greedy decoding every
 recorded draft is accepted, so it measures how much of an accept length the engine turns into
-speed, with drafting cost zero. `specd.engine.replay.record_greedy` makes the recordings.
+speed, with drafting cost zero. `specd.engine.greedy_recording.record_greedy` makes the recordings.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Contract: `Engine.step()` admits waiting requests into free slots (prefilling their prompts),
 then runs one decoding step for every running request: the drafter proposes k tokens per row,
 the target verifies all rows' k + 1 positions in one batched pass, and each row accepts with
-exact rejection sampling (`specd.engine.sampling`). Greedy output is token-identical to
+exact rejection sampling (`specd.engine.verification`). Greedy output is token-identical to
 target-only decoding whatever the drafter; sampled output is distributed as the target's.
 
 KV caches follow overwrite-and-mask: the target cache of a row always holds its sequence minus
@@ -28,13 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
+from specd.core.errors import RequestRefused
+from specd.core.records import LEARNED_SOURCE, AcceptanceCounts
 from specd.drafter.base import DraftBatch, Drafter, FeatureReader, Proposal, one_hot_q
 from specd.engine.lookahead import LookaheadConfig, LookaheadController
 from specd.engine.request import SamplingParams, Sequence
-from specd.engine.sampling import Verdict, target_probs, verify_greedy, verify_sampled
-from specd.errors import RequestRefused
+from specd.engine.verification import Verdict, target_probs, verify_greedy, verify_sampled
 from specd.model.transformer import Transformer
-from specd.records import LEARNED_SOURCE, AcceptanceCounts
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.errors import RequestRefused
-from specd.records import LEARNED_SOURCE, AcceptanceCounts, FeatureBlock, StepRecord, TrajectoryRecord
+from specd.core.errors import RequestRefused
+from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, FeatureBlock, StepRecord, TrajectoryRecord
 
 # As vLLM: temperatures below 1e-5 mean greedy. Far below it, logits / temperature overflow float32
 # to inf and the probabilities become NaN (a tiny target then emitted its last token forever).

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specd.bus import RecordSink
+from specd.core.errors import RequestRefused
 from specd.drafter.traffic_table import TrafficTable
 from specd.engine.engine import Engine
 from specd.engine.request import SamplingParams, Sequence, record_from_sequence
-from specd.errors import RequestRefused
+from specd.transport.bus import RecordSink
 
 log = logging.getLogger(__name__)
 

@@ -1,3 +1,3 @@
 """Hot-swap: the versioned weight store, version sources (local store, MQTT announcements plus
-HTTP fetches), the swapper, the control plane, and the acceptance log with the canary that rolls
-a regression back. Imports the drafter, records and model layers below it; never the learner."""
+HTTP fetches) and the swapper that follows the live version into a running drafter. Imports the
+drafter, core and model layers below it; never the learner."""

@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from specd.errors import CheckpointError, TransportError
+from specd.core.errors import CheckpointError, TransportError
 from specd.hotswap.store import sha256_file
 
 log = logging.getLogger(__name__)

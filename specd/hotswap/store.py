@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
+from specd.core.errors import StoreError, VersionNotFound
 from specd.drafter.checkpoint import DrafterModel, save_drafter
-from specd.errors import StoreError, VersionNotFound
 from specd.model.fingerprint import TargetFingerprint
 
 STATUSES = ("candidate", "live", "retired", "rejected", "rolled-back")

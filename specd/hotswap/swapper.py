@@ -30,12 +30,12 @@ from typing import Any, Protocol
 
 import torch
 
+from specd.core.errors import CheckpointError, SpecdError, TransportError
+from specd.core.threads import BackgroundHealth, backoff_delay, lower_thread_priority, supervised_thread
 from specd.drafter.checkpoint import DrafterModel, load_drafter
 from specd.drafter.factory import ServingDrafter
-from specd.errors import CheckpointError, SpecdError, TransportError
 from specd.hotswap.store import WeightStore, sha256_file
 from specd.model.fingerprint import TargetFingerprint
-from specd.threads import BackgroundHealth, backoff_delay, lower_thread_priority, supervised_thread
 
 log = logging.getLogger(__name__)
 

@@ -1,3 +1,4 @@
-"""The learner: record intake, buffer, training signal and losses, the training loop and the
-evaluation gate; versions go out through `specd.hotswap.store`. The MQTT sidecar application
-that runs it lives in `specd.server.sidecar`."""
+"""The online learner: record intake, buffer, training signal and losses, the training loop, the
+evaluation gate and promotion; versions go out through `specd.hotswap.store`. Its process: the
+child-process handle (`process`), the MQTT sidecar application (`sidecar`), the record spool
+(`spool`) and the learner's metrics (`metrics`)."""

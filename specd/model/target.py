@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from specd.errors import CheckpointError, ConfigurationError, RequestRefused
+from specd.core.errors import CheckpointError, ConfigurationError, RequestRefused
 from specd.model.bundled import bundled_target_dir
-from specd.model.checkpoint import load_target
 from specd.model.fingerprint import TargetFingerprint
+from specd.model.loading import load_target
 from specd.model.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

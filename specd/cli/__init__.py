@@ -1,0 +1,1 @@
+"""The `specd` command line (`main`), one module per group of subcommands."""

@@ -1,0 +1,94 @@
+"""Live acceptance from the servers' reports, and the canary that rolls a regression back.
+
+Contract: servers report cumulative counters per drafter version and traffic domain (drafts
+proposed and accepted, target passes, tokens emitted). `AcceptanceLog.add` turns them into per-interval deltas per
+server and version (a restarted server's counters start again at zero: a drop is a reset, not a
+negative delta), keeps a bounded time series for the dashboard, and totals per version.
+`canary_verdict` compares the live version with the one before it: once the live version has
+at least `min_drafts` drafted tokens, an acceptance rate below its predecessor's by more than
+`margin` is a regression. A pinned live version is the floor and is never rolled back
+automatically. `apply_canary` rolls back only the version it judged: if the live version changed
+while it looked, the rollback is not made (the store's compare-and-set).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from specd.core.records import AcceptanceCounts, AcceptanceReport, validate_report
+from specd.hotswap.store import LiveVersionChanged, WeightStore
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    margin: float = 0.10       # acceptance-rate points
+    min_drafts: int = 400
+
+
+class AcceptanceLog:
+    def __init__(self, max_points: int = 5000) -> None:
+        self.series: deque[dict[str, Any]] = deque(maxlen=max_points)
+        self.totals: dict[str, AcceptanceCounts] = {}
+        self._last: dict[tuple[str, str, str], AcceptanceCounts] = {}
+
+    def add(self, report: AcceptanceReport | dict[str, Any]) -> None:
+        """Take one cumulative report (an untrusted dict is validated first: RecordRefused if malformed)."""
+        if not isinstance(report, AcceptanceReport):
+            report = validate_report(report)
+        at = report.time or time.time()
+        for version, counts in report.versions.items():
+            key = (report.server_id, report.domain, version)
+            previous = self._last.get(key, AcceptanceCounts())
+            # a restarted server's counters start again at zero: then the whole count is new
+            delta = counts.minus(previous) if counts.covers(previous) else counts
+            self._last[key] = counts
+            if delta.is_empty:
+                continue
+            self.totals.setdefault(version, AcceptanceCounts()).add(delta)
+            self.series.append({"time": at, "server": report.server_id, "version": version,
+                                "domain": report.domain, **delta.as_dict()})
+
+    def acceptance(self, version: str) -> tuple[float | None, int]:
+        total = self.totals.get(version)
+        if total is None:
+            return None, 0
+        return total.acceptance_rate, total.drafts
+
+    def totals_as_dict(self) -> dict[str, dict[str, int]]:
+        return {version: counts.as_dict() for version, counts in self.totals.items()}
+
+
+def canary_verdict(log: AcceptanceLog, live: int, predecessor: int | None, live_pinned: bool,
+                   config: CanaryConfig) -> dict[str, Any] | None:
+    """Evidence for a rollback of `live`, or None when it stands."""
+    if predecessor is None or live_pinned:
+        return None
+    ours, drafted = log.acceptance(str(live))
+    theirs, their_drafts = log.acceptance(str(predecessor))
+    if ours is None or theirs is None or drafted < config.min_drafts:
+        return None
+    if ours < theirs - config.margin:
+        return {"by": "canary", "acceptance": ours, "drafts": drafted, "predecessor": predecessor,
+                "predecessor_acceptance": theirs, "predecessor_drafts": their_drafts, "margin": config.margin,
+                "time": time.time()}
+    return None
+
+
+def apply_canary(store: WeightStore, log: AcceptanceLog, config: CanaryConfig) -> dict[str, Any] | None:
+    """Roll the live version back if the canary finds a regression; returns the evidence if it did."""
+    live = store.live_version()
+    if live is None:
+        return None
+    history = store.live_state()["history"]
+    evidence = canary_verdict(log, live, history[-1] if history else None,
+                              bool(store.manifest(live).get("pinned")), config)
+    if evidence is None:
+        return None
+    try:
+        evidence["restored"] = store.rollback(None, evidence, if_live=live)
+    except LiveVersionChanged:  # someone else changed the live version meanwhile: the evidence is about the old one
+        return None
+    return evidence

@@ -1,0 +1,200 @@
+"""The control plane over HTTP: versions, weights, live/rollback/pin, acceptance series, dashboard.
+
+Contract: `add_control_routes(app, plane)` mounts the same routes on the learner sidecar and on an
+embedded `specd serve`:
+  GET  /v1/versions                 {"live": n, "versions": [manifest, ...]}
+  GET  /v1/versions/{n}             one manifest
+  GET  /v1/versions/{n}/weights     the safetensors file (servers check its sha256)
+  GET  /v1/acceptance               acceptance time series per version and server
+  GET  /v1/status                   learner and store status
+  POST /v1/live      {"version": n}            make n live; a candidate (a version that never went
+                                               through the gate) is first put through the learner's
+                                               gate where there is one: 409 if it fails, 503 with
+                                               Retry-After while the gate lacks evidence
+  POST /v1/rollback  {"version": n?}           roll back (default: the previous live version)
+  POST /v1/pin       {"version": n, "pinned": true|false}
+  GET  /  and /dashboard            the dashboard page
+POST routes need `Authorization: Bearer <token>` when a token is configured. Store errors become
+JSON errors with the reason and their kind's status (404 for a version that does not exist, 409
+for an operation the store refuses, 400 for a malformed body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from specd.control.canary import AcceptanceLog
+from specd.core.errors import BadRequest, SpecdError, StoreError
+from specd.hotswap.store import WeightStore
+
+
+@dataclass
+class ControlPlane:
+    store: WeightStore
+    acceptance: AcceptanceLog
+    token: str | None = None
+    status: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    on_change: Callable[[], None] = field(default=lambda: None)  # e.g. announce the new live version
+    # the learner's gate for candidates an operator wants live (None: no learner here, no gate)
+    submit: Callable[[int], Future[dict[str, Any]]] | None = None
+    gate_timeout_s: float = 300.0
+
+
+PLANE = web.AppKey("control_plane", ControlPlane)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
+
+
+def _specd_error(error: SpecdError) -> web.Response:
+    return web.json_response(error.as_json(), status=error.http_status)
+
+
+def _version(request: web.Request) -> int:
+    try:
+        return int(request.match_info["version"])
+    except ValueError:
+        raise web.HTTPBadRequest(reason="the version must be an integer") from None
+
+
+async def _authorised_body(request: web.Request) -> dict[str, Any] | web.Response:
+    plane = request.app[PLANE]
+    given = request.headers.get("Authorization", "")
+    # constant time: how long a wrong token takes to refuse says nothing about the right one
+    if plane.token and not hmac.compare_digest(given.encode(), f"Bearer {plane.token}".encode()):
+        return _error(401, "this control operation needs `Authorization: Bearer <token>`")
+    try:
+        body = await request.json() if request.can_read_body else {}
+    except json.JSONDecodeError:
+        return _error(400, "the request body is not valid JSON")
+    if not isinstance(body, dict):
+        return _error(400, "the request body must be a JSON object")
+    return body
+
+
+def _optional_int(body: dict[str, Any], name: str, required: bool) -> int | None:
+    value = body.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be an integer version number")
+    return value
+
+
+async def versions(request: web.Request) -> web.Response:
+    store = request.app[PLANE].store
+    return web.json_response({"live": store.live_version(), "versions": [store.manifest(v) for v in store.versions()]})
+
+
+async def manifest(request: web.Request) -> web.Response:
+    try:
+        return web.json_response(request.app[PLANE].store.manifest(_version(request)))
+    except StoreError as error:
+        return _specd_error(error)
+
+
+async def weights(request: web.Request) -> web.StreamResponse:
+    path = request.app[PLANE].store.weights_path(_version(request))
+    if not path.is_file():
+        return _error(404, f"version {_version(request)} has no weights here")
+    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+
+
+async def acceptance(request: web.Request) -> web.Response:
+    log = request.app[PLANE].acceptance
+    return web.json_response({"series": list(log.series), "totals": log.totals_as_dict()})
+
+
+async def status(request: web.Request) -> web.Response:
+    plane = request.app[PLANE]
+    return web.json_response({"live": plane.store.live_version(), **plane.status()})
+
+
+async def _operate(request: web.Request, operation: Callable[[ControlPlane, dict[str, Any]], Any],
+                   body: dict[str, Any] | None = None) -> web.Response:
+    if body is None:
+        authorised = await _authorised_body(request)
+        if isinstance(authorised, web.Response):
+            return authorised
+        body = authorised
+    plane = request.app[PLANE]
+    try:
+        operation(plane, body)
+    except (BadRequest, StoreError) as error:  # a malformed body, or an operation the store refuses
+        return _specd_error(error)
+    plane.on_change()
+    return web.json_response({"live": plane.store.live_version()})
+
+
+async def set_live(request: web.Request) -> web.Response:
+    body = await _authorised_body(request)
+    if isinstance(body, web.Response):
+        return body
+    plane = request.app[PLANE]
+    try:
+        version = _optional_int(body, "version", True) or 0
+        status = plane.store.manifest(version).get("status")
+    except (BadRequest, StoreError) as error:
+        return _specd_error(error)
+    if plane.submit is None or status != "candidate":  # a version that has been live before is trusted
+        return await _operate(request, lambda p, b: p.store.set_live(version, "operator"), body)
+    try:  # a file that fails its checksum needs no evaluation (which may wait for the learner's thread)
+        await asyncio.to_thread(plane.store.check_weights, version)
+    except (StoreError, OSError) as error:
+        return _error(409, f"version {version} cannot go live: {error}")
+    try:  # evaluated on the learner's thread; this loop keeps serving meanwhile
+        verdict = await asyncio.wait_for(asyncio.wrap_future(plane.submit(version)), plane.gate_timeout_s)
+    except TimeoutError:
+        return _error(504, f"the gate did not decide on version {version} within {plane.gate_timeout_s:.0f} s")
+    except (SpecdError, OSError) as error:
+        return _error(409, f"version {version} cannot be evaluated: {error}")
+    if verdict.get("waiting"):
+        response = _error(503, f"version {version} is not live: {verdict['reason']}")
+        response.headers["Retry-After"] = "30"
+        return response
+    if not verdict.get("passed"):
+        message = f"version {version} is not live: the gate refused it: {verdict['reason']}"
+        return web.json_response({"error": {"message": message, "type": "invalid_request_error"},
+                                  "evaluation": verdict}, status=409)
+    plane.on_change()
+    return web.json_response({"live": plane.store.live_version(), "evaluation": verdict})
+
+
+async def rollback(request: web.Request) -> web.Response:
+    return await _operate(request, lambda p, b: p.store.rollback(_optional_int(b, "version", False),
+                                                                 {"by": "operator"}))
+
+
+async def pin(request: web.Request) -> web.Response:
+    return await _operate(request, lambda p, b: p.store.pin(_optional_int(b, "version", True) or 0,
+                                                            bool(b.get("pinned", True))))
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    # one self-contained page (inline SVG charts, no CDN): see specd/control/dashboard.html
+    page = resources.files("specd.hotswap").joinpath("dashboard.html").read_text()
+    return web.Response(text=page, content_type="text/html")
+
+
+def add_control_routes(app: web.Application, plane: ControlPlane) -> None:
+    app[PLANE] = plane
+    app.router.add_get("/v1/versions", versions)
+    app.router.add_get("/v1/versions/{version}", manifest)
+    app.router.add_get("/v1/versions/{version}/weights", weights)
+    app.router.add_get("/v1/acceptance", acceptance)
+    app.router.add_get("/v1/status", status)
+    app.router.add_post("/v1/live", set_live)
+    app.router.add_post("/v1/rollback", rollback)
+    app.router.add_post("/v1/pin", pin)
+    app.router.add_get("/", dashboard)
+    app.router.add_get("/dashboard", dashboard)

@@ -1,0 +1,1 @@
+"""`specd demo`, the main job: a deployment in miniature (`deployment`) and its figures (`report`)."""

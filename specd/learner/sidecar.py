@@ -1,0 +1,210 @@
+"""`specd learner`: the learner as a sidecar process beside one or many servers, over MQTT.
+
+Contract: the sidecar subscribes to every server's records and reports with a persistent QoS 1
+session, stores each new record in its spool (`spool.py`) before training on it and before the
+broker's message is acknowledged (so neither a restarted learner nor a killed one loses a record
+the broker gave up; recent duplicates from QoS 1 redelivery are dropped by record id), trains
+and publishes versions to its weight store, announces the live version as a retained MQTT
+message whenever it changes (a publish, an operator's control operation, a canary rollback),
+and serves the control plane and dashboard over HTTP (127.0.0.1 by default; POSTs need the
+bearer token when one is set). Reports feed the acceptance log; after every report the canary
+checks the live version against its predecessor and rolls a regression back with the evidence.
+The spool and the duplicate filter are bounded (`SpoolConfig`); `records_in` in `/v1/status`
+counts unique records ever received, across restarts and compaction.
+The subscriber and the announcer are supervised: a failure is logged, counted under
+`background` in `/v1/status` (with the learner loop's own failure count) and the loop restarts.
+`/metrics` exposes the learner's counters and lag, the store's live version and rollbacks
+(`learner_metrics.py`) and the background failures. `POST /v1/live` of a candidate version goes
+through the learner's gate first (`Learner.submit`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+
+from specd.control.canary import AcceptanceLog, CanaryConfig, apply_canary
+from specd.control.plane import ControlPlane, add_control_routes
+from specd.core.background_metrics import BackgroundCollector
+from specd.core.threads import BackgroundHealth, supervise
+from specd.drafter.factory import DrafterSpec, initial_model
+from specd.hotswap.store import WeightStore
+from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.metrics import LearnerCollector
+from specd.learner.spool import RecordSpool, SpoolConfig
+from specd.model.target import LoadedTarget
+from specd.transport.bus import InProcessBus
+from specd.transport.mqtt import MqttSettings, announce, subscribe_forever
+
+log = logging.getLogger(__name__)
+
+SUBSCRIBER_LOOP = "subscriber-loop"   # subscribe_forever counts its own failures as "mqtt-subscriber"
+ANNOUNCER_TASK = "announcer"
+CANARY_TASK = "canary"
+
+
+@dataclass(frozen=True)
+class SidecarOptions:
+    store: str
+    mqtt: MqttSettings = field(default_factory=MqttSettings)
+    public_url: str = "http://127.0.0.1:8100"
+    token: str | None = None
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
+    client_id: str = "specd-learner"
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)   # the day-0 drafter's shape
+    spool: SpoolConfig = field(default_factory=SpoolConfig)
+
+
+class Sidecar:
+    def __init__(self, options: SidecarOptions, loaded: LoadedTarget) -> None:
+        self.options = options
+        self.store = WeightStore(options.store)
+        self.bus = InProcessBus(capacity=100_000)
+        self.acceptance = AcceptanceLog()
+        self.health = BackgroundHealth()
+        self.health.register(CANARY_TASK)
+        self.refused_messages = 0
+        embedding = loaded.model.embed.weight
+        initial = initial_model(loaded.model, options.drafter, fingerprint=loaded.fingerprint)
+        self.learner = Learner(options.learner, self.bus, self.store, initial, loaded.fingerprint, embedding.dtype,
+                               embedding, target=loaded.model)
+        self.spool = RecordSpool(Path(options.store), options.spool, self._records_of_use)
+        for record in self.spool.load():  # what the learner had received, for its buffers again
+            self.bus.publish(record)
+        self._announced: int | None = None
+        self._changed = asyncio.Event()
+        self.plane = ControlPlane(self.store, self.acceptance, options.token, self.status, self._changed.set,
+                                  submit=self.learner.submit)
+        self.registry = CollectorRegistry()  # the learner's /metrics: its counters, lag and background failures
+        self.registry.register(LearnerCollector(self.learner, self.store))
+        self.registry.register(BackgroundCollector(self.health))
+
+    def _records_of_use(self) -> int:
+        """Records a restarted learner can still use: its buffers' capacity (the held-out set fills
+        from one record in `holdout_every`) and whatever still waits on the bus."""
+        config = self.options.learner
+        buffer = getattr(getattr(self.learner, "buffer", None), "maxlen", None) or config.buffer_capacity
+        return int(buffer + config.holdout_capacity * config.holdout_every + self.bus.backlog)
+
+    def status(self) -> dict[str, object]:
+        stats = self.learner.stats
+        staleness = self.learner.staleness
+        spool = self.spool
+        learner_health = getattr(self.learner, "health", None)   # the learner thread's own view, where it has one
+        return {"records_in": spool.records_in, "records_waiting": self.bus.backlog,
+                "records_refused": sum(stats.refused.values()) + self.refused_messages,
+                "records_duplicate": spool.duplicates,
+                "spool": {"records": spool.num_records, "bytes": spool.num_bytes, "compactions": spool.compactions,
+                          "dropped_for_space": spool.dropped_for_space},
+                "learner_steps": stats.steps, "tokens_trained": stats.tokens_trained,
+                "mean_record_age_s": staleness.get("mean_record_age_s"),
+                "published": len(stats.published), "rejected": len(stats.rejected),
+                # the learner loop counts its own failures (read defensively: older learners lack them)
+                "learner_loop_failures": getattr(stats, "loop_failures", 0),
+                "learner_last_failure": _plain(getattr(stats, "last_failure", None)),
+                "learner": learner_health() if callable(learner_health) else None,
+                "background": self.health.snapshot()}
+
+    async def handle(self, topic: str, payload: bytes) -> None:
+        try:
+            message = json.loads(payload)
+            if not isinstance(message, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as error:
+            self.refused_messages += 1
+            log.warning("refused a malformed message on %s: %s", topic, error)
+            return
+        if "/reports/" in topic:
+            try:
+                self.acceptance.add(message)
+            except ValueError as error:
+                self.refused_messages += 1
+                log.warning("refused a malformed report: %s", error)
+                return
+            try:
+                self.check_canary()
+            except Exception as error:  # the report is taken; a failing canary must not hold records up
+                log.exception("the canary check failed")
+                self.health.failed(CANARY_TASK, error)
+            return
+        if message.get("record_id") is None:
+            self.bus.publish(message)  # nothing to spool or deduplicate: the learner refuses and counts it
+            return
+        if not self.spool.add(message):
+            return  # QoS 1 may deliver twice
+        self.bus.publish(message)
+        if self.spool.needs_compaction():
+            # off the event loop; the subscriber awaits it, so nothing appends meanwhile
+            await asyncio.to_thread(self.spool.compact)
+
+    def check_canary(self) -> None:
+        evidence = apply_canary(self.store, self.acceptance, self.options.canary)
+        if evidence is not None:
+            log.warning("canary rolled back to version %s: %s", evidence["restored"], evidence)
+            self._changed.set()
+
+    async def announcer(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            live = self.store.live_version()
+            if live is not None and live != self._announced:
+                try:
+                    await announce(self.options.mqtt, {"version": live, "url": self.options.public_url,
+                                                       "time": time.time()})
+                    self._announced = live
+                except Exception as error:  # the broker may be down: try again shortly
+                    log.warning("could not announce version %s: %s", live, error)
+                    self.health.failed(ANNOUNCER_TASK, error)
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):  # wake on a change, or poll twice a second
+                await asyncio.wait_for(self._changed.wait(), timeout=0.5)
+
+
+def _plain(value: object) -> object:
+    """A value that JSON can carry: an error (or anything unusual) as its text."""
+    return value if value is None or isinstance(value, str | int | float | dict | list) else str(value)
+
+
+def build_sidecar(options: SidecarOptions, loaded: LoadedTarget) -> web.Application:
+    sidecar = Sidecar(options, loaded)
+    app = web.Application()
+    add_control_routes(app, sidecar.plane)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", **sidecar.status()})
+
+    app.router.add_get("/health", health)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(sidecar.registry), content_type="text/plain", charset="utf-8")
+
+    app.router.add_get("/metrics", metrics)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        stop = asyncio.Event()
+        health = sidecar.health
+        tasks = [asyncio.create_task(supervise(SUBSCRIBER_LOOP, lambda: subscribe_forever(
+                     options.mqtt, options.client_id, sidecar.handle, stop, health), health, stop),
+                     name="specd-subscriber"),
+                 asyncio.create_task(supervise(ANNOUNCER_TASK, lambda: sidecar.announcer(stop), health, stop),
+                                     name="specd-announcer")]
+        sidecar.learner.start()
+        yield
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # no append may race the spool's close
+        sidecar.learner.stop()
+        sidecar.spool.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app

@@ -1,0 +1,303 @@
+"""`specd pretrain`: train a feature drafter offline, on the target's own responses or on ShareGPT text.
+
+Contract: everything lives in one work folder and every stage resumes where it stopped:
+1. the training corpus (`specd.offline.corpus`): by default ("distilled") the target's own
+   responses to user turns of the training conversations, generated with their features by
+   specd's engine in `distill.dtype`; or ("sharegpt") the conversations' own text. Only
+   `traffic.TRAINING_RANGE` is ever read;
+2. `validation.safetensors` (from `traffic.VALIDATION_RANGE`, chooses settings) and
+   `evaluation.safetensors` (from `traffic.EVALUATION_START` on, reports the figure): held-out
+   first user turns with the target's own greedy continuations and their features;
+3. training, checkpointed atomically every `checkpoint_every` steps (weights, optimiser and
+   progress written as .tmp and renamed together), with the held-out accept length (k =
+   `eval_k`, greedy, simulated exactly) on both sets every `eval_every` steps in `curve.json`.
+   `max_seconds` stops training at a time budget (for arms compared at equal time).
+The result is a drafter version file (fp16, no embedding) whose metadata and the `.json` beside
+it hold the manifest: the command, settings, data and evaluation hashes, tokens, steps, seed, the
+held-out accept lengths and the curve. `RECIPES["shipped"]` is the recipe of the shipped file.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from specd.core.errors import ConfigurationError
+from specd.core.traffic import EVALUATION_START, TRAINING_RANGE, VALIDATION_RANGE
+from specd.drafter.checkpoint import save_drafter
+from specd.drafter.feature_model import FeatureDrafterConfig, FeatureDrafterModel, new_feature_drafter
+from specd.learner.feature_signal import collate, feature_loss, label_rows, simulated_counts
+from specd.model.target import DTYPES, LoadedTarget
+from specd.offline.corpus import (
+    SOURCES,
+    HeldOut,
+    TrainingCorpus,
+    distilled_corpus,
+    held_out_set,
+    sharegpt_corpus,
+    tensor_hash,
+)
+from specd.offline.distill import DistillConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    data: str = "distilled"        # "distilled" (the target's own responses) or "sharegpt" (ShareGPT's text)
+    conversations: int = 1200      # sharegpt: conversations read
+    max_length: int = 384          # sharegpt: tokens kept per conversation
+    prompt_weight: float = 0.2     # distilled: label weight of prompt positions (responses weigh 1)
+    draft_vocab: int = 8192
+    steps: int = 4000
+    batch_size: int = 8
+    learning_rate: float = 6e-4
+    warmup_steps: int = 100
+    unroll: int = 3
+    step_decay: float = 0.8
+    objective: str = "kl"
+    precision: str = "bfloat16"    # training matmuls under bf16 autocast (2x float32's step rate here, AMX);
+    #                                evaluation always runs in float32, as the drafter serves
+    eval_prompts: int = 32
+    eval_tokens: int = 96
+    eval_k: int = 4
+    eval_every: int = 250
+    checkpoint_every: int = 50
+    max_seconds: float | None = None  # stop training after this many training seconds
+    shard_size: int = 64
+    seed: int = 0
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("bfloat16", "float32"):
+            raise ValueError(f"precision must be bfloat16 or float32, got {self.precision!r}")
+        if self.data not in SOURCES:
+            raise ValueError(f"data must be one of {SOURCES}, got {self.data!r}")
+        if self.distill.dtype not in DTYPES:
+            raise ValueError(f"distill dtype must be one of {sorted(DTYPES)}, got {self.distill.dtype!r}")
+        if self.steps < 1 or self.batch_size < 1 or self.eval_every < 1 or self.checkpoint_every < 1:
+            raise ValueError("steps, batch, eval_every and checkpoint_every must be positive")
+
+
+# The shipped drafter's recipe: `specd pretrain --recipe shipped` remakes it from nothing.
+RECIPES: dict[str, PretrainConfig] = {
+    "shipped": PretrainConfig(data="distilled", steps=2000, eval_every=100, distill=DistillConfig(rounds=3)),
+}
+
+
+def as_settings(config: PretrainConfig) -> dict[str, Any]:
+    return asdict(config)
+
+
+def config_from_settings(settings: dict[str, Any]) -> PretrainConfig:
+    fields = dict(settings)
+    fields["distill"] = DistillConfig(**fields["distill"])
+    return PretrainConfig(**fields)
+
+
+def held_out_accept_length(model: FeatureDrafterModel, held_out: HeldOut, k: int) -> float:
+    was_training = model.training
+    model.eval()
+    counts = simulated_counts(model, held_out, k)
+    model.train(was_training)
+    return counts.accept_length or 0.0
+
+
+def length_buckets(lengths: list[int], batch_size: int, per_bucket: int = 8) -> list[list[int]]:
+    """Example indices by length, cut into buckets of about `per_bucket` batches: a batch drawn from
+    one bucket pads little (padded positions cost as much as real ones)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    size = max(batch_size, batch_size * per_bucket)
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def sample_batch(buckets: list[list[int]], batch_size: int, rng: random.Random) -> list[int]:
+    """A bucket chosen in proportion to its size, then `batch_size` examples from it: every example
+    is as likely as any other to be drawn."""
+    bucket = rng.choices(buckets, weights=[len(b) for b in buckets])[0]
+    return rng.sample(bucket, min(batch_size, len(bucket)))
+
+
+class Trainer:
+    """The training loop over a corpus held in memory, resumable from the work folder."""
+
+    def __init__(self, model: FeatureDrafterModel, rows: torch.Tensor, config: PretrainConfig, work: Path) -> None:
+        self.model, self.rows, self.config, self.work = model.float().train(), rows, config, work
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
+                                           weight_decay=0.0)
+        self.step = 0
+        self.tokens = 0
+        self.curve: list[dict[str, Any]] = []
+        self.seconds = 0.0
+        self._resume()
+
+    def _resume(self) -> None:
+        state = self.work / "train-state.safetensors"
+        if not state.is_file():
+            return
+        self.model.load_state_dict(load_file(str(state)), strict=True)
+        self.optimizer.load_state_dict(torch.load(self.work / "optimizer.pt", weights_only=True))
+        progress = json.loads((self.work / "progress.json").read_text())
+        self.step, self.tokens, self.seconds = progress["step"], progress["tokens"], progress["seconds"]
+        self.curve = progress["curve"]
+        log.info("resuming at step %d (%d tokens trained)", self.step, self.tokens)
+
+    def checkpoint(self) -> None:
+        """Weights, optimiser and progress of one step, replaced together (progress last: it names the step)."""
+        save_file({n: t.detach().contiguous() for n, t in self.model.state_dict().items()},
+                  str(self.work / "train-state.tmp"))
+        torch.save(self.optimizer.state_dict(), self.work / "optimizer.tmp")
+        (self.work / "progress.tmp").write_text(json.dumps(
+            {"step": self.step, "tokens": self.tokens, "seconds": self.seconds, "curve": self.curve}))
+        for name in ("train-state.safetensors", "optimizer.pt", "progress.json"):
+            stem = name.split(".")[0]
+            (self.work / f"{stem}.tmp").replace(self.work / name)
+
+    def learning_rate(self) -> float:
+        cfg = self.config
+        if self.step < cfg.warmup_steps:
+            return cfg.learning_rate * (self.step + 1) / cfg.warmup_steps
+        # linear decay to a tenth: late steps refine, they do not undo
+        done = (self.step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return cfg.learning_rate * (1 - 0.9 * min(1.0, done))
+
+    @property
+    def out_of_time(self) -> bool:
+        return self.config.max_seconds is not None and self.seconds >= self.config.max_seconds
+
+    def run(self, corpus: TrainingCorpus, held_out: dict[str, HeldOut]) -> None:
+        cfg = self.config
+        buckets = length_buckets([len(seq) for seq in corpus.sequences], cfg.batch_size)
+        if not self.curve:
+            self._evaluate(held_out)
+        progress = tqdm(total=cfg.steps, initial=self.step, desc="pretraining", unit="step")
+        while self.step < cfg.steps and not self.out_of_time:
+            begin = time.perf_counter()
+            # each step's batch depends on the seed and the step alone: a resumed run trains as an unbroken one
+            picked = sample_batch(buckets, cfg.batch_size, random.Random(cfg.seed * 1_000_003 + self.step))
+            batch = collate([(corpus.sequences[i], corpus.features[i], corpus.weights[i]) for i in picked])
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.learning_rate()
+            # the per-step statistics cost an argmax over the draft vocabulary: only curve points need them
+            wanted = (self.step + 1) % cfg.eval_every == 0 or self.step + 1 == cfg.steps
+            with torch.autocast(self.rows.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bfloat16"):
+                loss, stats = feature_loss(self.model, batch, self.rows, cfg.unroll, cfg.step_decay, cfg.objective,
+                                           with_stats=wanted)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            self.step += 1
+            self.tokens += batch.num_tokens
+            self.seconds += time.perf_counter() - begin
+            progress.update()
+            progress.set_postfix(loss=f"{float(loss.detach()):.3f}",
+                                 tok_s=f"{self.tokens / max(self.seconds, 1e-9):.0f}")
+            last = self.step == cfg.steps or self.out_of_time
+            if self.step % cfg.eval_every == 0 or last:
+                self._evaluate(held_out, stats)
+            if self.step % cfg.checkpoint_every == 0 or last:
+                self.checkpoint()
+        progress.close()
+
+    def _evaluate(self, held_out: dict[str, HeldOut], stats: dict[str, float] | None = None) -> None:
+        point: dict[str, Any] = {"step": self.step, "tokens": self.tokens, "seconds": round(self.seconds, 1)}
+        for name, sequences in held_out.items():
+            point[f"{name}_accept_length"] = round(held_out_accept_length(self.model, sequences,
+                                                                          self.config.eval_k), 4)
+        point.update({k: round(v, 4) for k, v in (stats or {}).items()})
+        self.curve.append(point)
+        figures = ", ".join(f"{name} {point[f'{name}_accept_length']:.3f}" for name in held_out)
+        log.info("step %d: held-out accept length %s", self.step, figures)
+        tqdm.write(f"step {self.step} tokens {self.tokens} ({self.seconds:.0f} s): held-out accept length {figures}")
+        (self.work / "curve.json").write_text(json.dumps(self.curve, indent=1))
+
+
+def generation_target(loaded: LoadedTarget, dtype: str) -> LoadedTarget:
+    """The target in the dtype that generates the training data (a copy when it differs)."""
+    wanted = DTYPES[dtype]
+    if loaded.model.embed.weight.dtype == wanted:
+        return loaded
+    return LoadedTarget(loaded.folder, copy.deepcopy(loaded.model).to(wanted), loaded.tokenizer)
+
+
+def training_corpus(loaded: LoadedTarget, config: PretrainConfig, capture: tuple[int, ...],
+                    work: Path) -> TrainingCorpus:
+    generator = generation_target(loaded, config.distill.dtype)
+    if config.data == "distilled":
+        return distilled_corpus(generator, config.distill, capture, config.draft_vocab, config.prompt_weight, work)
+    return sharegpt_corpus(generator, config.conversations, config.max_length, config.draft_vocab, capture,
+                           config.shard_size, work)
+
+
+def held_out_sets(loaded: LoadedTarget, config: PretrainConfig, capture: tuple[int, ...],
+                  work: Path) -> dict[str, HeldOut]:
+    """The validation set (chooses settings) and the evaluation set (reports), from disjoint spans."""
+    spans = {"validation": VALIDATION_RANGE, "evaluation": range(EVALUATION_START, 10**9)}
+    return {name: held_out_set(loaded, span, config.eval_prompts, config.eval_tokens, capture,
+                               work / f"{name}.safetensors") for name, span in spans.items()}
+
+
+def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path, command: str,
+             from_model: FeatureDrafterModel | None = None) -> dict[str, Any]:
+    """Run (or resume) every stage and write the version file `out`; returns its manifest."""
+    work.mkdir(parents=True, exist_ok=True)
+    settings = work / "config.json"
+    if settings.is_file():
+        saved = json.loads(settings.read_text())
+        # the stages already written keep theirs; a new budget (steps, time) is a continuation
+        budget = ("steps", "max_seconds", "eval_every", "checkpoint_every")
+        if {k: v for k, v in saved.items() if k not in budget} != \
+                {k: v for k, v in as_settings(config).items() if k not in budget}:
+            raise ConfigurationError(f"{work} was started with other settings ({settings}): use another work "
+                                     f"folder, or the same settings")
+    settings.write_text(json.dumps(as_settings(config), indent=1))
+    torch.manual_seed(config.seed)
+    target = loaded.model
+    capture = (from_model.config if from_model is not None else
+               FeatureDrafterConfig.for_target(target.config, config.draft_vocab)).capture_layers
+    corpus = training_corpus(loaded, config, capture, work)
+    model = from_model or new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight,
+                                              target.norm.weight, corpus.draft_ids, seed=config.seed)
+    held_out = held_out_sets(loaded, config, capture, work)
+    rows = label_rows(target.lm_head.weight, model.draft_ids, target.norm.weight)
+    trainer = Trainer(model, rows, config, work)
+    trainer.run(corpus, held_out)
+    last = trainer.curve[-1]
+    manifest = {
+        "kind": "feature", "command": command, "seed": config.seed, "settings": as_settings(config),
+        "data": {"source": corpus.description, "examples": len(corpus.sequences), "tokens": corpus.num_tokens,
+                 "conversations": f"{TRAINING_RANGE.start}-{TRAINING_RANGE.stop - 1}",
+                 "sha256": tensor_hash(corpus.sequences), "draft_vocab_coverage": corpus.coverage},
+        "steps": trainer.step, "tokens_trained": trainer.tokens, "training_seconds": round(trainer.seconds, 1),
+        "held_out": {
+            "k": config.eval_k,
+            **{name: {"prompts": len(sets), "sha256": tensor_hash([t for t, _, _ in sets]),
+                      "accept_length": last[f"{name}_accept_length"]} for name, sets in held_out.items()},
+            # the figure a drafter is reported by: evaluation prompts it never trained or was tuned on
+            "accept_length": last["evaluation_accept_length"],
+        },
+        "curve": trainer.curve,
+    }
+    save_drafter(trainer.model, out, loaded.fingerprint, extra={"manifest": json.dumps(manifest)},
+                 dtype=torch.float16)
+    manifest_file = {**manifest, "file_sha256": hashlib.sha256(out.read_bytes()).hexdigest()}
+    out.with_suffix(".json").write_text(json.dumps(manifest_file, indent=1))
+    return manifest
+
+
+def recipe(name: str, **overrides: Any) -> PretrainConfig:
+    if name not in RECIPES:
+        raise ConfigurationError(f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))}")
+    return replace(RECIPES[name], **overrides)

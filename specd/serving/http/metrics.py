@@ -1,0 +1,178 @@
+"""Prometheus metrics for a specd server, named after vLLM's spec-decode metrics.
+
+Contract: `ServingMetrics` owns its own registry (tests make their own), is updated from the
+engine thread with plain counter increments (`observe_verification`, `observe_request`), and
+derives acceptance rate and accept length per drafter version at scrape time from the counters.
+It keeps `AcceptanceCounts` per (version, domain), from which `reports` builds what the learner's
+canary reads. Scrapes and reports run on other threads than the engine: they read a snapshot
+taken under the same lock the engine's updates take, so `/metrics` never fails mid-update.
+Only the `max_versions` drafter versions served most recently keep their own `version` label
+(and their own counts in the reports); an older one is evicted when a new one is observed: its
+counts move into the label `version="older"`, so sums over versions stay monotonic, and a
+version that is served again starts its own counts from zero (the canary reads a restart).
+Names (the `specd_` twins of vLLM's `vllm:spec_decode_*`):
+  specd_spec_decode_num_draft_tokens_total{version}       drafts proposed
+  specd_spec_decode_num_accepted_tokens_total{version}    drafts accepted
+  specd_spec_decode_num_accepted_tokens_per_pos_total{position}
+  specd_spec_decode_num_verification_passes_total{version}
+  specd_spec_decode_num_emitted_tokens_total{version}
+  specd_spec_decode_acceptance_rate{version}, specd_spec_decode_accept_length{version}  (gauges)
+  specd_drafter_swaps_total, specd_drafter_refused_total
+  specd_records_published_total, specd_records_shed_total
+  specd_request_latency_seconds, specd_inter_token_latency_seconds (histograms)
+  specd_spec_decode_domain_{draft_tokens,accepted_tokens,verification_passes,emitted_tokens}_total{version,domain}
+  specd_background_failures_total{task}   failures of supervised background loops (threads.py)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from specd.core.background_metrics import BackgroundCollector
+from specd.core.records import AcceptanceCounts, AcceptanceReport
+from specd.core.threads import BackgroundHealth
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+class _DerivedRates(Collector):
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        rate = GaugeMetricFamily("specd_spec_decode_acceptance_rate", "accepted / proposed drafts",
+                                 labels=["version"])
+        length = GaugeMetricFamily("specd_spec_decode_accept_length", "tokens emitted per target pass",
+                                   labels=["version"])
+        by_version: dict[str, AcceptanceCounts] = {}
+        for (version, _), counts in self.metrics.snapshot().items():  # evicted versions have no gauges
+            by_version.setdefault(version, AcceptanceCounts()).add(counts)
+        for version, summed in by_version.items():
+            if summed.acceptance_rate is not None:
+                rate.add_metric([version], summed.acceptance_rate)
+            if summed.accept_length is not None:
+                length.add_metric([version], summed.accept_length)
+        yield rate
+        yield length
+        for name, help_text in (("specd_drafter_swaps", "drafter versions taken over"),
+                                ("specd_drafter_refused", "drafter versions refused by verification"),
+                                ("specd_records_shed", "trajectory records shed by a full bus")):
+            source = self.metrics.sources.get(name)
+            if source is not None:
+                yield CounterMetricFamily(name, help_text, value=source())
+        yield from _domain_counters(self.metrics.snapshot(with_older=True))
+
+
+DOMAIN_COUNTERS = (("draft_tokens", "drafts proposed", "drafts"), ("accepted_tokens", "drafts accepted", "accepted"),
+                   ("verification_passes", "target verification passes", "passes"),
+                   ("emitted_tokens", "tokens emitted", "emitted"))
+
+
+def _domain_counters(totals: dict[tuple[str, str], AcceptanceCounts]) -> Iterator[CounterMetricFamily]:
+    """specd_spec_decode_domain_*_total{version, domain}: what dashboards break acceptance down by."""
+    for short, help_text, field in DOMAIN_COUNTERS:
+        family = CounterMetricFamily(f"specd_spec_decode_domain_{short}", f"{help_text}, by version and domain",
+                                     labels=["version", "domain"])
+        for (version, domain), counts in sorted(totals.items()):
+            family.add_metric([version, domain], getattr(counts, field))
+        yield family
+
+
+OLDER = "older"   # the label that evicted versions' counts move into
+
+
+class ServingMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None, max_versions: int = 8,
+                 background: BackgroundHealth | None = None) -> None:
+        if max_versions < 1:
+            raise ValueError(f"max_versions must be at least 1, got {max_versions}")
+        self.max_versions = max_versions
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.draft_tokens = Counter("specd_spec_decode_num_draft_tokens", "drafts proposed", ["version"], registry=r)
+        self.accepted_tokens = Counter("specd_spec_decode_num_accepted_tokens", "drafts accepted", ["version"],
+                                       registry=r)
+        self.accepted_per_pos = Counter("specd_spec_decode_num_accepted_tokens_per_pos",
+                                        "drafts accepted at each draft position", ["position"], registry=r)
+        self.passes = Counter("specd_spec_decode_num_verification_passes", "target verification passes",
+                              ["version"], registry=r)
+        self.emitted = Counter("specd_spec_decode_num_emitted_tokens", "tokens emitted", ["version"], registry=r)
+        self.records_published = Counter("specd_records_published", "trajectory records published", registry=r)
+        # counts owned by other objects (drafter, swapper, bus), read at scrape time
+        self.sources: dict[str, Callable[[], float]] = {}
+        self.request_latency = Histogram("specd_request_latency_seconds", "request latency", registry=r,
+                                         buckets=LATENCY_BUCKETS)
+        self.inter_token_latency = Histogram("specd_inter_token_latency_seconds",
+                                             "time between streamed tokens", registry=r, buckets=ITL_BUCKETS)
+        # (version, domain) -> counts: what reports to the learner carry. Written by the engine
+        # thread, read by scrapes and reports: only under `_lock`
+        self.totals: dict[tuple[str, str], AcceptanceCounts] = {}
+        self._versions: OrderedDict[str, None] = OrderedDict()   # labelled versions, least recent first
+        self._older: dict[str, AcceptanceCounts] = {}   # evicted versions' counts per domain (metrics only)
+        self._lock = threading.Lock()
+        r.register(_DerivedRates(self))
+        if background is not None:
+            r.register(BackgroundCollector(background))
+
+    def observe_verification(self, version: str, drafts: int, accepted: int, emitted: int,
+                             domain: str = "default") -> None:
+        with self._lock:
+            if version not in self._versions:
+                self._versions[version] = None
+                while len(self._versions) > self.max_versions:
+                    self._evict(next(iter(self._versions)))
+            elif next(reversed(self._versions)) != version:
+                self._versions.move_to_end(version)
+            self.draft_tokens.labels(version).inc(drafts)
+            self.accepted_tokens.labels(version).inc(accepted)
+            self.passes.labels(version).inc()
+            self.emitted.labels(version).inc(emitted)
+            self.totals.setdefault((version, domain), AcceptanceCounts()).add(
+                AcceptanceCounts(drafts, accepted, 1, emitted))
+        for position in range(accepted):
+            self.accepted_per_pos.labels(str(position)).inc()
+
+    def _evict(self, version: str) -> None:
+        """Fold a version's counts into `older` and forget its label sets (caller holds `_lock`)."""
+        del self._versions[version]
+        folded = AcceptanceCounts()
+        for key in [key for key in self.totals if key[0] == version]:
+            counts = self.totals.pop(key)
+            folded.add(counts)
+            self._older.setdefault(key[1], AcceptanceCounts()).add(counts)
+        for counter, amount in ((self.draft_tokens, folded.drafts), (self.accepted_tokens, folded.accepted),
+                                (self.passes, folded.passes), (self.emitted, folded.emitted)):
+            counter.labels(OLDER).inc(amount)
+            counter.remove(version)
+
+    def snapshot(self, with_older: bool = False) -> dict[tuple[str, str], AcceptanceCounts]:
+        """A consistent copy of the per-(version, domain) counts, safe to read on any thread; with
+        `with_older`, evicted versions' counts too, under the version `older`."""
+        with self._lock:
+            copy = {key: replace(counts) for key, counts in self.totals.items()}
+            if with_older:
+                copy.update({(OLDER, domain): replace(counts) for domain, counts in self._older.items()})
+            return copy
+
+    def record_published(self) -> None:
+        self.records_published.inc()
+
+    def reports(self, server_id: str) -> list[AcceptanceReport]:
+        """One cumulative report per traffic domain: counts per drafter version."""
+        by_domain: dict[str, dict[str, AcceptanceCounts]] = {}
+        for (version, domain), counts in self.snapshot().items():
+            by_domain.setdefault(domain, {})[version] = counts
+        now = time.time()
+        return [AcceptanceReport(server_id, now, domain, versions) for domain, versions in by_domain.items()]
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

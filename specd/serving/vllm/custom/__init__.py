@@ -1,0 +1,1 @@
+"""The `custom` route: specd's token-level hybrid drafter as vLLM's `custom_class` proposer."""

@@ -1,0 +1,265 @@
+"""specd's online loop around vLLM's own EAGLE-3 proposer (the `eagle3` route).
+
+Contract: vLLM serves the feature drafter with its native `eagle3` method from a folder specd
+exported (`specd.drafter.vllm_format`); `specd.serving.vllm.eagle3.plugin` attaches an `Eagle3Companion` to
+vLLM's `EagleProposer` once it has loaded, and routes the model runner's proposal step through
+`Eagle3Companion.propose`. Around vLLM's own drafting, at each step the companion
+1. observes the previous step's outcome (per row: drafts the scheduler actually verified, from
+   `scheduled_spec_decode_tokens`, and accepted = sampled tokens - 1, the counts vLLM's own
+   per-request metrics report) and closes finished requests into trajectory records for the
+   learner (token ids only: the learner recomputes the features with its own target copy);
+2. installs a new version if the swapper thread has one ready: the tensors were read, checked
+   (sha256, fingerprint, names, shapes, finite values) and converted off the decoding thread;
+   installing copies them into the running drafter's parameters between two steps, never
+   touching the target's shared embedding. On CPU, vLLM packs linear weights into oneDNN handles
+   and leaves empty parameters behind: in eager mode each swap packs the new weights again as
+   vLLM does at load; in compiled mode (whose graphs keep the handles they were traced with) those
+   layers are served through a plain matmul over real parameters from load on, so every swap is
+   an in-place copy.
+3. with `SPECD_DRAFTER=hybrid` (the default), drafts per row and step from the row's context or
+   the traffic table where the draft budget expects that to earn more than EAGLE-3's drafts, and
+   from EAGLE-3 elsewhere (`specd.serving.vllm.eagle3.hybrid_rows`); every row's drafts are then trimmed to
+   those worth verifying (`specd.serving.vllm.shared.policy.DraftPolicy`, as on the custom route), and records
+   name the source of each step's drafts. EAGLE-3 still runs for every row each step (its KV
+   cache must follow every row). vLLM verifies these drafts as one-hot (EAGLE-3 hands it no
+   probabilities here), so outputs are those of vLLM alone; were a vLLM to hand over draft
+   probabilities, the hybrid stands aside and vLLM's drafts go out unchanged.
+It needs `disable_padded_drafter_batch` (the proposal then runs after vLLM's bookkeeping, on the
+CPU-side sampled tokens, as `custom_class` does); `launch.speculative_config` sets it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specd.core.errors import CheckpointError
+from specd.drafter.base import WeightHandoff
+from specd.drafter.checkpoint import load_drafter, read_metadata
+from specd.drafter.feature_model import FeatureDrafterModel
+from specd.drafter.traffic_table import TrafficTable
+from specd.drafter.vllm_format import SPECD_CHECKPOINT, vllm_parameters
+from specd.hotswap.swapper import Swapper
+from specd.model.fingerprint import TargetFingerprint
+from specd.model.loading import read_target_head
+from specd.serving.vllm.eagle3.hybrid_rows import HybridRows
+from specd.serving.vllm.shared.budget import DraftBudget
+from specd.serving.vllm.shared.launch import PluginSettings
+from specd.serving.vllm.shared.loop import PinnedSource, RequestBook, follow_versions, force_version
+from specd.serving.vllm.shared.policy import DraftPolicy
+
+log = logging.getLogger(__name__)
+
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def install(vllm_model: nn.Module, tensors: dict[str, torch.Tensor],
+            repack: Callable[[nn.Module], None] | None = None) -> None:
+    """Copy `tensors` (vLLM parameter names) into the running drafter, in place where possible.
+
+    vLLM's CPU linear layers (`cpu_linear`) compute from a packed copy of their weight and keep an
+    empty parameter: with `repack` (eager mode) each new weight is packed again the way vLLM packs
+    it at load; without (compiled mode, whose graphs keep the packed handle they were traced
+    with) such a layer is served once through a plain matmul over a real parameter, which every
+    later swap then updates in place.
+    """
+    for name, value in tensors.items():
+        module_name, _, attribute = name.rpartition(".")
+        module = vllm_model.get_submodule(module_name)
+        current = getattr(module, attribute)
+        if attribute == "weight" and hasattr(module, "cpu_linear"):
+            if repack is not None:
+                module.weight = nn.Parameter(value.to(current.dtype).clone(), requires_grad=False)
+                repack(module)
+                continue
+            if not getattr(module, "specd_plain", False):
+                module.weight = nn.Parameter(value.to(current.dtype).clone(), requires_grad=False)
+                setattr(module, "cpu_linear", _plain_linear)  # noqa: B010 (vLLM's attribute, not nn.Module's)
+                setattr(module, "specd_plain", True)  # noqa: B010
+                continue
+        if tuple(current.shape) != tuple(value.shape):
+            raise CheckpointError(f"{name}: vLLM's drafter has shape {tuple(current.shape)}, "
+                                  f"the version {tuple(value.shape)}")
+        current.data.copy_(value.to(current.dtype))
+
+
+def vllm_cpu_repack() -> Callable[[nn.Module], None]:
+    """vLLM's own packing of a CPU linear layer's weight (imported inside vLLM's worker only)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    return lambda module: dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+class VllmDrafterSlot:
+    """What the swapper hands versions to: checks and converts them on its thread, for the decoding
+    thread to install between steps."""
+
+    def __init__(self, model: FeatureDrafterModel, version: str, device: torch.device) -> None:
+        self.model, self.version, self.device = model, version, device
+        self.num_swaps = 0
+        self.handoff: WeightHandoff[tuple[FeatureDrafterModel, dict[str, torch.Tensor]]] = WeightHandoff()
+
+    def check_compatible(self, model: Any) -> None:
+        if not isinstance(model, FeatureDrafterModel) or model.config != self.model.config:
+            raise CheckpointError("vLLM's drafter takes versions of its own shape only (the same layers, "
+                                  "captured layers and draft vocabulary); this version differs")
+
+    def offer(self, model: Any, version: str) -> None:
+        self.check_compatible(model)
+        tensors = {name: tensor.to(self.device) for name, tensor in vllm_parameters(model).items()}
+        self.handoff.put((model, tensors), version)
+
+    def take(self) -> tuple[tuple[FeatureDrafterModel, dict[str, torch.Tensor]], str] | None:
+        return self.handoff.take()
+
+
+class Eagle3Companion:
+    def __init__(self, proposer: Any) -> None:
+        vllm_config = proposer.vllm_config
+        self.settings = PluginSettings.from_env()
+        self.proposer = proposer
+        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.target_dir = Path(str(vllm_config.model_config.model))
+        self.drafter_dir = Path(str(vllm_config.speculative_config.model))
+        self.book = RequestBook(self.settings, self.max_model_len)
+        self.num_steps = 0
+        self.seconds_outside_vllm = 0.0    # observing, closing and installing: specd's cost per step
+        self.seconds_drafting = 0.0        # vLLM's own EAGLE-3 drafting, for comparison
+        self.install_seconds: deque[float] = deque(maxlen=32)
+        self.slot: VllmDrafterSlot | None = None
+        self.repack: Callable[[nn.Module], None] | None = None
+        self.swapper: Swapper | None = None
+        self.source: PinnedSource | None = None
+        self.policy = DraftPolicy(DraftBudget(self.k), self.max_model_len)
+        table = TrafficTable() if self.settings.traffic_table else None
+        # made even when off, so that an operator can switch it on (and off) while serving
+        self.hybrid = HybridRows(self.k, table)
+        self.hybrid_on = self.settings.drafter_kind == "hybrid"
+        self.hybrid_stood_aside = 0        # steps where vLLM's drafts carried probabilities
+
+    @property
+    def recent(self) -> deque[dict[str, Any]]:
+        return self.book.telemetry.recent
+
+    def attach(self) -> Eagle3Companion:
+        """After vLLM loaded the exported drafter: install specd's copy of it (`install`: repacked in
+        eager mode, real parameters in compiled mode), then follow versions and send records."""
+        config, embed, _ = read_target_head(self.target_dir)
+        fingerprint = TargetFingerprint.of(config, self.target_dir)
+        device = next(self.proposer.model.parameters()).device
+        path = self.drafter_dir / SPECD_CHECKPOINT
+        model = load_drafter(path, fingerprint, target_embedding=embed)
+        if not isinstance(model, FeatureDrafterModel):
+            raise CheckpointError(f"{path}: not a feature drafter")
+        version = read_metadata(path).get("specd_version", "0")
+        compiled = int(getattr(self.proposer.vllm_config.compilation_config, "mode", 0) or 0) != 0
+        self.repack = vllm_cpu_repack() if device.type == "cpu" and not compiled else None
+        install(self.proposer.model, vllm_parameters(model), self.repack)
+        self.slot = VllmDrafterSlot(model, version, device)
+        self.source, publisher = follow_versions(self.settings)
+        self.swapper = Swapper(self.source, self.slot, fingerprint, target_embedding=embed)  # type: ignore[arg-type]
+        self.swapper.check_once()
+        self.swapper.start()
+        self.book.telemetry.start(publisher, self.hybrid.table)
+        log.info("specd follows versions into vLLM's EAGLE-3 drafter (started from version %s)", version)
+        return self
+
+    # ---- the decoding thread ----------------------------------------------------------------
+    def propose(self, runner: Any, vllm_propose: Any, scheduler_output: Any, sampled: Any, *args: Any,
+                **kwargs: Any) -> Any:
+        begin = time.perf_counter()
+        if not isinstance(sampled, list):
+            raise RuntimeError("specd's eagle3 route needs the speculative config's disable_padded_drafter_batch")
+        batch = runner.input_batch
+        rows = len(sampled)
+        request_ids = [str(r) for r in batch.req_ids[:rows]]
+        lengths = np.asarray(batch.num_tokens_no_spec[:rows])
+        self._trim_to_scheduled(scheduler_output.scheduled_spec_decode_tokens)
+        assert self.slot is not None
+        self.book.observe(request_ids, sampled, lengths, np.asarray(batch.num_prompt_tokens[:rows]),
+                          batch.token_ids_cpu, self.slot.version)
+        self.policy.observe(request_ids, sampled, self.book.tracker, begin)
+        self.hybrid.observe(request_ids, self.book.tracker, self.policy.budget)
+        self._install_pending()
+        vllm_began = time.perf_counter()
+        drafts = vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
+        vllm_ended = time.perf_counter()
+        eagle = drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(d) for d in drafts]
+        eagle = [list(d) for d in eagle[:rows]]
+        sent, sources = eagle, None
+        if self.hybrid_on and rows:
+            if getattr(runner, "_draft_probs", None) is None:
+                candidates = self.hybrid.candidates(request_ids, eagle, batch.token_ids_cpu, lengths,
+                                                    self.policy.budget)
+                sent = self.policy.choose(request_ids, candidates, lengths, sampled)
+                sources = candidates.sources
+                drafts = sent
+            else:  # drafts with probabilities are verified against them: not ours to replace
+                self.hybrid_stood_aside += 1
+        self.book.remember(request_ids, sent, lengths, self.slot.version, sources)
+        for request_id in self.book.close_finished(runner.requests, request_ids, sampled):
+            self.policy.forget(request_id)
+            self.hybrid.forget(request_id)
+        self.num_steps += 1
+        self.seconds_outside_vllm += (vllm_began - begin) + (time.perf_counter() - vllm_ended)
+        self.seconds_drafting += vllm_ended - vllm_began
+        return drafts
+
+    def _trim_to_scheduled(self, scheduled: dict[str, list[int]]) -> None:
+        """The drafts each request actually had verified: the scheduler trims them near a request's end."""
+        for request_id in self.book.tracker.previous_rows:
+            trajectory = self.book.tracker.live.get(request_id)
+            if trajectory is not None and trajectory.drafts:
+                trajectory.drafts = trajectory.drafts[:len(scheduled.get(request_id, ()))]
+
+    def _install_pending(self) -> None:
+        assert self.slot is not None
+        pending = self.slot.take()
+        if pending is None:
+            return
+        (model, tensors), version = pending
+        begin = time.perf_counter()
+        install(self.proposer.model, tensors, self.repack)
+        self.install_seconds.append(time.perf_counter() - begin)
+        self.slot.model, self.slot.version = model, version
+        self.slot.num_swaps += 1
+        log.info("vLLM's drafter now serves version %s", version)
+
+    # ---- the control path -------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        slot, swapper, source = self.slot, self.swapper, self.source
+        return {"route": "eagle3", "server_id": self.settings.server_id, "k": self.k,
+                "version": slot.version if slot else None,
+                "prepared_version": swapper.prepared_version if swapper else None,
+                "forced_version": source.forced if source else None,
+                "source_live_version": source.inner.live_version() if source else None,
+                "steps": self.num_steps, "mean_specd_ms": 1000 * self.seconds_outside_vllm / max(self.num_steps, 1),
+                "mean_vllm_drafting_ms": 1000 * self.seconds_drafting / max(self.num_steps, 1),
+                "install_ms": [round(1000 * s, 2) for s in self.install_seconds],
+                "swaps": slot.num_swaps if slot else 0,
+                "refused_versions": dict(swapper.refused) if swapper else {},
+                "hybrid": self.hybrid_on, "hybrid_stood_aside": self.hybrid_stood_aside,
+                "rows_by_source": dict(self.hybrid.rows_by_source), "mixed_steps": self.hybrid.mixed_steps,
+                **self.policy.status(), **self.book.telemetry.status()}
+
+    def set_hybrid(self, on: bool) -> dict[str, Any]:
+        """Hybrid drafting on or off from the next step (the decoding thread reads one flag)."""
+        self.hybrid_on = on
+        return self.status()
+
+    def force_version(self, version: int | None) -> dict[str, Any]:
+        """Serve `version` regardless of announcements (None: follow them again); it takes over within a poll."""
+        force_version(self.source, version)
+        return self.status()

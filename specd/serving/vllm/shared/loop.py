@@ -1,0 +1,134 @@
+"""The worker side of the online loop, shared by both vLLM routes (`custom_class` and `eagle3`).
+
+Contract: `follow_versions(settings, ...)` opens where drafter versions come from (a local store,
+or retained MQTT announcements plus HTTP fetches from the learner) and the MQTT publisher that
+sends records and reports; `PinnedSource` lets an operator force a version over them.
+Without `SPECD_CACHE_DIR`, fetched versions go to a temporary folder removed when the worker
+exits; either way the swapper prunes it to the recent, serving and pinned versions.
+`RequestBook` turns vLLM's steps into trajectory records: `observe` (the previous step's outcome,
+from the sampled tokens per row), `remember` (the drafts just made) and `close_finished` (requests
+that stopped this step or left vLLM become records for the telemetry threads). It reads vLLM's
+buffers and the runner's request map only; nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specd.hotswap.remote import RemoteSource
+from specd.hotswap.store import WeightStore
+from specd.hotswap.swapper import LocalStore, VersionSource
+from specd.serving.vllm.shared.launch import PluginSettings, temporary_folder
+from specd.serving.vllm.shared.telemetry import Telemetry
+from specd.serving.vllm.shared.tracking import StepTracker, stop_index
+from specd.transport.mqtt import MqttPublisher
+
+
+class PinnedSource:
+    """A version source an operator can override: a forced version wins over announcements."""
+
+    def __init__(self, inner: VersionSource, forced: int | None = None) -> None:
+        self.inner = inner
+        self.forced = forced
+
+    def live_version(self) -> int | None:
+        return self.forced if self.forced is not None else self.inner.live_version()
+
+    def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
+        return self.inner.fetch(version)
+
+    def prune(self, keep_versions: set[int]) -> None:
+        forced = set() if self.forced is None else {self.forced}
+        self.inner.prune(keep_versions | forced)
+
+
+def force_version(source: PinnedSource | None, version: int | None) -> None:
+    """An operator's pin (None: follow announcements again). Only the choice is made here, on the
+    caller's thread (vLLM's collective_rpc runs on the decoding thread): the swapper's own thread
+    fetches and checks the version at its next poll."""
+    if source is None:
+        raise RuntimeError("specd is not loaded in this worker yet")
+    source.forced = version
+
+
+def find_model_runner() -> Any:
+    """vLLM's model runner, found up the call stack: it holds the row -> request id map we need."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if candidate is not None and hasattr(candidate, "input_batch") and hasattr(candidate, "requests"):
+            return candidate
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def follow_versions(settings: PluginSettings) -> tuple[PinnedSource, MqttPublisher | None]:
+    """Where versions come from (forced to `settings.version` if set) and the publisher, started."""
+    inner: VersionSource
+    if settings.store is not None:
+        inner = LocalStore(WeightStore(settings.store))
+    else:
+        cache = Path(settings.cache) if settings.cache else temporary_folder("specd-vllm-")
+        inner = RemoteSource(cache / "fetched", settings.learner_url)
+    publisher = None
+    if settings.mqtt is not None:
+        announce = inner.announce if isinstance(inner, RemoteSource) else None
+        publisher = MqttPublisher(settings.mqtt, settings.server_id, on_announcement=announce).start()
+    return PinnedSource(inner, settings.version), publisher
+
+
+class RequestBook:
+    """Per-request trajectories from vLLM's steps, and the records of finished requests."""
+
+    def __init__(self, settings: PluginSettings, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self.tracker = StepTracker(settings.server_id, settings.domain)
+        self.telemetry = Telemetry(self.tracker, settings.report_seconds)
+
+    def observe(self, request_ids: list[str], sampled: Sequence[Sequence[int]], lengths: np.ndarray,
+                prompt_lengths: np.ndarray, token_ids_cpu: np.ndarray, version: str) -> list[int]:
+        with self.telemetry.lock:
+            return self.tracker.observe(request_ids, sampled, lengths, prompt_lengths, token_ids_cpu, version)
+
+    def remember(self, request_ids: list[str], drafts: list[list[int]], lengths: np.ndarray, version: str,
+                 sources: list[str] | None = None) -> None:
+        with self.telemetry.lock:
+            self.tracker.remember(request_ids, drafts, lengths, version, sources)
+
+    def close_finished(self, requests: dict[str, Any], request_ids: list[str],
+                       sampled: Sequence[Sequence[int]]) -> list[str]:
+        """Hand finished requests to the record thread (stopped this step, or gone from vLLM's
+        `requests`); returns their ids."""
+        finished = []
+        for row, request_id in enumerate(request_ids):
+            state = requests.get(request_id)
+            params = getattr(state, "sampling_params", None)
+            trajectory = self.tracker.live.get(request_id)
+            if params is None or trajectory is None or not sampled[row]:
+                continue
+            stop_ids = set(params.stop_token_ids or ())
+            if getattr(params, "eos_token_id", None) is not None:
+                stop_ids.add(int(params.eos_token_id))
+            output = trajectory.tokens[len(trajectory.prompt_ids):]
+            keep = stop_index(output, params.max_tokens, stop_ids, self.max_model_len - len(trajectory.prompt_ids),
+                              trajectory.stop_checked)
+            trajectory.stop_checked = len(output)
+            if keep is not None:
+                self._finish(request_id, keep, params)
+                finished.append(request_id)
+        gone = [request_id for request_id in self.tracker.live if request_id not in requests]
+        for request_id in gone:  # aborted, stopped by a stop string, or otherwise ended by vLLM
+            self._finish(request_id, None, None)
+        return finished + gone
+
+    def _finish(self, request_id: str, keep: int | None, params: Any) -> None:
+        sampling = {"temperature": getattr(params, "temperature", 0.0), "top_p": getattr(params, "top_p", 1.0)}
+        with self.telemetry.lock:
+            record = self.tracker.finish(request_id, keep, sampling)
+        if record is not None:
+            self.telemetry.finish(record)

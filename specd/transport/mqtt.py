@@ -1,0 +1,254 @@
+"""The MQTT transport (aiomqtt): records from servers to the learner, live-version announcements back.
+
+Contract:
+- Topics, under a deployment name D: `specd/D/records/<server>` (trajectory records, QoS 1),
+  `specd/D/reports/<server>` (acceptance reports, QoS 1), `specd/D/live` (the live version,
+  retained, so a server that starts late learns it at once).
+- `MqttPublisher` runs its own thread and event loop; `publish()` (the `Bus` interface) only
+  appends to a bounded buffer and never blocks a decoding step. Records leave the buffer only
+  after the broker acknowledged them (QoS 1 PUBACK); while the broker is down they wait, the
+  oldest are shed (and counted) beyond the bound, and the client reconnects with jittered
+  exponential backoff. Its `counters` count trajectory records only; acceptance reports share
+  the buffer but are cumulative, so a shed one (counted in `reports_shed`) is replaced by the next.
+- The publisher's thread is supervised: any exception that ends a connection (a broker that is
+  down or refuses the credentials, a failed send, a bug) is logged and counted in its
+  `health` under the task `mqtt-publisher`, and the thread reconnects with backoff; the record
+  being sent stays at the head of the buffer and is sent again. An announcement that its
+  callback cannot take is counted under `mqtt-announcements` and skipped.
+- `subscribe_forever` (the learner's side) keeps a persistent session (fixed client id,
+  clean_session False, QoS 1), so records published while the learner is away are delivered
+  when it returns. It acknowledges a message (PUBACK) only after `handle` returned: paho would
+  otherwise acknowledge on receipt, before the learner has stored it, and a learner killed in
+  between would lose a message the broker no longer holds. When `handle` raises, the message is
+  not acknowledged: the failure is counted under `mqtt-subscriber`, the session reconnects and
+  the broker delivers the message again.
+- Username/password and TLS (a CA file, optional client certificate) pass straight through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import aiomqtt
+
+from specd.core.errors import ConfigurationError
+from specd.core.threads import BackgroundHealth, backoff_delay, supervised_thread
+from specd.transport.bus import BusCounters
+
+log = logging.getLogger(__name__)
+
+# names under which the transport's background work reports its failures
+PUBLISHER_TASK = "mqtt-publisher"
+ANNOUNCEMENTS_TASK = "mqtt-announcements"
+SUBSCRIBER_TASK = "mqtt-subscriber"
+
+
+@dataclass(frozen=True)
+class MqttSettings:
+    host: str = "127.0.0.1"
+    port: int = 1883
+    deployment: str = "default"
+    username: str | None = None
+    password: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def from_url(cls, url: str, deployment: str = "default", **extra: Any) -> MqttSettings:
+        """mqtt://[user:password@]host[:port] or mqtts://... (TLS with the system's CAs unless tls_ca)."""
+        parsed = urlparse(url)
+        if parsed.scheme not in ("mqtt", "mqtts") or not parsed.hostname:
+            raise ConfigurationError(f"broker URL {url!r}: expected mqtt://host[:port] or mqtts://host[:port]")
+        tls = parsed.scheme == "mqtts"
+        return cls(host=parsed.hostname, port=parsed.port or (8883 if tls else 1883), deployment=deployment,
+                   username=parsed.username, password=parsed.password,
+                   tls_ca=extra.pop("tls_ca", None) or ("system" if tls else None), **extra)
+
+    def topic(self, kind: str, server: str | None = None) -> str:
+        return f"specd/{self.deployment}/{kind}" + (f"/{server}" if server else "")
+
+    def client(self, identifier: str | None = None, clean_session: bool | None = None) -> aiomqtt.Client:
+        context = None
+        if self.tls_ca is not None:
+            context = ssl.create_default_context(cafile=None if self.tls_ca == "system" else self.tls_ca)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+        return aiomqtt.Client(self.host, self.port, username=self.username, password=self.password,
+                              identifier=identifier, clean_session=clean_session, tls_context=context,
+                              timeout=5)
+
+
+backoff = backoff_delay  # jittered exponential backoff, shared with every supervised loop
+
+
+class MqttPublisher:
+    """A never-blocking `Bus` whose records (and reports) reach the broker from a background thread."""
+
+    def __init__(self, settings: MqttSettings, server_id: str, capacity: int = 10_000,
+                 on_announcement: Callable[[dict[str, Any]], None] | None = None,
+                 health: BackgroundHealth | None = None) -> None:
+        self.settings = settings
+        self.server_id = server_id
+        self.capacity = capacity
+        self.on_announcement = on_announcement
+        self.counters = BusCounters()
+        self.connected = threading.Event()
+        self._pending: deque[tuple[str, bytes, bool]] = deque()   # (topic, payload, is a record)
+        self.reports_shed = 0
+        self.health = health or BackgroundHealth()
+        self.health.register(PUBLISHER_TASK)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- the Bus interface ----------------------------------------------------------------
+    def publish(self, record: dict[str, Any]) -> None:
+        self._enqueue(self.settings.topic("records", self.server_id), record, is_record=True)
+
+    def report(self, report: dict[str, Any]) -> None:
+        self._enqueue(self.settings.topic("reports", self.server_id), report, is_record=False)
+
+    def _enqueue(self, topic: str, payload: dict[str, Any], is_record: bool) -> None:
+        # `counters` count records only: reports are cumulative, and a lost one is replaced by the next
+        with self._lock:
+            if len(self._pending) >= self.capacity:
+                _, _, shed_record = self._pending.popleft()
+                if shed_record:
+                    self.counters.shed += 1
+                else:
+                    self.reports_shed += 1
+            self._pending.append((topic, json.dumps(payload).encode(), is_record))
+            self.counters.published += is_record
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    @property
+    def backlog(self) -> int:
+        return len(self._pending)
+
+    # ---- the thread -----------------------------------------------------------------------
+    def start(self) -> MqttPublisher:
+        # `_main` survives its own failures; the supervisor restarts the thread's body if even that fails
+        self._thread = supervised_thread("specd-mqtt", lambda: asyncio.run(self._main()), self.health, self._stop)
+        self._thread.start()
+        return self
+
+    def stop(self, drain_seconds: float = 2.0) -> None:
+        """Give queued records up to `drain_seconds` to leave (if connected), then stop."""
+        deadline = time.monotonic() + drain_seconds
+        while self.connected.is_set() and self._pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._stop.set()
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    async def _main(self) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                async with self.settings.client() as client:
+                    attempt = 0
+                    self.connected.set()
+                    await client.subscribe(self.settings.topic("live"), qos=1)
+                    await _first_of(self._drain(client), self._listen(client))
+            except aiomqtt.MqttError as error:
+                log.warning("MQTT broker unreachable (%s); %d records waiting", error, len(self._pending))
+                self.health.failed(PUBLISHER_TASK, error)
+            except Exception as error:  # a failed send or a bug: reconnect and send the head again
+                log.exception("MQTT publisher failed; %d records waiting", len(self._pending))
+                self.health.failed(PUBLISHER_TASK, error)
+            self.connected.clear()
+            if not self._stop.is_set():
+                await asyncio.sleep(backoff(attempt))
+                attempt += 1
+
+    async def _drain(self, client: aiomqtt.Client) -> None:
+        assert self._wake is not None
+        while not self._stop.is_set():
+            with self._lock:
+                head = self._pending[0] if self._pending else None
+            if head is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await client.publish(head[0], head[1], qos=1)  # returns once the broker acknowledged it
+            with self._lock:
+                if self._pending and self._pending[0] is head:
+                    self._pending.popleft()
+                    self.counters.delivered += head[2]
+
+    async def _listen(self, client: aiomqtt.Client) -> None:
+        async for message in client.messages:
+            if self.on_announcement is None:
+                continue
+            try:
+                self.on_announcement(json.loads(bytes(message.payload)))
+            except Exception as error:  # one bad announcement must not stop the next ones
+                log.warning("ignored an announcement that could not be taken: %s", error)
+                self.health.failed(ANNOUNCEMENTS_TASK, error)
+
+
+async def _first_of(*bodies: Awaitable[None]) -> None:
+    """Run the bodies together until the first ends; cancel the rest and raise what it raised."""
+    tasks = [asyncio.ensure_future(body) for body in bodies]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # the others' errors, if any, are moot
+    for task in done:
+        task.result()
+
+
+async def subscribe_forever(settings: MqttSettings, client_id: str,
+                            handle: Callable[[str, bytes], Awaitable[None]], stop: asyncio.Event,
+                            health: BackgroundHealth | None = None) -> None:
+    """The learner's side: a persistent QoS 1 session on records and reports, reconnecting forever;
+    a message is acknowledged only once `handle` has returned."""
+    health = health or BackgroundHealth()
+    health.register(SUBSCRIBER_TASK)
+    attempt = 0
+    while not stop.is_set():
+        try:
+            client = settings.client(identifier=client_id, clean_session=False)
+            # aiomqtt has no ack API; its paho client does (paho >= 2.0): PUBACK only after `handle`
+            client._client.manual_ack_set(True)
+            async with client:
+                attempt = 0
+                await client.subscribe(settings.topic("records") + "/+", qos=1)
+                await client.subscribe(settings.topic("reports") + "/+", qos=1)
+                async for message in client.messages:
+                    await handle(str(message.topic), bytes(message.payload))
+                    client._client.ack(message.mid, message.qos)
+        except aiomqtt.MqttError as error:
+            log.warning("MQTT broker unreachable (%s); retrying", error)
+            health.failed(SUBSCRIBER_TASK, error)
+        except Exception as error:  # `handle` failed: the message stays unacknowledged and comes again
+            log.exception("MQTT subscriber failed; reconnecting")
+            health.failed(SUBSCRIBER_TASK, error)
+        if not stop.is_set():
+            await asyncio.sleep(backoff(attempt))
+            attempt += 1
+
+
+async def announce(settings: MqttSettings, payload: dict[str, Any]) -> None:
+    """Publish the live version as a retained message (one short connection)."""
+    async with settings.client() as client:
+        await client.publish(settings.topic("live"), json.dumps(payload).encode(), qos=1, retain=True)
