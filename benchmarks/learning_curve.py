@@ -38,7 +38,8 @@ from specd.drafter.pretrained import SHIPPED_DRAFTER, load_pretrained
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
 from specd.hotswap.store import WeightStore
-from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.config import LearnerConfig
+from specd.learner.learner import Learner
 from specd.learner.objectives import FeatureObjective
 from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus

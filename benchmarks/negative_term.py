@@ -28,7 +28,8 @@ from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
 from specd.hotswap.store import WeightStore
-from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.config import LearnerConfig
+from specd.learner.learner import Learner
 from specd.learner.signal import simulated_accept_length
 from specd.model.fingerprint import TargetFingerprint
 from specd.testing import learnable_target

@@ -26,7 +26,7 @@ from common import cell, markdown_table, parser, spread, write_result
 from specd.core.traffic import default_shift_traffic
 from specd.demo.deployment import MODES, DemoConfig, plot, run_demo
 from specd.drafter.factory import DrafterSpec
-from specd.learner.learner import LearnerConfig
+from specd.learner.config import LearnerConfig
 from specd.model.target import LoadedTarget
 
 GOALS = ("adaptive_over_static_accept_length_after_shift", "adaptive_over_none_tokens_per_s_after_shift",

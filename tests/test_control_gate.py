@@ -20,7 +20,8 @@ from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
 from specd.hotswap.store import WeightStore
-from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.config import LearnerConfig
+from specd.learner.learner import Learner
 from specd.model.fingerprint import TargetFingerprint
 from specd.testing import TINY, learnable_target
 from specd.transport.bus import InProcessBus

@@ -8,7 +8,7 @@ from pathlib import Path
 from specd.core.traffic import TrafficItem, load_jsonl
 from specd.demo.deployment import MODES, DemoConfig, plot, run_demo
 from specd.drafter.factory import DrafterSpec
-from specd.learner.learner import LearnerConfig
+from specd.learner.config import LearnerConfig
 from specd.testing import tiny_loaded_target
 
 

@@ -20,7 +20,7 @@ import pytest
 from specd.core.traffic import TrafficItem
 from specd.demo.deployment import DemoConfig, plot, run_demo
 from specd.drafter.factory import DrafterSpec
-from specd.learner.learner import LearnerConfig
+from specd.learner.config import LearnerConfig
 from specd.model.target import LoadedTarget
 from specd.testing import ByteTokenizer, learnable_target, tiny_loaded_target
 

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from specd.core.records import FeatureBlock, StepRecord, TrajectoryRecord, validate_record
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.hotswap.store import WeightStore
+from specd.learner.config import LearnerConfig
 from specd.learner.feature_signal import collate, feature_loss, label_rows, soft_cross_entropy, target_log_probs
-from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.learner import Learner
 from specd.learner.objectives import FeatureObjective
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
@@ -273,7 +274,7 @@ def test_gate_rejects_a_candidate_with_non_finite_weights(tmp_path: Path, target
     assert learner.store.live_version() == live
     # the same weights, made finite again, are a fine candidate: it was the NaN that was refused
     with torch.no_grad():
-        learner.model.load_state_dict(learner._live_model().float().state_dict())
+        learner.model.load_state_dict(learner.promoter.live_model().float().state_dict())
     assert learner.evaluate(learner.model)["passed"] is True
 
 

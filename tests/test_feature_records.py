@@ -25,7 +25,8 @@ from specd.core.errors import RecordRefused
 from specd.core.records import FeatureBlock, StepRecord, TrajectoryRecord, validate_record
 from specd.drafter.feature_model import new_feature_drafter
 from specd.hotswap.store import WeightStore
-from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.config import LearnerConfig
+from specd.learner.learner import Learner
 from specd.model.fingerprint import TargetFingerprint
 from specd.testing import learnable_target
 from specd.transport.bus import InProcessBus

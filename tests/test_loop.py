@@ -25,7 +25,8 @@ from specd.engine.request import SamplingParams, record_from_sequence
 from specd.hotswap.store import LiveVersionChanged, WeightStore
 from specd.hotswap.swapper import Swapper
 from specd.learner import learner as learner_module
-from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.config import LearnerConfig
+from specd.learner.learner import Learner
 from specd.learner.signal import simulated_accept_length
 from specd.model.fingerprint import TargetFingerprint
 from specd.transport.bus import InProcessBus

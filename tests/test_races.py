@@ -16,16 +16,17 @@ import pytest
 import torch
 from conftest import TINY, learnable_target, tiny_target
 
+from specd.control import canary
 from specd.control.canary import AcceptanceLog, CanaryConfig, apply_canary
 from specd.core.errors import VersionNotFound
 from specd.drafter.checkpoint import load_drafter
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
-from specd.control import canary
 from specd.hotswap import store as store_module
 from specd.hotswap.store import WeightStore
-from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.config import LearnerConfig
+from specd.learner.learner import Learner
 from specd.model.fingerprint import TargetFingerprint
 from specd.transport.bus import InProcessBus
 

@@ -92,7 +92,7 @@ async def test_learner_mode_thread_keeps_the_learner_in_the_server(tmp_path: Pat
 
 def test_a_candidate_sent_to_a_learner_process_that_is_not_running_fails_with_a_reason(tmp_path: Path) -> None:
     from specd.core.errors import SpecdError
-    from specd.learner.learner import LearnerConfig
+    from specd.learner.config import LearnerConfig
     from specd.learner.process import LearnerProcess
 
     loaded = tiny_loaded_target()

@@ -26,7 +26,7 @@ from specd.engine.engine import Engine, EngineConfig
 from specd.engine.greedy_recording import record_greedy
 from specd.engine.request import SamplingParams
 from specd.hotswap.store import WeightStore
-from specd.learner.learner import LearnerConfig
+from specd.learner.config import LearnerConfig
 from specd.model.target import DTYPES, LoadedTarget
 from specd.serving.vllm.shared.command import add_vllm_parser
 

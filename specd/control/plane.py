@@ -182,7 +182,7 @@ async def pin(request: web.Request) -> web.Response:
 
 async def dashboard(request: web.Request) -> web.Response:
     # one self-contained page (inline SVG charts, no CDN): see specd/control/dashboard.html
-    page = resources.files("specd.hotswap").joinpath("dashboard.html").read_text()
+    page = resources.files("specd.control").joinpath("dashboard.html").read_text()
     return web.Response(text=page, content_type="text/html")
 
 

@@ -18,6 +18,7 @@ The subclasses of ValueError keep working where callers catch ValueError.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 
@@ -43,8 +44,26 @@ class RequestRefused(BadRequest):
     """A request the engine will not serve, with the reason in words a client can act on."""
 
 
+class RefusalReason(StrEnum):
+    """Why a record or report was refused: the label a learner counts its refusals under."""
+
+    NOT_AN_OBJECT = "not-an-object"
+    SCHEMA = "schema"
+    TOKENS = "tokens"          # token id lists: not lists, too long, out of the vocabulary, empty
+    STEPS = "steps"
+    FEATURES = "features"
+    MALFORMED = "malformed"    # a missing or mistyped field
+    REPORT = "report"          # an acceptance report
+    TOO_SHORT = "too-short"    # valid, but shorter than the learner's objective can use
+
+
 class RecordRefused(BadRequest):
-    """A record (or acceptance report) that fails validation; the message says which field and why."""
+    """A record (or acceptance report) that fails validation; the message says which field and why,
+    `reason` which kind of fault it is."""
+
+    def __init__(self, message: str, reason: RefusalReason = RefusalReason.MALFORMED) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class TrafficError(BadRequest):

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from specd.core.errors import RecordRefused
+from specd.core.errors import RecordRefused, RefusalReason
 
 SCHEMA_VERSION = 1
 LEARNED_SOURCE = "learned"
@@ -63,28 +63,31 @@ class FeatureBlock:
 def validate_features(raw: Any, num_tokens: int, feature_size: int | None) -> FeatureBlock:
     """An untrusted features object: float16, [n, F] with 1 <= n < num_tokens, F as expected, finite."""
     if not isinstance(raw, dict) or raw.get("dtype") != FEATURE_DTYPE:
-        raise RecordRefused(f"features must be an object with dtype {FEATURE_DTYPE!r}")
+        raise RecordRefused(f"features must be an object with dtype {FEATURE_DTYPE!r}", RefusalReason.FEATURES)
     shape = raw.get("shape")
     if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(n, int) and n > 0 for n in shape)):
-        raise RecordRefused("features shape must be [positions, feature_size] of positive integers")
+        raise RecordRefused("features shape must be [positions, feature_size] of positive integers",
+                            RefusalReason.FEATURES)
     positions, size = shape
     if positions >= num_tokens:
         raise RecordRefused(f"features cover {positions} positions; a record of {num_tokens} tokens has at most "
-                            f"{num_tokens - 1} (the last token is never run)")
+                            f"{num_tokens - 1} (the last token is never run)", RefusalReason.FEATURES)
     if feature_size is not None and size != feature_size:
-        raise RecordRefused(f"features are {size} wide; this learner's drafter reads {feature_size}")
+        raise RecordRefused(f"features are {size} wide; this learner's drafter reads {feature_size}",
+                            RefusalReason.FEATURES)
     if positions * size * 2 > MAX_FEATURE_BYTES:
-        raise RecordRefused(f"features of {positions * size * 2} bytes exceed the bound {MAX_FEATURE_BYTES}")
+        raise RecordRefused(f"features of {positions * size * 2} bytes exceed the bound {MAX_FEATURE_BYTES}",
+                            RefusalReason.FEATURES)
     data = raw.get("data")
     try:
         decoded = base64.b64decode(data, validate=True) if isinstance(data, str) else b""
     except (binascii.Error, ValueError):
         decoded = b""
     if len(decoded) != positions * size * 2:
-        raise RecordRefused(f"features data must be base64 of {positions * size * 2} bytes")
+        raise RecordRefused(f"features data must be base64 of {positions * size * 2} bytes", RefusalReason.FEATURES)
     block = FeatureBlock(positions, size, decoded)
     if not np.isfinite(block.array()).all():
-        raise RecordRefused("features hold non-finite values")
+        raise RecordRefused("features hold non-finite values", RefusalReason.FEATURES)
     return block
 
 
@@ -127,12 +130,12 @@ class TrajectoryRecord:
 
 def _int_list(value: Any, name: str, vocab_size: int, limit: int) -> list[int]:
     if not isinstance(value, list):
-        raise RecordRefused(f"{name} must be a list of token ids")
+        raise RecordRefused(f"{name} must be a list of token ids", RefusalReason.TOKENS)
     if len(value) > limit:
-        raise RecordRefused(f"{name} has {len(value)} entries, more than the bound {limit}")
+        raise RecordRefused(f"{name} has {len(value)} entries, more than the bound {limit}", RefusalReason.TOKENS)
     for token in value:
         if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
-            raise RecordRefused(f"{name} holds {token!r}, not a token id in [0, {vocab_size})")
+            raise RecordRefused(f"{name} holds {token!r}, not a token id in [0, {vocab_size})", RefusalReason.TOKENS)
     return value
 
 
@@ -140,31 +143,33 @@ def validate_record(raw: Any, vocab_size: int, feature_size: int | None = None) 
     """Check an untrusted record dict field by field; returns the typed record. Features, when
     present, must be `feature_size` wide (any width when None)."""
     if not isinstance(raw, dict):
-        raise RecordRefused("a record must be a JSON object")
+        raise RecordRefused("a record must be a JSON object", RefusalReason.NOT_AN_OBJECT)
     if raw.get("schema_version") != SCHEMA_VERSION:
         raise RecordRefused(f"unknown schema version {raw.get('schema_version')!r} "
-                            f"(this learner reads {SCHEMA_VERSION})")
+                            f"(this learner reads {SCHEMA_VERSION})", RefusalReason.SCHEMA)
     prompt = _int_list(raw.get("prompt_ids"), "prompt_ids", vocab_size, MAX_TOKENS_PER_RECORD)
     output = _int_list(raw.get("output_ids"), "output_ids", vocab_size, MAX_TOKENS_PER_RECORD)
     if not prompt or not output:
-        raise RecordRefused("prompt_ids and output_ids must both be non-empty")
+        raise RecordRefused("prompt_ids and output_ids must both be non-empty", RefusalReason.TOKENS)
     total = len(prompt) + len(output)
     steps_raw = raw.get("steps")
     if not isinstance(steps_raw, list) or len(steps_raw) > len(output):
-        raise RecordRefused("steps must be a list with at most one entry per output token")
+        raise RecordRefused("steps must be a list with at most one entry per output token", RefusalReason.STEPS)
     steps = []
     for i, step in enumerate(steps_raw):
         if not isinstance(step, dict):
-            raise RecordRefused(f"steps[{i}] must be an object")
+            raise RecordRefused(f"steps[{i}] must be an object", RefusalReason.STEPS)
         drafts = _int_list(step.get("drafts"), f"steps[{i}].drafts", vocab_size, MAX_DRAFTS_PER_STEP)
         position, accepted = step.get("position"), step.get("num_accepted")
         if not isinstance(position, int) or not len(prompt) <= position < total:
-            raise RecordRefused(f"steps[{i}].position {position!r} is outside the output")
+            raise RecordRefused(f"steps[{i}].position {position!r} is outside the output", RefusalReason.STEPS)
         if not isinstance(accepted, int) or not 0 <= accepted <= len(drafts):
-            raise RecordRefused(f"steps[{i}].num_accepted {accepted!r} is not in [0, {len(drafts)}]")
+            raise RecordRefused(f"steps[{i}].num_accepted {accepted!r} is not in [0, {len(drafts)}]",
+                                RefusalReason.STEPS)
         source = step.get("source", LEARNED_SOURCE)  # records from before sources were named: the learned drafter's
         if not isinstance(source, str) or not 0 < len(source) <= MAX_SOURCE_CHARS:
-            raise RecordRefused(f"steps[{i}].source must be a name of 1 to {MAX_SOURCE_CHARS} characters")
+            raise RecordRefused(f"steps[{i}].source must be a name of 1 to {MAX_SOURCE_CHARS} characters",
+                                RefusalReason.STEPS)
         steps.append(StepRecord(position, drafts, accepted, str(step.get("version", "")), source))
     features = None if raw.get("features") is None else validate_features(raw["features"], total, feature_size)
     try:
@@ -174,7 +179,7 @@ def validate_record(raw: Any, vocab_size: int, feature_size: int | None = None) 
             created=float(raw["created"]), finished=float(raw["finished"]),
             domain=None if raw.get("domain") is None else str(raw["domain"]), features=features)
     except (KeyError, TypeError, ValueError) as error:
-        raise RecordRefused(f"missing or malformed field: {error}") from None
+        raise RecordRefused(f"missing or malformed field: {error}", RefusalReason.MALFORMED) from None
 
 
 @dataclass
@@ -223,12 +228,13 @@ class AcceptanceCounts:
     def from_dict(cls, raw: Any, where: str = "counts") -> AcceptanceCounts:
         """Untrusted counts (a JSON object of non-negative integers; missing ones are 0)."""
         if not isinstance(raw, Mapping):
-            raise RecordRefused(f"{where} must be an object of counters {list(cls.FIELDS)}")
+            raise RecordRefused(f"{where} must be an object of counters {list(cls.FIELDS)}", RefusalReason.REPORT)
         values = {}
         for name in cls.FIELDS:
             value = raw.get(name, 0)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise RecordRefused(f"{where}.{name} must be a non-negative integer, got {value!r}")
+                raise RecordRefused(f"{where}.{name} must be a non-negative integer, got {value!r}",
+                                    RefusalReason.REPORT)
             values[name] = value
         return cls(**values)
 
@@ -250,13 +256,13 @@ class AcceptanceReport:
 def validate_report(raw: Any) -> AcceptanceReport:
     """Check an untrusted report dict; raises RecordRefused naming what is wrong."""
     if not isinstance(raw, dict):
-        raise RecordRefused("a report must be a JSON object")
+        raise RecordRefused("a report must be a JSON object", RefusalReason.REPORT)
     versions = raw.get("versions")
     if not isinstance(versions, dict):
-        raise RecordRefused("a report needs a `versions` object")
+        raise RecordRefused("a report needs a `versions` object", RefusalReason.REPORT)
     at = raw.get("time")
     if at is not None and (not isinstance(at, int | float) or isinstance(at, bool)):
-        raise RecordRefused(f"report time must be a number, got {at!r}")
+        raise RecordRefused(f"report time must be a number, got {at!r}", RefusalReason.REPORT)
     return AcceptanceReport(
         server_id=str(raw.get("server_id", "?")), time=float(at) if at is not None else clock.time(),
         domain=str(raw.get("domain") or "default"),

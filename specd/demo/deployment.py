@@ -44,7 +44,8 @@ from specd.engine.lookahead import LookaheadConfig, LookaheadController, Lookahe
 from specd.engine.request import SamplingParams, Sequence, record_from_sequence
 from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import Swapper
-from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.config import LearnerConfig
+from specd.learner.learner import Learner
 from specd.learner.process import LearnerProcess, config_for_process, learner_report, pin_serving, split_cores
 from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus, RecordSink

@@ -38,7 +38,8 @@ import torch.multiprocessing as mp
 from specd.core.errors import SpecdError
 from specd.drafter.checkpoint import load_drafter
 from specd.hotswap.store import WeightStore
-from specd.learner.learner import Learner, LearnerConfig, LearnerStats
+from specd.learner.config import LearnerConfig, LearnerStats
+from specd.learner.learner import Learner
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
 from specd.transport.bus import BusCounters

@@ -38,7 +38,8 @@ from specd.core.background_metrics import BackgroundCollector
 from specd.core.threads import BackgroundHealth, supervise
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.hotswap.store import WeightStore
-from specd.learner.learner import Learner, LearnerConfig
+from specd.learner.config import LearnerConfig
+from specd.learner.learner import Learner
 from specd.learner.metrics import LearnerCollector
 from specd.learner.spool import RecordSpool, SpoolConfig
 from specd.model.target import LoadedTarget

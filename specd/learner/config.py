@@ -1,0 +1,83 @@
+"""The learner's settings and counters.
+
+Contract: `LearnerConfig` is validated on construction (a setting that cannot work raises
+`ConfigurationError` before a learner starts); `LearnerStats` holds the counters every part of the
+learner updates (intake, trainer, promotion, loop) and that servers, metrics and the learner
+process report. The feature drafter's own settings carry the `feature_` prefix (see
+`specd.learner.trainer.TRAINING`, which picks them per drafter architecture).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from specd.core.errors import ConfigurationError
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    learning_rate: float = 2e-3
+    batch_size: int = 8
+    window: int = 96
+    negative_coef: float = 0.0       # chosen by benchmarks/negative_term.py; see the README
+    miss_weight: float = 2.0
+    prompt_weight: float = 0.1
+    buffer_capacity: int = 2000
+    feature_learning_rate: float = 5e-5  # the feature drafter starts trained: larger steps undo it (learning_curve.py)
+    feature_buffer_capacity: int = 400   # feature records are large (~4.6 KB a token for SmolLM2)
+    feature_window: int = 256
+    feature_prompt_weight: float = 0.5  # prompt positions carry the target's real features and labels too
+    unroll: int = 3                      # drafting steps trained per position (feature drafter)
+    # half of every batch comes from the newest records, so that a shift in traffic is learned
+    # within steps, not after the buffer has turned over (the rest keeps older knowledge)
+    recent_share: float = 0.5
+    recent_records: int = 32
+    holdout_every: int = 8
+    holdout_capacity: int = 16
+    publish_every_steps: int = 10
+    publish_every_seconds: float = 15.0
+    gate_margin: float = 0.05       # a candidate may trail the live version by this much accept length
+    gate_min_held_out: int = 4      # below this many held-out records the gate waits: no evidence, no pass
+    hold_after_rollback_s: float = 60.0  # after someone else changes the live version, publish nothing this long
+    k: int = 4
+    min_records: int = 2
+    duty_cycle: float = 0.5
+    train_embeddings: bool = False   # the target's embeddings are a good, frozen start
+    # training matmuls under bf16 autocast: about twice float32's steps per second where the CPU
+    # has bf16 units (AMX); the gate always replays in float32, as the drafter serves
+    precision: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.duty_cycle <= 1:
+            raise ConfigurationError(f"duty_cycle must be in (0, 1], got {self.duty_cycle}")
+        if self.batch_size < 1 or self.window < 2:
+            raise ConfigurationError("batch_size must be at least 1 and window at least 2")
+        if self.holdout_every < 1:
+            raise ConfigurationError(f"holdout_every must be at least 1, got {self.holdout_every}")
+        if self.precision not in ("float32", "bfloat16"):
+            raise ConfigurationError(f"precision must be float32 or bfloat16, got {self.precision!r}")
+        if self.gate_min_held_out < 1:
+            raise ConfigurationError(f"gate_min_held_out must be at least 1 (the gate never passes a candidate "
+                                     f"without held-out evidence), got {self.gate_min_held_out}")
+        if self.holdout_capacity < self.gate_min_held_out:
+            raise ConfigurationError(f"holdout_capacity ({self.holdout_capacity}) must be at least gate_min_held_out "
+                                     f"({self.gate_min_held_out}), or no candidate could ever pass the gate")
+
+
+@dataclass
+class LearnerStats:
+    records_in: int = 0
+    refused: Counter = field(default_factory=Counter)
+    steps: int = 0
+    tokens_trained: int = 0
+    records_trained: int = 0
+    losses: deque = field(default_factory=lambda: deque(maxlen=100))
+    published: list[dict[str, Any]] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    training_seconds: float = 0.0
+    gate_waits: int = 0              # publications due but skipped: too few held-out records
+    loop_failures: int = 0           # steps of the learner thread that raised
+    last_failure: dict[str, Any] | None = None  # {"error": "Type: message", "time": unix seconds}

@@ -1,0 +1,117 @@
+"""The trainer: one optimiser step on a batch of buffered trajectories, per drafter architecture.
+
+Contract: `TRAINING` maps each drafter architecture to how it is trained online (`TrainingPlan`:
+its objective, buffer size and step size, and which weights train); `Trainer(model, config,
+target)` owns the float32 training copy, its optimiser and the seeded batch sampler. A batch takes
+`recent_share` of its records from the newest `recent_records` and the rest from the whole buffer,
+so that a shift in traffic is learned within steps. `step` counts into the learner's stats and
+notes how stale the batch was (record age and versions behind the live one). `take_weights` loads
+another version's weights when they fit this architecture and shape (an adopted live version).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specd.core.errors import ConfigurationError
+from specd.core.records import TrajectoryRecord
+from specd.drafter.checkpoint import DrafterModel
+from specd.drafter.feature_model import FeatureDrafterModel
+from specd.learner.config import LearnerConfig, LearnerStats
+from specd.learner.objectives import FeatureObjective, Objective, TokenObjective
+from specd.model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    objective: Objective
+    buffer_capacity: int
+    learning_rate: float
+
+
+def _feature_plan(model: DrafterModel, config: LearnerConfig, target: Transformer | None) -> TrainingPlan:
+    assert isinstance(model, FeatureDrafterModel)
+    if target is None:
+        raise ConfigurationError("a feature drafter's learner needs the target (labels, recomputed features)")
+    objective = FeatureObjective(target, model.draft_ids, model.config.capture_layers, config.feature_window,
+                                 config.unroll, config.miss_weight, config.feature_prompt_weight,
+                                 cache_records=config.feature_buffer_capacity + config.holdout_capacity)
+    # the feature drafter starts trained (pretrained or the target's own head): smaller steps
+    return TrainingPlan(objective, config.feature_buffer_capacity, config.feature_learning_rate)
+
+
+def _token_plan(model: DrafterModel, config: LearnerConfig, target: Transformer | None) -> TrainingPlan:
+    assert isinstance(model, Transformer)
+    model.embed.weight.requires_grad_(config.train_embeddings)  # the target's embeddings are a good, frozen start
+    objective = TokenObjective(config.window, config.miss_weight, config.prompt_weight, config.negative_coef)
+    return TrainingPlan(objective, config.buffer_capacity, config.learning_rate)
+
+
+PlanMaker = Callable[[DrafterModel, LearnerConfig, "Transformer | None"], TrainingPlan]
+TRAINING: dict[type, PlanMaker] = {FeatureDrafterModel: _feature_plan, Transformer: _token_plan}
+
+
+class Trainer:
+    def __init__(self, model: DrafterModel, config: LearnerConfig, target: Transformer | None) -> None:
+        if type(model) not in TRAINING:
+            raise ConfigurationError(f"no online training is defined for a {type(model).__name__}")
+        self.model, self.config = model, config
+        plan = TRAINING[type(model)](model, config, target)
+        self.objective, self.buffer_capacity = plan.objective, plan.buffer_capacity
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=plan.learning_rate, weight_decay=0.0)
+        self.rng = random.Random(config.seed)
+        self._staleness: dict[str, Any] | None = None
+
+    def batch(self, buffered: Sequence[TrajectoryRecord]) -> list[TrajectoryRecord]:
+        cfg = self.config
+        buffered = list(buffered)
+        recent = round(cfg.batch_size * cfg.recent_share)
+        return (self.rng.choices(buffered[-cfg.recent_records:], k=recent)
+                + self.rng.choices(buffered, k=cfg.batch_size - recent))
+
+    def step(self, records: list[TrajectoryRecord], stats: LearnerStats, live_version: int | None) -> float:
+        """One optimiser step on `records`; the loss."""
+        device = next(self.model.parameters()).device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.config.precision == "bfloat16"):
+            loss, num_tokens = self.objective.loss(self.model, records, self.rng)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        stats.steps += 1
+        stats.tokens_trained += num_tokens
+        stats.records_trained += len(records)
+        value = float(loss.detach())
+        stats.losses.append(value)
+        now = time.time()
+        ages = [now - r.finished for r in records]
+        behind = [(live_version or 0) - int(s.version) for r in records for s in r.steps[:1] if s.version.isdigit()]
+        self._staleness = {"mean_record_age_s": sum(ages) / len(ages),
+                           "mean_versions_behind": sum(behind) / len(behind) if behind else None}
+        return value
+
+    @property
+    def staleness(self) -> dict[str, Any]:
+        """How old the last trained batch was: mean record age (s) and versions behind the live one."""
+        return dict(self._staleness or {})
+
+    def accept_length(self, model: DrafterModel, records: list[TrajectoryRecord]) -> float:
+        """The simulated accept length of `model` on `records` (1.0 for a drafter of another kind,
+        which cannot be replayed here)."""
+        if type(model) is not type(self.model):
+            return 1.0
+        return self.objective.simulate(model, records, self.config.k).accept_length or 0.0
+
+    def take_weights(self, restored: DrafterModel) -> bool:
+        """Train on from `restored` if it is this architecture and shape; False (nothing changed) if not."""
+        if type(restored) is not type(self.model) or restored.config != self.model.config:
+            return False
+        self.model.load_state_dict(restored.float().state_dict())
+        return True
