@@ -49,7 +49,8 @@ def test_generate_refuses_a_too_long_request(capsys) -> None:
 
 
 def test_pretrain_flags_override_the_recipe_and_nothing_else() -> None:
-    from specd.cli.main import build_parser, pretrain_config
+    from specd.cli.main import build_parser
+    from specd.cli.pretrain_command import pretrain_config
     from specd.offline.pretrain import RECIPES, PretrainConfig
 
     def config(*flags: str) -> PretrainConfig:

@@ -1,0 +1,96 @@
+"""`specd demo`: run the main job (`specd.demo.deployment`) and print its table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from specd.cli.service import add_drafter_flags, drafter_spec
+from specd.core.errors import ConfigurationError
+from specd.model.target import LoadedTarget
+
+
+def add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="replay traffic with a shift: adaptive vs static vs no speculation")
+    p.add_argument("--traffic", default=None, help="JSONL traffic file (default: ShareGPT then HumanEval)")
+    p.add_argument("--requests", type=int, default=40, help="requests to replay (default 40)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output budget per request (default 64)")
+    p.add_argument("--batch", type=int, default=4, help="requests decoded together (default 4)")
+    p.add_argument("-k", type=int, default=None,
+                   help="fix k drafts per step (for drafter comparisons: accept length then measures the drafter); "
+                        "default: the lookahead controller picks k per step, up to 4 (the faster setting here)")
+    p.add_argument("--round-size", type=int, default=4,
+                   help="requests per mode per round: the modes take turns, round by round (default 4)")
+    p.add_argument("--learner", choices=["process", "thread", "off"], default="process",
+                   help="process: its own process on cores of its own where there are two or more (default); "
+                        "thread: beside serving, on the same cores; off: no learning (adaptive = static)")
+    p.add_argument("--duty-cycle", type=float, default=0.5,
+                   help="a learner thread's share of wall time (default 0.5; a process trains all the time)")
+    add_drafter_flags(p)
+    p.add_argument("--adaptive-k", action="store_true", help="with -k N: let the controller pick k per step, up to N")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", default=None)
+    p.add_argument("--json-out", default="out/demo.json")
+    p.add_argument("--plot-out", default="out/demo.png")
+    p.add_argument("--store", default=None, help="weight store directory (default: a temporary one)")
+    p.set_defaults(run=run_demo_command)
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    from specd.core.traffic import default_held_out, default_shift_traffic, load_jsonl
+    from specd.demo.deployment import DEMO_LEARNER, DemoConfig, plot, run_demo
+
+    if args.requests < 2:
+        raise ConfigurationError("--requests must be at least 2 (one per domain)")
+    if args.round_size < 1:
+        raise ConfigurationError("--round-size must be at least 1")
+    if args.traffic:
+        items, held_out = load_jsonl(args.traffic)[:args.requests], None
+    else:
+        items = default_shift_traffic(args.requests, args.seed)
+        held_out = default_held_out(args.requests, args.seed)
+    loaded = LoadedTarget.load(args.target)
+    k = args.k or 4
+    config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, k=k, seed=args.seed,
+                        adaptive_lookahead=args.k is None or args.adaptive_k, drafter=drafter_spec(args),
+                        round_size=args.round_size, learner_process=args.learner == "process",
+                        learning=args.learner != "off",
+                        learner=replace(DEMO_LEARNER, duty_cycle=args.duty_cycle, k=k, seed=args.seed))
+    result = run_demo(loaded, items, config, Path(args.store) if args.store else None, held_out=held_out)
+    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json_out).write_text(json.dumps(result, indent=2))
+    plot(result, Path(args.plot_out))
+    print_demo(result)
+    print(f"wrote {args.json_out} and {args.plot_out}")
+    return 0
+
+
+def print_demo(result: dict[str, Any]) -> None:
+    from specd.demo.deployment import MODES
+
+    by_domain = result["rounds"]["by_domain"]
+    print(f"\n{'mode':9} {'domain':10} {'requests':>8} {'accept len':>10} {'acceptance':>10} {'tok/s':>7} "
+          f"{'tok/s per round: median (min-max)':>34}")
+    for mode in MODES:
+        for domain, row in result["summary"][mode].items():
+            spread = by_domain[domain]["tokens_per_s"][mode]
+            print(f"{mode:9} {domain:10} {row['requests']:8d} {row['accept_length']:10.2f} "
+                  f"{row['acceptance_rate']:10.1%} {row['tokens_per_s']:7.1f} "
+                  f"{spread['median']:17.1f} ({spread['min']:.1f}-{spread['max']:.1f})")
+    print("\nper-round ratios, median (min-max):")
+    for domain, figures in by_domain.items():
+        cells = [f"{name} {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})" for name, r in figures["ratios"].items()]
+        print(f"  {domain} ({figures['rounds']} rounds): " + "; ".join(cells))
+    learner, swaps = result["learner"], result["swaps"]
+    print(f"\nlossless (greedy outputs equal to no speculation): {result['lossless']}")
+    print(f"static = version {result['static_version']}; {swaps['applied']} swaps; versions serving after the "
+          f"shift: {', '.join(swaps['versions_live_after_shift'])}")
+    print(f"learner ({learner['arrangement']}, cores {learner.get('cores')}): {learner['steps']} steps, "
+          f"{learner['tokens_trained']} tokens trained, {len(learner['published'])} versions passed the gate, "
+          f"{learner.get('rejected', 0)} rejected, {learner.get('cpu_seconds')} CPU s")
+    for point in result["adaptation"] or []:
+        print(f"  version {point['version']:>3} ({point['status']}): after {point['records_after_shift']:>3} "
+              f"records of the new domain, held-out accept length {point['accept_length']:.2f}")

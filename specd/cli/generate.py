@@ -1,0 +1,88 @@
+"""`specd generate`: decode one prompt with speculative decoding and report what the drafter did."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from specd.core.errors import ConfigurationError
+from specd.drafter.base import Drafter
+from specd.drafter.checkpoint import load_drafter
+from specd.drafter.factory import DrafterSpec, build_drafter
+from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.greedy_recording import record_greedy
+from specd.engine.request import SamplingParams
+from specd.model.target import DTYPES, LoadedTarget
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="decode one prompt with speculative decoding")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--target", default=None, help="Hugging Face checkpoint folder (default: bundled SmolLM2-135M)")
+    p.add_argument("--drafter", default="random",
+                   help="a drafter checkpoint file, or random | replay | none (default: random)")
+    p.add_argument("-k", type=int, default=4, help="drafts per step (default: 4)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run_generate)
+
+
+def _build_drafter(choice: str, loaded: LoadedTarget, prompt_ids: list[int], params: SamplingParams,
+                   dtype: str, device: str) -> Drafter | None:
+    if choice == "none":
+        return None
+    if choice == "random":
+        shape = DrafterShape.like(loaded.model.config)
+        return TokenDrafter(new_drafter_model(loaded.model, shape, copy_from_target=True, seed=params.seed or 0))
+    if choice == "replay":
+        return record_greedy(loaded.model, [prompt_ids], params.max_tokens, loaded.eos_token_ids, max_batch=1)
+    path = Path(choice)
+    if not path.is_file():
+        raise ConfigurationError(f"--drafter {choice!r}: not a file, and not one of random, replay, none")
+    model = load_drafter(path, loaded.fingerprint, DTYPES[dtype], device, target_embedding=loaded.model.embed.weight)
+    return build_drafter(DrafterSpec(kind="learned"), model, path.stem)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    loaded = LoadedTarget.load(args.target, args.dtype, args.device)
+    prompt_ids = loaded.encode(args.prompt, chat=args.chat)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed)
+    drafter = _build_drafter(args.drafter, loaded, prompt_ids, params, args.dtype, args.device)
+    engine = Engine(loaded.model, drafter, EngineConfig(max_batch=1, num_draft_tokens=args.k,
+                                                        eos_token_ids=loaded.eos_token_ids))
+    seq = engine.add_request(prompt_ids, params)
+    begin = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    seconds = time.perf_counter() - begin
+    text = loaded.decode(seq.output_ids)
+    result = {
+        "text": text,
+        "token_ids": seq.output_ids,
+        "finish_reason": seq.finish_reason,
+        "drafter": args.drafter,
+        "k": engine.k,
+        "accept_length": round(seq.accept_length, 4),
+        "acceptance_rate": round(seq.acceptance_rate, 4),
+        "target_passes": seq.num_target_passes,
+        "tokens_per_s": round(seq.num_output_tokens / seconds, 2),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(text)
+        print(f"\n[{seq.num_output_tokens} tokens, {result['tokens_per_s']} tok/s, accept length "
+              f"{result['accept_length']}, acceptance {result['acceptance_rate']:.1%}, "
+              f"{seq.num_target_passes} target passes]", file=sys.stderr)
+    return 0

@@ -1,0 +1,75 @@
+"""`specd pretrain`: train a feature drafter offline from a recipe (`specd.offline.pretrain`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from specd.core.errors import ConfigurationError
+from specd.model.target import LoadedTarget
+
+PRETRAIN_FLAGS = {"data": "data", "conversations": "conversations", "max_length": "max_length",
+                  "draft_vocab": "draft_vocab", "steps": "steps", "batch": "batch_size", "lr": "learning_rate",
+                  "unroll": "unroll", "objective": "objective", "eval_every": "eval_every", "seed": "seed",
+                  "max_seconds": "max_seconds"}
+
+
+def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
+    from specd.offline.pretrain import RECIPES
+
+    p = sub.add_parser("pretrain", help="train a feature drafter offline (by default on the target's own responses)")
+    p.add_argument("--out", required=True, help="the version file to write (a .json manifest goes beside it)")
+    p.add_argument("--work", required=True, help="work folder: generated data, features, checkpoints; rerun to resume")
+    p.add_argument("--target", default=None)
+    p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                   help="a named recipe (shipped: the bundled drafter's); the flags below override it")
+    p.add_argument("--data", choices=["distilled", "sharegpt"], default=None,
+                   help="distilled: the target's own responses (default); sharegpt: ShareGPT's own text")
+    p.add_argument("--conversations", type=int, default=None, help="sharegpt: conversations read")
+    p.add_argument("--max-length", type=int, default=None, help="sharegpt: tokens kept per conversation")
+    p.add_argument("--draft-vocab", type=int, default=None, help="ids the output head covers")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="examples per step")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--unroll", type=int, default=None, help="drafting steps trained per position")
+    p.add_argument("--objective", choices=["kl", "accept"], default=None)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--max-seconds", type=float, default=None, help="stop training after this many training seconds")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(run=run_pretrain)
+
+
+def pretrain_config(args: argparse.Namespace):
+    """The recipe (or the defaults) with the flags given on the command line in place of its values."""
+
+    from specd.offline.pretrain import PretrainConfig, recipe
+
+    overrides = {name: getattr(args, flag) for flag, name in PRETRAIN_FLAGS.items() if getattr(args, flag) is not None}
+    try:
+        return recipe(args.recipe, **overrides) if args.recipe else replace(PretrainConfig(), **overrides)
+    except ValueError as error:
+        raise ConfigurationError(str(error)) from None
+
+
+def run_pretrain(args: argparse.Namespace) -> int:
+    import shlex
+
+    import torch
+
+    from specd.offline.pretrain import pretrain
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("specd").setLevel(logging.INFO)
+    config = pretrain_config(args)
+    command = "specd " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    manifest = pretrain(LoadedTarget.load(args.target), config, Path(args.work), Path(args.out), command)
+    held_out = manifest["held_out"]
+    print(f"wrote {args.out}: held-out accept length {held_out['accept_length']:.3f} on evaluation prompts "
+          f"(validation {held_out['validation']['accept_length']:.3f}, k = {held_out['k']}) after "
+          f"{manifest['steps']} steps, {manifest['tokens_trained']} tokens")
+    return 0

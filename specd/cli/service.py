@@ -1,0 +1,157 @@
+"""`specd serve` and `specd learner`: the server (embedded learner by default) and the learner sidecar."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from specd.core.errors import ConfigurationError
+from specd.drafter.factory import DrafterSpec
+from specd.learner.config import LearnerConfig
+from specd.model.target import LoadedTarget
+
+
+def add_drafter_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter-kind", choices=["hybrid", "learned"], default="hybrid",
+                   help="hybrid: context matches first, the learned drafter elsewhere (default); learned: only it")
+    p.add_argument("--drafter-arch", choices=["feature", "token"], default="feature",
+                   help="the learned drafter: feature (reads the target's hidden states; default) or token "
+                        "(token ids only, for comparison)")
+    p.add_argument("--from-scratch", action="store_true",
+                   help="feature drafter: start from a fresh drafter, not the shipped pretrained version")
+
+
+def drafter_spec(args: argparse.Namespace, **fields: bool) -> DrafterSpec:
+    return DrafterSpec(kind=args.drafter_kind, arch=args.drafter_arch, pretrained=not args.from_scratch, **fields)
+
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server (embedded default: bundled target, learner inside)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--target", default=None)
+    p.add_argument("--store", default=None, help="weight store directory (default: $SPECD_CACHE/store)")
+    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8, help="most requests decoded together")
+    p.add_argument("--max-context", type=int, default=4096,
+                   help="prompt + output tokens per request; KV caches are sized for it (default 4096, "
+                        "capped at the target's own limit)")
+    p.add_argument("--max-queued", type=int, default=64,
+                   help="requests waiting for a batch slot beyond which new ones get a 429 with Retry-After "
+                        "(default 64; 0: no bound)")
+    p.add_argument("--api-key", default=os.environ.get("SPECD_API_KEY"),
+                   help="as vLLM's: the OpenAI routes answer only `Authorization: Bearer KEY` (default: "
+                        "$SPECD_API_KEY; none: open)")
+    p.add_argument("--no-learner", action="store_true", help="serve the store's live version without training")
+    p.add_argument("--learner-mode", choices=("auto", "process", "thread"), default="auto",
+                   help="where the embedded learner runs: a process pinned to cores of its own (the server keeps "
+                        "the others), a thread of the server with --duty-cycle, or auto: a process on 2+ cores")
+    p.add_argument("--no-records", action="store_true", help="publish no trajectory records (to measure their cost)")
+    p.add_argument("--no-canary", action="store_true", help="embedded mode: never roll a version back automatically")
+    p.add_argument("--no-traffic-table", action="store_true",
+                   help="draft only from each request's own context and the learned drafter")
+    add_drafter_flags(p)
+    p.add_argument("--duty-cycle", type=float, default=0.5)
+    p.add_argument("--server-id", default="specd-0")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the target folder name)")
+    _add_broker(p)
+    p.add_argument("--learner-url", default=None, help="learner to fetch weights from (announcements name it too)")
+    p.add_argument("--token", default=None, help="bearer token for the embedded control plane")
+    p.set_defaults(run=run_serve)
+
+
+def _add_broker(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker", default=None, help="MQTT broker URL, e.g. mqtt://127.0.0.1:1883 (sidecar mode)")
+    p.add_argument("--deployment", default="default", help="MQTT topic namespace (default: default)")
+    p.add_argument("--tls-ca", default=None, help="CA file for an mqtts:// broker (default: system CAs)")
+    p.add_argument("--tls-cert", default=None)
+    p.add_argument("--tls-key", default=None)
+
+
+def _mqtt_settings(args: argparse.Namespace):
+    from specd.transport.mqtt import MqttSettings
+
+    if not args.broker:
+        return None
+    try:
+        return MqttSettings.from_url(args.broker, args.deployment, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                                     tls_key=args.tls_key)
+    except ValueError as error:
+        raise ConfigurationError(str(error)) from None
+
+
+def add_learner_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("learner", help="the learner sidecar: MQTT records in, versions out, control plane over HTTP")
+    p.add_argument("--store", required=True, help="weight store directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--public-url", default=None, help="URL servers use to fetch weights (default: http://host:port)")
+    p.add_argument("--token", default=None, help="bearer token required by control operations (or $SPECD_TOKEN)")
+    p.add_argument("--target", default=None)
+    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--duty-cycle", type=float, default=0.5,
+                   help="share of wall time spent training (default 0.5: servers may share the machine)")
+    p.add_argument("--publish-every", type=float, default=15.0, help="seconds between candidates (default 15)")
+    p.add_argument("--client-id", default="specd-learner", help="MQTT client id of the persistent session")
+    p.add_argument("--spool-max-mb", type=float, default=1024,
+                   help="bound on the received-records spool on disk, in MiB (default 1024)")
+    p.add_argument("--dedup-window", type=int, default=200_000,
+                   help="recent record ids remembered to drop QoS 1 redeliveries (default 200000)")
+    p.add_argument("--holdout-every", type=int, default=8,
+                   help="hold every N-th record out of training, for the gate (default 8)")
+    p.add_argument("--gate-min-held-out", type=int, default=4,
+                   help="held-out records the gate needs before any candidate may pass (default 4)")
+    add_drafter_flags(p)
+    _add_broker(p)
+    p.set_defaults(run=run_learner)
+
+
+def _spool_config(max_mb: float, dedup_window: int):
+    from specd.learner.spool import SpoolConfig
+
+    try:
+        return SpoolConfig(max_bytes=int(max_mb * (1 << 20)), dedup_window=dedup_window)
+    except ValueError as error:
+        raise ConfigurationError(str(error)) from None
+
+
+def run_learner(args: argparse.Namespace) -> int:
+    import os
+
+    from aiohttp import web
+
+    from specd.learner.sidecar import SidecarOptions, build_sidecar
+
+    settings = _mqtt_settings(args)
+    if settings is None:
+        raise ConfigurationError("specd learner needs --broker mqtt://host:port")
+    options = SidecarOptions(store=args.store, mqtt=settings, client_id=args.client_id,
+                             public_url=args.public_url or f"http://{args.host}:{args.port}",
+                             token=args.token or os.environ.get("SPECD_TOKEN"), drafter=drafter_spec(args),
+                             learner=LearnerConfig(k=args.k, duty_cycle=args.duty_cycle,
+                                                   publish_every_seconds=args.publish_every,
+                                                   holdout_every=args.holdout_every,
+                                                   gate_min_held_out=args.gate_min_held_out),
+                             spool=_spool_config(args.spool_max_mb, args.dedup_window))
+    app = build_sidecar(options, LoadedTarget.load(args.target))
+    web.run_app(app, host=args.host, port=args.port, print=lambda line: print(line, flush=True))
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from specd.serving.serve import ServeOptions, build_server
+
+    if args.max_queued < 0:
+        raise ConfigurationError(f"--max-queued must be 0 (no bound) or more, got {args.max_queued}")
+    options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
+                           max_context=args.max_context, max_queued=args.max_queued or None, api_key=args.api_key,
+                           learner=not args.no_learner, learner_mode=args.learner_mode, duty_cycle=args.duty_cycle,
+                           server_id=args.server_id,
+                           model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,
+                           token=args.token, publish_records=not args.no_records, canary=not args.no_canary,
+                           drafter=drafter_spec(args, traffic_table=not args.no_traffic_table))
+    web.run_app(build_server(options), host=args.host, port=args.port, print=lambda line: print(line, flush=True))
+    return 0
