@@ -274,10 +274,6 @@ class LearnerProcess:
     def pid(self) -> int | None:
         return self._process.pid
 
-    @property
-    def alive(self) -> bool:
-        return self._process.is_alive()
-
     def report(self) -> dict[str, Any]:
         """The child's latest report, with whether it is alive now and its exit code if it ended."""
         self._refresh()

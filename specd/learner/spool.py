@@ -57,8 +57,8 @@ class RecordSpool:
         self.dropped_for_space = 0                    # records compaction wanted to keep but max_bytes did not fit
         self._recent: deque[str] = deque()            # the duplicate filter, oldest first ...
         self._recent_set: set[str] = set()            # ... and the same ids for lookups
-        self._num_records = 0                         # lines in the spool file
-        self._num_bytes = 0
+        self.num_records = 0                          # lines in the spool file
+        self.num_bytes = 0                            # the spool file's size
         self._num_id_lines = 0
         self._spool: IO[str] | None = None
         self._ids: IO[str] | None = None
@@ -85,8 +85,8 @@ class RecordSpool:
                 continue
             if isinstance(record, dict) and record.get("record_id") is not None:
                 records.append(record)
-                self._num_bytes += len(line.encode()) + 1
-        self._num_records = len(records)
+                self.num_bytes += len(line.encode()) + 1
+        self.num_records = len(records)
         self._open()
         # the spool is written before the id log: ids the log lacks after the last one it has were
         # cut off by a crash, and are counted now (earlier ones only left the filter's window)
@@ -108,14 +108,14 @@ class RecordSpool:
         line = json.dumps(record) + "\n"
         self._spool.write(line)
         self._spool.flush()  # the spool before the id: a crash between them is repaired by load()
-        self._num_records += 1
-        self._num_bytes += len(line.encode())
+        self.num_records += 1
+        self.num_bytes += len(line.encode())
         self._log_id(record_id)
         self._flush()
         return True
 
     def needs_compaction(self) -> bool:
-        return (self._num_bytes > self.config.max_bytes or self._num_records > 2 * max(self.keep(), 1000)
+        return (self.num_bytes > self.config.max_bytes or self.num_records > 2 * max(self.keep(), 1000)
                 or self._num_id_lines > 2 * self.config.dedup_window)
 
     def compact(self) -> None:
@@ -138,7 +138,7 @@ class RecordSpool:
         _replace(self.ids_path, [json.dumps([first + i, record_id]) for i, record_id in enumerate(self._recent)])
         _replace(self.path, lines)
         self._num_id_lines = len(self._recent)
-        self._num_records, self._num_bytes = len(lines), sum(len(line.encode()) + 1 for line in lines)
+        self.num_records, self.num_bytes = len(lines), sum(len(line.encode()) + 1 for line in lines)
         self.compactions += 1
         self._open()
 
@@ -148,14 +148,6 @@ class RecordSpool:
                 handle.flush()
                 os.fsync(handle.fileno())
         self._close()
-
-    @property
-    def num_records(self) -> int:
-        return self._num_records
-
-    @property
-    def num_bytes(self) -> int:
-        return self._num_bytes
 
     # ---- internals --------------------------------------------------------------------------
     def _log_id(self, record_id: str) -> None:
