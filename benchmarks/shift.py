@@ -24,7 +24,8 @@ from typing import Any
 from common import cell, markdown_table, parser, spread, write_result
 
 from specd.core.traffic import default_shift_traffic
-from specd.demo.deployment import MODES, DemoConfig, plot, run_demo
+from specd.demo.deployment import MODES, DemoConfig, run_demo
+from specd.demo.report import plot
 from specd.drafter.factory import DrafterSpec
 from specd.learner.config import LearnerConfig
 from specd.model.target import LoadedTarget

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from specd.core.traffic import TrafficItem, load_jsonl
-from specd.demo.deployment import MODES, DemoConfig, plot, run_demo
+from specd.demo.deployment import MODES, DemoConfig, run_demo
+from specd.demo.report import plot
 from specd.drafter.factory import DrafterSpec
 from specd.learner.config import LearnerConfig
 from specd.testing import tiny_loaded_target

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from specd.core.traffic import TrafficItem
-from specd.demo.deployment import DemoConfig, plot, run_demo
+from specd.demo.deployment import DemoConfig, run_demo
+from specd.demo.report import plot
 from specd.drafter.factory import DrafterSpec
 from specd.learner.config import LearnerConfig
 from specd.model.target import LoadedTarget

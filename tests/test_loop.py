@@ -23,7 +23,7 @@ from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
 from specd.hotswap.store import LiveVersionChanged, WeightStore
-from specd.hotswap.swapper import Swapper
+from specd.hotswap.swapper import LocalStore, Swapper
 from specd.learner import learner as learner_module
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner
@@ -138,7 +138,7 @@ def test_bad_weights_are_refused_and_serving_keeps_old_version(tmp_path: Path, p
     good = new_drafter_model(target, SHAPE, seed=0)
     v1 = publish_live(store, good)
     drafter = TokenDrafter(good, str(v1))
-    swapper = Swapper(store, drafter, FINGERPRINT)
+    swapper = Swapper(LocalStore(store), drafter, FINGERPRINT)
     bad = new_drafter_model(target, SHAPE, seed=1)
     fingerprint = FINGERPRINT
     if problem == "wrong-vocab":
@@ -175,7 +175,7 @@ def test_swapper_delivers_new_live_version_between_steps(tmp_path: Path) -> None
     store = WeightStore(tmp_path)
     first = new_drafter_model(target, SHAPE, seed=0)
     drafter = TokenDrafter(first, str(publish_live(store, first)))
-    swapper = Swapper(store, drafter, FINGERPRINT)
+    swapper = Swapper(LocalStore(store), drafter, FINGERPRINT)
     v2 = publish_live(store, new_drafter_model(target, SHAPE, seed=5))
     assert swapper.check_once()
     assert drafter.version != str(v2)  # not yet: the switch waits for the next step

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specd.engine.verification import sample_from, target_probs, verify_greedy, verify_sampled
+from specd.engine.verification import verify_greedy, verify_sampled
+from specd.model.distributions import sample_from, target_probs
 
 
 def one_hot_logits(rows: list[list[int]], vocab: int = 6) -> torch.Tensor:

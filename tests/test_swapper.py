@@ -227,7 +227,7 @@ def test_force_version_only_pins_and_the_swapper_thread_fetches(store: WeightSto
 
 def test_an_unexpected_failure_restarts_the_swapper_thread_and_is_counted(store: WeightStore) -> None:
     store.set_live(1)
-    swapper = Swapper(store, serving(), FINGERPRINT, poll_seconds=0.01)
+    swapper = Swapper(LocalStore(store), serving(), FINGERPRINT, poll_seconds=0.01)
     real_check, calls = swapper.check_once, []
 
     def fails_once() -> bool:

@@ -16,7 +16,7 @@ from specd.cli.main import main
 from specd.core.records import TrajectoryRecord, validate_record
 from specd.drafter.base import DraftBatch
 from specd.drafter.traffic_table import TrafficTable
-from specd.serving.vllm.shared.budget import DraftBudget, LearnedGate, ShadowBook
+from specd.serving.vllm.shared.budget import DraftBudget, LearnedDrafterSwitch, ShadowBook
 from specd.serving.vllm.shared.launch import PROPOSER_CLASS, WORKER_EXTENSION, PluginSettings, vllm_command
 from specd.serving.vllm.shared.policy import Candidates, DraftPolicy
 from specd.serving.vllm.shared.telemetry import Telemetry
@@ -227,7 +227,7 @@ def test_shadow_book_scores_held_back_drafts_against_what_the_target_produced() 
 
 
 def test_learned_gate_switches_off_a_drafter_not_worth_its_time_and_probes_it_rarely() -> None:
-    gate = LearnedGate(probe_share=0.01, min_period=16)
+    gate = LearnedDrafterSwitch(probe_share=0.01, min_period=16)
     assert gate.decide()                                       # unmeasured: it runs
     gate.observe(expected_tokens=0.1, tokens_emitted=8, learned_seconds=0.01, step_seconds=0.05)
     assert gate.probe_period == 20                             # 20% of a step: a probe every 20 steps is 1%

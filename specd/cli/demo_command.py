@@ -41,7 +41,8 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_demo_command(args: argparse.Namespace) -> int:
     from specd.core.traffic import default_held_out, default_shift_traffic, load_jsonl
-    from specd.demo.deployment import DEMO_LEARNER, DemoConfig, plot, run_demo
+    from specd.demo.deployment import DEMO_LEARNER, DemoConfig, run_demo
+    from specd.demo.report import plot
 
     if args.requests < 2:
         raise ConfigurationError("--requests must be at least 2 (one per domain)")

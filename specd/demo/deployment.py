@@ -38,12 +38,13 @@ from tqdm import tqdm
 from specd.core.traffic import TrafficItem
 from specd.demo.report import MODES, adaptation_curve, round_figures, summarise, swap_timing, versions_served
 from specd.drafter.checkpoint import clone_drafter, load_drafter
-from specd.drafter.factory import DrafterSpec, ServingDrafter, build_drafter, initial_model
+from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
+from specd.drafter.swap import ServingDrafter
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.lookahead import LookaheadConfig, LookaheadController, LookaheadCosts
 from specd.engine.request import SamplingParams, Sequence, record_from_sequence
 from specd.hotswap.store import WeightStore
-from specd.hotswap.swapper import Swapper
+from specd.hotswap.swapper import LocalStore, Swapper
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner
 from specd.learner.process import LearnerProcess, config_for_process, learner_report, pin_serving, split_cores
@@ -51,7 +52,7 @@ from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus, RecordSink
 
 log = logging.getLogger(__name__)
-__all__ = ["DEMO_LEARNER", "MODES", "DemoConfig", "encode", "plot", "run_demo"]
+__all__ = ["DEMO_LEARNER", "MODES", "DemoConfig", "encode", "run_demo"]
 
 
 # The demo's learner sees 20 requests of the new domain, not thousands: the gate needs 3 held-out
@@ -92,6 +93,7 @@ class DemoConfig:
 class ModeRun:
     mode: str
     engine: Engine
+    drafter: ServingDrafter | None = None   # what the swapper follows versions into (the adaptive mode's)
     sink: RecordSink | None = None
     results: dict[int, Sequence] = field(default_factory=dict)
     rounds: list[dict[str, Any]] = field(default_factory=list)
@@ -223,7 +225,7 @@ def _run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig
         costs = calibrated_costs(loaded, day0(), prompts, config) if config.adaptive_lookahead else None
         adaptive_drafter = day0()
         runs = {"adaptive": ModeRun("adaptive", new_engine(loaded, adaptive_drafter, config, config.learning and bool(
-                    getattr(adaptive_drafter, "capture_layers", ())), costs)),
+                    getattr(adaptive_drafter, "capture_layers", ())), costs), adaptive_drafter),
                 "static": ModeRun("static", new_engine(loaded, day0(), config, False, costs)),
                 "none": ModeRun("none", new_engine(loaded, None, config, False, None))}
         learner_info = _serve_all(loaded, items, prompts, config, store, split, runs, after_round)
@@ -262,8 +264,9 @@ def _serve_all(loaded: LoadedTarget, items: list[TrafficItem], prompts: list[lis
     embedding = loaded.model.embed.weight
     process: LearnerProcess | None = None
     thread: Learner | None = None
-    swapper = Swapper(store, runs["adaptive"].engine.drafter, loaded.fingerprint,  # type: ignore[arg-type]
-                      target_embedding=embedding)
+    adaptive = runs["adaptive"].drafter
+    assert adaptive is not None, "the adaptive mode runs a drafter"
+    swapper = Swapper(LocalStore(store), adaptive, loaded.fingerprint, target_embedding=embedding)
     began, began_cpu = time.monotonic(), time.process_time()
     if config.learning and split is not None:
         process = LearnerProcess(config_for_process(config.learner), store.root, loaded.model, loaded.fingerprint,
@@ -311,9 +314,3 @@ def _request_rows(run: ModeRun, items: list[TrafficItem]) -> list[dict[str, Any]
                      "drafts_accepted": seq.num_drafts_accepted, "accept_length": seq.accept_length,
                      "drafter_version": max(set(versions), key=versions.count) if versions else "none"})
     return rows
-
-
-def plot(result: dict[str, Any], path: Path) -> None:
-    from specd.demo.report import plot as draw
-
-    draw(result, path)

@@ -12,9 +12,8 @@ runs anyway and hands over every row's features as its positions are verified.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -86,24 +85,3 @@ def one_hot_q(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """q for deterministic drafts: [B, k] -> [B, k, V] with all mass on the draft."""
     q = torch.zeros(*drafts.shape, vocab_size, device=drafts.device)
     return q.scatter_(-1, drafts[..., None], 1.0)
-
-
-Model = TypeVar("Model")
-
-
-class WeightHandoff(Generic[Model]):
-    """New weights offered from any thread (the swapper's), taken by the engine thread between
-    steps; a later offer replaces one not yet taken."""
-
-    def __init__(self) -> None:
-        self._pending: tuple[Model, str] | None = None
-        self._lock = threading.Lock()
-
-    def put(self, model: Model, version: str) -> None:
-        with self._lock:
-            self._pending = (model, version)
-
-    def take(self) -> tuple[Model, str] | None:
-        with self._lock:
-            pending, self._pending = self._pending, None
-        return pending

@@ -22,6 +22,7 @@ from specd.drafter.feature_drafter import FeatureDrafter
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.drafter.hybrid import HybridDrafter
 from specd.drafter.pretrained import SHIPPED_DRAFTER, day0_feature_model
+from specd.drafter.swap import ServingDrafter
 from specd.drafter.token_drafter import DrafterShape, TargetHead, TokenDrafter, new_drafter_model
 from specd.drafter.traffic_table import TrafficTable
 from specd.model.fingerprint import TargetFingerprint
@@ -32,8 +33,6 @@ log = logging.getLogger(__name__)
 DRAFTER_KINDS = ("hybrid", "learned")
 DRAFTER_ARCHS = ("feature", "token")
 
-# what servers run: the learned drafter, alone or behind context matching
-ServingDrafter = TokenDrafter | FeatureDrafter | HybridDrafter
 
 
 @dataclass(frozen=True)

@@ -17,30 +17,26 @@ from __future__ import annotations
 
 import torch
 
-from specd.core.errors import BadWeights
-from specd.drafter.base import DraftBatch, Proposal, WeightHandoff
+from specd.drafter.base import DraftBatch, Proposal
 from specd.drafter.feature_model import FeatureDrafterModel
+from specd.drafter.swap import HotSwapped
 from specd.model.distributions import sample_from, target_probs
-from specd.model.transformer import KVCache, Transformer
+from specd.model.transformer import KVCache
 
 
-class FeatureDrafter:
+class FeatureDrafter(HotSwapped[FeatureDrafterModel]):
     """Runs a `FeatureDrafterModel` behind the `Drafter` protocol."""
 
+    serves = FeatureDrafterModel
+
     def __init__(self, model: FeatureDrafterModel, version: str = "0", catchup_tokens_per_step: int = 256) -> None:
+        super().__init__(version)
         self.model = model
         self.catchup_tokens_per_step = catchup_tokens_per_step
-        self._version = version
         self._cache: KVCache | None = None
         self._history: torch.Tensor | None = None  # [max_batch, max_seq, feature_size] fp16, the target's
         self._known: list[int] = []  # per slot: positions 0..known-1 have features
         self._fed: list[int] = []    # per slot: target-fed entries 0..fed-1 cached for the current weights
-        self._handoff: WeightHandoff[FeatureDrafterModel] = WeightHandoff()
-        self.num_swaps = 0
-
-    @property
-    def version(self) -> str:
-        return self._version
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -78,13 +74,7 @@ class FeatureDrafter:
         # entries from `start` on were built from the features they replace
         self._fed[slot] = min(self._fed[slot], start)
 
-    def offer(self, model: Transformer | FeatureDrafterModel, version: str) -> None:
-        """Hand over checked weights from any thread; they take over at the next proposal."""
-        if not isinstance(model, FeatureDrafterModel):
-            raise BadWeights(f"a feature drafter cannot serve {type(model).__name__} weights (version {version})")
-        self._handoff.put(model, version)
-
-    def swap_model(self, model: FeatureDrafterModel, version: str) -> None:
+    def install(self, model: FeatureDrafterModel) -> None:
         """Take new weights between two steps; every slot rebuilds its cache on next proposal."""
         if self._cache is not None and self._history is not None:
             cache, history = self._cache, self._history
@@ -94,22 +84,12 @@ class FeatureDrafter:
                 # the stored features are other layers': rows in flight draft nothing until they end
                 self._history = history.new_zeros(*history.shape[:2], model.config.feature_size)
                 self._known = [0] * len(self._known)
-        self.model, self._version = model, version
+        self.model = model
         self._fed = [0] * len(self._fed)
-        self.num_swaps += 1
-
-    def apply_pending(self) -> None:
-        """Take offered weights now; only call between steps (the engine thread, idle)."""
-        self._take_pending()
-
-    def _take_pending(self) -> None:
-        pending = self._handoff.take()
-        if pending is not None:
-            self.swap_model(*pending)
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch, k: int) -> Proposal:
-        self._take_pending()
+        self.apply_pending()
         assert self._cache is not None, "bind() first"
         model, device = self.model, batch.tokens.device
         lengths = batch.lengths.tolist()

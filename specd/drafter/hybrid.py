@@ -81,11 +81,14 @@ class HybridDrafter:
         if isinstance(self.learned, FeatureDrafter):
             self.learned.observe(slot, start, features)
 
+    def check_compatible(self, model: Transformer | FeatureDrafterModel) -> None:
+        self.learned.check_compatible(model)
+
     def offer(self, model: Transformer | FeatureDrafterModel, version: str) -> None:
         self.learned.offer(model, version)
 
-    def apply_pending(self) -> None:
-        self.learned.apply_pending()
+    def apply_pending(self) -> bool:
+        return self.learned.apply_pending()
 
     def bind(self, max_batch: int, max_seq: int, device: torch.device) -> None:
         self.learned.bind(max_batch, max_seq, device)

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specd.core.errors import BadWeights
-from specd.drafter.base import DraftBatch, Proposal, WeightHandoff
-from specd.drafter.feature_model import FeatureDrafterModel
+from specd.drafter.base import DraftBatch, Proposal
+from specd.drafter.swap import HotSwapped
 from specd.model.distributions import sample_from, target_probs
 from specd.model.transformer import KVCache, ModelConfig, Transformer
 
@@ -87,24 +86,20 @@ def new_drafter_model(target: Transformer | TargetHead, shape: DrafterShape, cop
     return model.to(device=head.embed.device, dtype=head.embed.dtype).eval()
 
 
-class TokenDrafter:
+class TokenDrafter(HotSwapped[Transformer]):
     """Runs a drafter `Transformer` behind the `Drafter` protocol."""
 
+    serves = Transformer
+
     def __init__(self, model: Transformer, version: str = "0", catchup_tokens_per_step: int = 256) -> None:
+        super().__init__(version)
         self.model = model
         self.catchup_tokens_per_step = catchup_tokens_per_step
-        self._version = version
         self._cache: KVCache | None = None
         self._cached: list[int] = []          # per slot: tokens of the row held in the cache
         self._proposed_from: list[int] = []   # per row: sequence length when the drafts were made
         self._ready: list[bool] = []          # per row: its cache was complete when it drafted
         self._k = 0
-        self._handoff: WeightHandoff[Transformer] = WeightHandoff()
-        self.num_swaps = 0
-
-    @property
-    def version(self) -> str:
-        return self._version
 
     def bind(self, max_batch: int, max_seq: int, device: torch.device) -> None:
         self._cache = self.model.new_cache(max_batch, max_seq)
@@ -118,32 +113,16 @@ class TokenDrafter:
         self._cache.move_slot(src, dst, self._cached[src])
         self._cached[dst] = self._cached[src]
 
-    def offer(self, model: Transformer | FeatureDrafterModel, version: str) -> None:
-        """Hand over checked weights from any thread; they take over at the next proposal."""
-        if not isinstance(model, Transformer):
-            raise BadWeights(f"a token drafter cannot serve {type(model).__name__} weights (version {version})")
-        self._handoff.put(model, version)
-
-    def swap_model(self, model: Transformer, version: str) -> None:
+    def install(self, model: Transformer) -> None:
         """Take new weights between two steps; every slot rebuilds its cache on next proposal."""
         if self._cache is not None and model.config != self.model.config:
             self._cache = model.new_cache(self._cache.max_batch, self._cache.max_seq)
-        self.model, self._version = model, version
+        self.model = model
         self._cached = [0] * len(self._cached)
-        self.num_swaps += 1
-
-    def apply_pending(self) -> None:
-        """Take offered weights now; only call between steps (the engine thread, idle)."""
-        self._take_pending()
-
-    def _take_pending(self) -> None:
-        pending = self._handoff.take()
-        if pending is not None:
-            self.swap_model(*pending)
 
     @torch.inference_mode()
     def propose(self, batch: DraftBatch, k: int) -> Proposal:
-        self._take_pending()
+        self.apply_pending()
         assert self._cache is not None, "bind() first"
         cache, model = self._cache, self.model
         lengths = batch.lengths.tolist()

@@ -31,9 +31,11 @@ import torch
 from specd.core.errors import RequestRefused
 from specd.core.records import LEARNED_SOURCE, AcceptanceCounts
 from specd.drafter.base import DraftBatch, Drafter, FeatureReader, Proposal, one_hot_q
+from specd.drafter.hybrid import HybridDrafter
 from specd.engine.lookahead import LookaheadConfig, LookaheadController
 from specd.engine.request import SamplingParams, Sequence
-from specd.engine.verification import Verdict, target_probs, verify_greedy, verify_sampled
+from specd.engine.verification import Verdict, verify_greedy, verify_sampled
+from specd.model.distributions import target_probs
 from specd.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -141,15 +143,6 @@ class Engine:
         self.running.clear()
         if self.drafter is not None:
             self.drafter.bind(self.config.max_batch, self.cache.max_seq, self.device)
-
-    def set_drafter(self, drafter: Drafter | None) -> None:
-        """Swap the drafter object between steps (a new kind; weight swaps go to the drafter)."""
-        if drafter is not None:
-            drafter.bind(self.config.max_batch, self.cache.max_seq, self.device)
-            for slot in range(len(self.running)):
-                drafter.start(slot)
-        self.drafter = drafter
-        self.k = self.config.num_draft_tokens if drafter is not None else 0
 
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -289,7 +282,7 @@ class Engine:
         eos = set(self.config.eos_token_ids)
         stats = StepStats(len(self.running), 0, 0, 0, 0.0, version)
         # who drafted each row: a hybrid drafter names it per row ("context4", "table2", "learned", ...)
-        sources = getattr(self.drafter, "row_sources", None)
+        sources = self.drafter.row_sources if isinstance(self.drafter, HybridDrafter) else None
         if sources is None or len(sources) != len(self.running):
             sources = [LEARNED_SOURCE] * len(self.running)
         for slot, (seq, accepted, row_tokens, row_drafts, row_limit, length) in enumerate(zip(

@@ -21,9 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.model.distributions import sample_from, target_probs
-
-__all__ = ["Verdict", "sample_from", "target_probs", "verify_greedy", "verify_sampled"]
+from specd.model.distributions import sample_from
 
 
 @dataclass

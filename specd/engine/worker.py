@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specd.core.errors import RequestRefused
+from specd.drafter.swap import Swappable
 from specd.drafter.traffic_table import TrafficTable
 from specd.engine.engine import Engine
 from specd.engine.request import SamplingParams, Sequence, record_from_sequence
@@ -118,9 +119,8 @@ class EngineWorker:
             self._drain_inbox(block=not self.engine.has_work)
             if not self.engine.has_work:
                 # idle: a swap offered meanwhile can happen now rather than at the next request
-                apply_pending = getattr(self.engine.drafter, "apply_pending", None)
-                if apply_pending is not None:
-                    apply_pending()
+                if isinstance(self.engine.drafter, Swappable):
+                    self.engine.drafter.apply_pending()
                 continue
             try:
                 finished = self.engine.step()

@@ -34,8 +34,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from specd.core.errors import CheckpointError, TransportError
-from specd.hotswap.store import sha256_file
+from specd.core.errors import TransportError
+from specd.hotswap.integrity import check_digest, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +88,7 @@ class RemoteSource:
                 return target, manifest
             log.warning("cached %s does not match its manifest; fetching it again", target.name)
             target.unlink(missing_ok=True)
-        digest = self._download(f"/v1/versions/{version}/weights", target, expected)
-        if digest != expected:
-            raise CheckpointError(f"version {version}: the learner sent weights with sha256 {digest[:12]}…, "
-                                  f"its manifest says {expected[:12]}…")
+        check_digest(version, self._download(f"/v1/versions/{version}/weights", target, expected), manifest)
         return target, manifest
 
     def _url(self, path: str) -> str:

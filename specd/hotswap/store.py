@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -42,6 +41,7 @@ import torch
 
 from specd.core.errors import StoreError, VersionNotFound
 from specd.drafter.checkpoint import DrafterModel, save_drafter
+from specd.hotswap.integrity import check_file, sha256_file
 from specd.model.fingerprint import TargetFingerprint
 
 STATUSES = ("candidate", "live", "retired", "rejected", "rolled-back")
@@ -56,14 +56,6 @@ class _AnyLive:
 
 
 ANY_LIVE = _AnyLive()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
@@ -191,10 +183,7 @@ class WeightStore:
         """Refuse to make live weights that no longer match their manifest (a disk fault, a bad copy):
         every server would refuse them and keep serving the old version while the store said otherwise."""
         manifest = manifest if manifest is not None else self.manifest(version)
-        digest = sha256_file(self.weights_path(version))
-        if digest != manifest.get("sha256"):
-            raise StoreError(f"version {version}: its weights' sha256 {digest[:12]}… does not match the "
-                             f"manifest's {str(manifest.get('sha256'))[:12]}…; it cannot go live")
+        check_file(version, self.weights_path(version), manifest, StoreError)
 
     def _leave_live(self, version: int, now: float, **fields: Any) -> None:
         """Mark the version that stops being live; `live_until` keeps it from gc for a while."""

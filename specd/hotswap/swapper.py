@@ -2,11 +2,12 @@
 
 Contract: `Swapper` runs beside the engine (its own thread, or `check_once` from a test). When
 the source's live version (a local store, or announcements plus HTTP fetches from a learner)
-differs from the drafter's, it reads the weights, checks them (sha256
+differs from the drafter's, it reads the weights, checks them (`specd.hotswap.integrity`: sha256
 against the manifest, safetensors metadata, the target's fingerprint, tensor names and shapes,
-finite values) and hands the ready model to `TokenDrafter.offer`; the drafter switches to it at
-the start of its next proposal, i.e. between two decoding steps. Disk reads and checks never
-happen on the decoding thread. Two kinds of failure:
+finite values, the drafter's own `check_compatible`) and hands the ready model to the drafter's
+`offer` (any `specd.drafter.swap.Swappable`); the drafter switches to it at the start of its
+next proposal, i.e. between two decoding steps. Disk reads and checks never happen on the
+decoding thread. Two kinds of failure:
 - transient: the weights could not be fetched (`TransportError`, `OSError`: an unreachable
   learner, a timeout, an HTTP error, a download cut short). The version is tried again after a
   jittered exponential backoff (at most `retry_base` seconds, doubling up to `retry_cap`); each
@@ -30,11 +31,12 @@ from typing import Any, Protocol
 
 import torch
 
-from specd.core.errors import CheckpointError, SpecdError, TransportError
+from specd.core.errors import SpecdError, TransportError
 from specd.core.threads import BackgroundHealth, backoff_delay, lower_thread_priority, supervised_thread
-from specd.drafter.checkpoint import DrafterModel, load_drafter
-from specd.drafter.factory import ServingDrafter
-from specd.hotswap.store import WeightStore, sha256_file
+from specd.drafter.checkpoint import DrafterModel
+from specd.drafter.swap import Swappable
+from specd.hotswap.integrity import load_verified
+from specd.hotswap.store import WeightStore
 from specd.model.fingerprint import TargetFingerprint
 
 log = logging.getLogger(__name__)
@@ -83,11 +85,11 @@ TRANSIENT = (TransportError, OSError)
 
 
 class Swapper:
-    def __init__(self, source: WeightStore | VersionSource, drafter: ServingDrafter,
+    def __init__(self, source: VersionSource, drafter: Swappable,
                  fingerprint: TargetFingerprint, poll_seconds: float = 0.2,
                  target_embedding: torch.Tensor | None = None, retry_base: float = 0.5,
                  retry_cap: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.source: VersionSource = LocalStore(source) if isinstance(source, WeightStore) else source
+        self.source = source
         self.drafter = drafter
         self.fingerprint = fingerprint
         self.target_embedding = target_embedding  # fills in versions that share the target's embedding
@@ -166,21 +168,7 @@ class Swapper:
 
     def _load_checked(self, version: int) -> DrafterModel:
         path, manifest = self.source.fetch(version)
-        digest = sha256_file(path)
-        if digest != manifest.get("sha256"):
-            raise CheckpointError(f"version {version}: sha256 {digest[:12]}… does not match the manifest's "
-                                  f"{str(manifest.get('sha256'))[:12]}…")
-        serving = self.drafter.model
-        weight = next(serving.parameters())
-        model = load_drafter(path, self.fingerprint, weight.dtype, weight.device,
-                             target_embedding=self.target_embedding)
-        if type(model) is not type(serving):
-            raise CheckpointError(f"version {version} is a {type(model).__name__}; this server runs a "
-                                  f"{type(serving).__name__}")
-        check = getattr(self.drafter, "check_compatible", None)  # a drafter that cannot change shape says so
-        if check is not None:
-            check(model)
-        return model
+        return load_verified(version, path, manifest, self.fingerprint, self.drafter, self.target_embedding)
 
     # ---- background thread ----------------------------------------------------------------
     def start(self, health: BackgroundHealth | None = None) -> Swapper:

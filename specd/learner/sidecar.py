@@ -94,14 +94,13 @@ class Sidecar:
         """Records a restarted learner can still use: its buffers' capacity (the held-out set fills
         from one record in `holdout_every`) and whatever still waits on the bus."""
         config = self.options.learner
-        buffer = getattr(getattr(self.learner, "buffer", None), "maxlen", None) or config.buffer_capacity
+        buffer = self.learner.buffer.maxlen or config.buffer_capacity
         return int(buffer + config.holdout_capacity * config.holdout_every + self.bus.backlog)
 
     def status(self) -> dict[str, object]:
         stats = self.learner.stats
         staleness = self.learner.staleness
         spool = self.spool
-        learner_health = getattr(self.learner, "health", None)   # the learner thread's own view, where it has one
         return {"records_in": spool.records_in, "records_waiting": self.bus.backlog,
                 "records_refused": sum(stats.refused.values()) + self.refused_messages,
                 "records_duplicate": spool.duplicates,
@@ -110,10 +109,9 @@ class Sidecar:
                 "learner_steps": stats.steps, "tokens_trained": stats.tokens_trained,
                 "mean_record_age_s": staleness.get("mean_record_age_s"),
                 "published": len(stats.published), "rejected": len(stats.rejected),
-                # the learner loop counts its own failures (read defensively: older learners lack them)
-                "learner_loop_failures": getattr(stats, "loop_failures", 0),
-                "learner_last_failure": _plain(getattr(stats, "last_failure", None)),
-                "learner": learner_health() if callable(learner_health) else None,
+                "learner_loop_failures": stats.loop_failures,
+                "learner_last_failure": _plain(stats.last_failure),
+                "learner": self.learner.health(),
                 "background": self.health.snapshot()}
 
     async def handle(self, topic: str, payload: bytes) -> None:

@@ -39,6 +39,7 @@ from specd.core.errors import ConfigurationError
 from specd.core.threads import BackgroundHealth, supervise
 from specd.drafter.checkpoint import DrafterModel, clone_drafter, load_drafter
 from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
+from specd.drafter.hybrid import HybridDrafter
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.worker import EngineWorker
 from specd.hotswap.remote import RemoteSource
@@ -145,7 +146,7 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
     wiring = (_sidecar_wiring(options, options.mqtt, loaded, store_dir) if options.mqtt is not None
               else _embedded_wiring(options, loaded, store_dir))
     drafter = build_drafter(options.drafter, wiring.model, wiring.version)
-    table = getattr(drafter, "table", None)
+    table = drafter.table if isinstance(drafter, HybridDrafter) else None
     swapper = Swapper(wiring.source, drafter, loaded.fingerprint, target_embedding=loaded.model.embed.weight)
     metrics = ServingMetrics(background=wiring.health)
     metrics.sources.update({"specd_records_shed": lambda: wiring.counters.shed,

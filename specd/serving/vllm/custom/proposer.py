@@ -30,9 +30,11 @@ import numpy as np
 import torch
 
 from specd.core.errors import CheckpointError
+from specd.core.records import LEARNED_SOURCE
 from specd.drafter.base import DraftBatch
-from specd.drafter.factory import DrafterSpec, ServingDrafter, build_drafter, initial_model
+from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
 from specd.drafter.hybrid import HybridDrafter
+from specd.drafter.swap import ServingDrafter
 from specd.drafter.token_drafter import TargetHead
 from specd.hotswap.swapper import Swapper
 from specd.model.fingerprint import TargetFingerprint
@@ -91,7 +93,7 @@ class SpecdProposer:
         self.swapper = Swapper(self.source, self.drafter, fingerprint, target_embedding=embed)
         self.swapper.check_once()  # a local store's live version serves from the first step
         self.swapper.start()
-        self.telemetry.start(publisher, getattr(self.drafter, "table", None))
+        self.telemetry.start(publisher, self.drafter.table if isinstance(self.drafter, HybridDrafter) else None)
         log.info("specd proposer ready: k=%d, %d rows, drafter %s, version source %s", self.k, self.max_rows,
                  settings.drafter_kind, type(self.source.inner).__name__)
 
@@ -150,7 +152,8 @@ class SpecdProposer:
             learned_seconds = drafter.learned_seconds
         return Candidates(drafts=proposal.drafts.tolist(),
                           limits=proposal.limits.tolist() if proposal.limits is not None else [self.k] * rows,
-                          sources=getattr(drafter, "row_sources", None) or ["learned"] * rows,
+                          sources=(drafter.row_sources if isinstance(drafter, HybridDrafter) else None)
+                          or [LEARNED_SOURCE] * rows,
                           learned_seconds=learned_seconds)
 
     def _remember(self, request_ids: list[str], drafts: list[list[int]], lengths: np.ndarray,
@@ -172,7 +175,7 @@ class SpecdProposer:
                 "k": self.k, "drafter": self.settings.drafter_kind, "steps": self.num_steps,
                 "mean_propose_ms": 1000 * self.seconds_proposing / max(self.num_steps, 1),
                 **self.policy.status(), **self.telemetry.status(),
-                "traffic_table_rows": getattr(self.drafter, "num_table_rows", 0),
+                "traffic_table_rows": self.drafter.num_table_rows if isinstance(self.drafter, HybridDrafter) else 0,
                 "swaps": self.drafter.num_swaps if self.drafter else 0,
                 "refused_versions": dict(self.swapper.refused) if self.swapper else {}}
 

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specd.core.errors import CheckpointError
-from specd.drafter.base import WeightHandoff
-from specd.drafter.checkpoint import load_drafter, read_metadata
+from specd.drafter.checkpoint import DrafterModel, load_drafter, read_metadata
 from specd.drafter.feature_model import FeatureDrafterModel
+from specd.drafter.swap import HotSwapped
 from specd.drafter.traffic_table import TrafficTable
 from specd.drafter.vllm_format import SPECD_CHECKPOINT, vllm_parameters
 from specd.hotswap.swapper import Swapper
@@ -101,27 +101,31 @@ def vllm_cpu_repack() -> Callable[[nn.Module], None]:
     return lambda module: dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
-class VllmDrafterSlot:
-    """What the swapper hands versions to: checks and converts them on its thread, for the decoding
-    thread to install between steps."""
+class VllmDrafterSlot(HotSwapped[tuple[FeatureDrafterModel, dict[str, torch.Tensor]]]):
+    """What the swapper hands versions to: checks them and converts them to vLLM's tensors on its
+    thread; `installer` writes them into vLLM's drafter on the decoding thread, between steps."""
 
-    def __init__(self, model: FeatureDrafterModel, version: str, device: torch.device) -> None:
-        self.model, self.version, self.device = model, version, device
-        self.num_swaps = 0
-        self.handoff: WeightHandoff[tuple[FeatureDrafterModel, dict[str, torch.Tensor]]] = WeightHandoff()
+    serves = FeatureDrafterModel
 
-    def check_compatible(self, model: Any) -> None:
+    def __init__(self, model: FeatureDrafterModel, version: str, device: torch.device,
+                 installer: Callable[[dict[str, torch.Tensor]], None] | None = None) -> None:
+        super().__init__(version)
+        self.model, self.device, self.installer = model, device, installer
+
+    def check_compatible(self, model: DrafterModel) -> None:
         if not isinstance(model, FeatureDrafterModel) or model.config != self.model.config:
             raise CheckpointError("vLLM's drafter takes versions of its own shape only (the same layers, "
                                   "captured layers and draft vocabulary); this version differs")
 
-    def offer(self, model: Any, version: str) -> None:
-        self.check_compatible(model)
-        tensors = {name: tensor.to(self.device) for name, tensor in vllm_parameters(model).items()}
-        self.handoff.put((model, tensors), version)
+    def prepare(self, model: DrafterModel) -> tuple[FeatureDrafterModel, dict[str, torch.Tensor]]:
+        assert isinstance(model, FeatureDrafterModel)
+        return model, {name: tensor.to(self.device) for name, tensor in vllm_parameters(model).items()}
 
-    def take(self) -> tuple[tuple[FeatureDrafterModel, dict[str, torch.Tensor]], str] | None:
-        return self.handoff.take()
+    def install(self, payload: tuple[FeatureDrafterModel, dict[str, torch.Tensor]]) -> None:
+        model, tensors = payload
+        if self.installer is not None:
+            self.installer(tensors)
+        self.model = model
 
 
 class Eagle3Companion:
@@ -167,9 +171,9 @@ class Eagle3Companion:
         compiled = int(getattr(self.proposer.vllm_config.compilation_config, "mode", 0) or 0) != 0
         self.repack = vllm_cpu_repack() if device.type == "cpu" and not compiled else None
         install(self.proposer.model, vllm_parameters(model), self.repack)
-        self.slot = VllmDrafterSlot(model, version, device)
+        self.slot = VllmDrafterSlot(model, version, device, self._install_tensors)
         self.source, publisher = follow_versions(self.settings)
-        self.swapper = Swapper(self.source, self.slot, fingerprint, target_embedding=embed)  # type: ignore[arg-type]
+        self.swapper = Swapper(self.source, self.slot, fingerprint, target_embedding=embed)
         self.swapper.check_once()
         self.swapper.start()
         self.book.telemetry.start(publisher, self.hybrid.table)
@@ -226,16 +230,13 @@ class Eagle3Companion:
 
     def _install_pending(self) -> None:
         assert self.slot is not None
-        pending = self.slot.take()
-        if pending is None:
-            return
-        (model, tensors), version = pending
+        if self.slot.apply_pending():
+            log.info("vLLM's drafter now serves version %s", self.slot.version)
+
+    def _install_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         begin = time.perf_counter()
         install(self.proposer.model, tensors, self.repack)
         self.install_seconds.append(time.perf_counter() - begin)
-        self.slot.model, self.slot.version = model, version
-        self.slot.num_swaps += 1
-        log.info("vLLM's drafter now serves version %s", version)
 
     # ---- the control path -------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

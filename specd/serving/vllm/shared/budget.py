@@ -13,7 +13,7 @@ the bar is high; at batch 1 it is nearly free and the bar is low. Drafts held ba
 for learning: `ShadowBook` scores them against the tokens the target then produced, so an
 estimate below the bar keeps being measured at no verification cost (and every
 `explore_every`-th step sends everything anyway, to keep the step-time fit honest).
-`LearnedGate` decides whether the learned drafter runs at all: only while the tokens it is
+`LearnedDrafterSwitch` decides whether the learned drafter runs at all: only while the tokens it is
 expected to add are worth more than its own time, probing otherwise at a rate that keeps probes
 near 1% of the time.
 """
@@ -160,7 +160,7 @@ class ShadowBook:
         self._pending.pop(request_id, None)
 
 
-class LearnedGate:
+class LearnedDrafterSwitch:
     """Run the learned drafter only while the tokens it adds are worth more than its time.
 
     gain = tokens the learned drafter's sent drafts are expected to add per step / tokens emitted

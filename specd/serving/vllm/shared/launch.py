@@ -205,13 +205,15 @@ def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, str]:
     from the learner over HTTP; the shipped pretrained drafter ("0") when there is none yet or the
     learner cannot be reached (a warning says so)."""
     from specd.drafter.pretrained import SHIPPED_DRAFTER
+    from specd.hotswap.integrity import check_file
     from specd.hotswap.remote import RemoteSource
-    from specd.hotswap.store import WeightStore, sha256_file
+    from specd.hotswap.store import WeightStore
 
     if settings.store is not None:
         store = WeightStore(settings.store)
         version = settings.version if settings.version is not None else store.live_version()
         if version is not None:
+            check_file(version, store.weights_path(version), store.manifest(version), ConfigurationError)
             return store.weights_path(version), str(version)
     elif settings.learner_url is not None:
         try:
@@ -220,8 +222,7 @@ def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, str]:
             version = settings.version if settings.version is not None else live
             if version is not None:
                 path, manifest = RemoteSource(folder / "fetched", settings.learner_url).fetch(int(version))
-                if sha256_file(path) != manifest.get("sha256"):
-                    raise ConfigurationError(f"version {version} from the learner does not match its sha256")
+                check_file(int(version), path, manifest, ConfigurationError)
                 return path, str(version)
         except (OSError, ValueError, KeyError, SpecdError) as error:
             log.warning("cannot read the learner's live version (%s); vLLM starts from the shipped drafter and "

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from specd.serving.vllm.shared.budget import DraftBudget, LearnedGate, ShadowBook
+from specd.serving.vllm.shared.budget import DraftBudget, LearnedDrafterSwitch, ShadowBook
 from specd.serving.vllm.shared.tracking import StepTracker
 
 
@@ -40,10 +40,10 @@ class Candidates:
 
 
 class DraftPolicy:
-    def __init__(self, budget: DraftBudget, max_model_len: int, gate: LearnedGate | None = None) -> None:
+    def __init__(self, budget: DraftBudget, max_model_len: int, gate: LearnedDrafterSwitch | None = None) -> None:
         self.budget = budget
         self.max_model_len = max_model_len
-        self.gate = gate or LearnedGate()
+        self.gate = gate or LearnedDrafterSwitch()
         self.shadow = ShadowBook()
         self.drafts_sent = self.drafts_withheld = 0
         self.learned_steps = 0
