@@ -31,7 +31,7 @@ from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import LocalStore, Swapper
 from specd.model.fingerprint import TargetFingerprint
 from specd.serving.vllm.shared.launch import OWNER_FILE, temporary_folder
-from specd.serving.vllm.shared.loop import PinnedSource, force_version
+from specd.serving.vllm.shared.worker_loop import PinnedSource, force_version
 from specd.testing.processes import free_port
 
 FINGERPRINT = TargetFingerprint(TINY.vocab_size, "none")

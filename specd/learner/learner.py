@@ -20,7 +20,7 @@ trains on from it and publishes nothing for `hold_after_rollback_s`. `duty_cycle
 of wall time spent training, so a learner beside serving leaves the cores to decoding. The thread
 survives any Exception in a step: it is logged with its traceback, counted
 (`stats.loop_failures`, `stats.last_failure`, both in `health()`), and the loop backs off a second.
-The jobs live in their own modules: `intake`, `trainer`, `gate`, `promotion` and `loop`.
+The jobs live in their own modules: `intake`, `trainer`, `gate`, `promotion` and `supervision`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from specd.hotswap.store import WeightStore
 from specd.learner.config import LearnerConfig, LearnerStats
 from specd.learner.gate import Gate
 from specd.learner.intake import Intake
-from specd.learner.loop import SupervisedLoop
 from specd.learner.promotion import Promoter
+from specd.learner.supervision import SupervisedLoop
 from specd.learner.trainer import Trainer
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer

@@ -14,7 +14,7 @@ counts unique records ever received, across restarts and compaction.
 The subscriber and the announcer are supervised: a failure is logged, counted under
 `background` in `/v1/status` (with the learner loop's own failure count) and the loop restarts.
 `/metrics` exposes the learner's counters and lag, the store's live version and rollbacks
-(`learner_metrics.py`) and the background failures. `POST /v1/live` of a candidate version goes
+(`collector.py`) and the background failures. `POST /v1/live` of a candidate version goes
 through the learner's gate first (`Learner.submit`).
 """
 
@@ -38,9 +38,9 @@ from specd.core.background_metrics import BackgroundCollector
 from specd.core.threads import BackgroundHealth, supervise
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.hotswap.store import WeightStore
+from specd.learner.collector import LearnerCollector
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner
-from specd.learner.metrics import LearnerCollector
 from specd.learner.spool import RecordSpool, SpoolConfig
 from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus

@@ -45,9 +45,9 @@ from specd.engine.worker import EngineWorker
 from specd.hotswap.remote import RemoteSource
 from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
+from specd.learner.collector import LearnerCollector
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner, LearnerHandle
-from specd.learner.metrics import LearnerCollector
 from specd.learner.process import LearnerProcess, config_for_process, pin_serving, split_cores
 from specd.model.bundled import cache_dir
 from specd.model.target import LoadedTarget

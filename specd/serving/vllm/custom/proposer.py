@@ -41,9 +41,15 @@ from specd.model.fingerprint import TargetFingerprint
 from specd.model.loading import read_target_head
 from specd.serving.vllm.shared.budget import DraftBudget
 from specd.serving.vllm.shared.launch import PluginSettings
-from specd.serving.vllm.shared.loop import PinnedSource, RequestBook, find_model_runner, follow_versions, force_version
 from specd.serving.vllm.shared.policy import Candidates, DraftPolicy
 from specd.serving.vllm.shared.tracking import SlotTable
+from specd.serving.vllm.shared.worker_loop import (
+    PinnedSource,
+    RequestBook,
+    find_model_runner,
+    follow_versions,
+    force_version,
+)
 
 log = logging.getLogger(__name__)
 

@@ -54,8 +54,8 @@ from specd.model.loading import read_target_head
 from specd.serving.vllm.eagle3.hybrid_rows import HybridRows
 from specd.serving.vllm.shared.budget import DraftBudget
 from specd.serving.vllm.shared.launch import PluginSettings
-from specd.serving.vllm.shared.loop import PinnedSource, RequestBook, follow_versions, force_version
 from specd.serving.vllm.shared.policy import DraftPolicy
+from specd.serving.vllm.shared.worker_loop import PinnedSource, RequestBook, follow_versions, force_version
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ and "custom" (specd's `custom_class` proposer with the token-level hybrid drafte
 `vllm_command` returns the exact environment and argv of `python -m
 vllm.entrypoints.openai.api_server` for either, with specd's worker extension (for `POST
 /collective_rpc`) and per-request spec-decode metrics switched on.
-Temporary folders (the EAGLE-3 export here, the worker's weight cache in `loop`) come from
+Temporary folders (the EAGLE-3 export here, the worker's weight cache in `worker_loop`) come from
 `temporary_folder`: each names its owner process, and a later one of the same kind removes those
 whose owner is gone. The worker's cache is also removed when the worker exits. The export is
 not: vLLM reads it after `specd vllm` has exec'd into vLLM's server (the process id, so the
