@@ -22,9 +22,10 @@ for an operation the store refuses, 400 for a malformed body).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from importlib import resources
@@ -56,8 +57,25 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
 
 
-def _specd_error(error: SpecdError) -> web.Response:
-    return web.json_response(error.as_json(), status=error.http_status)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _answers_errors(handler: Handler) -> Handler:
+    """Every control route's errors, mapped in this one place (as the API's `_errors` middleware
+    maps its own): a `SpecdError` becomes its kind's status and JSON body, aiohttp's own HTTP
+    errors (a version that is not a number) the same shape. The plane is mounted on other apps
+    (a server's, the learner sidecar's), so it carries its mapping with its routes."""
+
+    @functools.wraps(handler)
+    async def answered(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except SpecdError as error:
+            return web.json_response(error.as_json(), status=error.http_status)
+        except web.HTTPException as error:
+            return _error(error.status, error.reason)
+
+    return answered
 
 
 def _version(request: web.Request) -> int:
@@ -97,10 +115,7 @@ async def versions(request: web.Request) -> web.Response:
 
 
 async def manifest(request: web.Request) -> web.Response:
-    try:
-        return web.json_response(request.app[PLANE].store.manifest(_version(request)))
-    except StoreError as error:
-        return _specd_error(error)
+    return web.json_response(request.app[PLANE].store.manifest(_version(request)))
 
 
 async def weights(request: web.Request) -> web.StreamResponse:
@@ -128,10 +143,7 @@ async def _operate(request: web.Request, operation: Callable[[ControlPlane, dict
             return authorised
         body = authorised
     plane = request.app[PLANE]
-    try:
-        operation(plane, body)
-    except (BadRequest, StoreError) as error:  # a malformed body, or an operation the store refuses
-        return _specd_error(error)
+    operation(plane, body)  # a malformed body, or an operation the store refuses, raises: see _answers_errors
     plane.on_change()
     return web.json_response({"live": plane.store.live_version()})
 
@@ -141,11 +153,8 @@ async def set_live(request: web.Request) -> web.Response:
     if isinstance(body, web.Response):
         return body
     plane = request.app[PLANE]
-    try:
-        version = _optional_int(body, "version", True) or 0
-        status = plane.store.manifest(version).get("status")
-    except (BadRequest, StoreError) as error:
-        return _specd_error(error)
+    version = _optional_int(body, "version", True) or 0
+    status = plane.store.manifest(version).get("status")
     if plane.submit is None or status != "candidate":  # a version that has been live before is trusted
         return await _operate(request, lambda p, b: p.store.set_live(version, "operator"), body)
     try:  # a file that fails its checksum needs no evaluation (which may wait for the learner's thread)
@@ -188,13 +197,10 @@ async def dashboard(request: web.Request) -> web.Response:
 
 def add_control_routes(app: web.Application, plane: ControlPlane) -> None:
     app[PLANE] = plane
-    app.router.add_get("/v1/versions", versions)
-    app.router.add_get("/v1/versions/{version}", manifest)
-    app.router.add_get("/v1/versions/{version}/weights", weights)
-    app.router.add_get("/v1/acceptance", acceptance)
-    app.router.add_get("/v1/status", status)
-    app.router.add_post("/v1/live", set_live)
-    app.router.add_post("/v1/rollback", rollback)
-    app.router.add_post("/v1/pin", pin)
-    app.router.add_get("/", dashboard)
-    app.router.add_get("/dashboard", dashboard)
+    routes: list[tuple[str, str, Handler]] = [
+        ("GET", "/v1/versions", versions), ("GET", "/v1/versions/{version}", manifest),
+        ("GET", "/v1/versions/{version}/weights", weights), ("GET", "/v1/acceptance", acceptance),
+        ("GET", "/v1/status", status), ("POST", "/v1/live", set_live), ("POST", "/v1/rollback", rollback),
+        ("POST", "/v1/pin", pin), ("GET", "/", dashboard), ("GET", "/dashboard", dashboard)]
+    for method, path, handler in routes:
+        app.router.add_route(method, path, _answers_errors(handler))
