@@ -78,7 +78,8 @@ def _json_safe(value: Any) -> Any:
 
 def provenance(args: argparse.Namespace | Mapping[str, Any] | None = None) -> dict[str, Any]:
     status = _git("status", "--porcelain")
-    dirty_files = [line[3:] for line in status.splitlines()] if status else []
+    # "XY path" per line; _git strips the output, which takes the first line's blank X with it
+    dirty_files = [line[2:].lstrip() for line in status.splitlines()] if status else []
     threads: dict[str, Any] = {k: v for k, v in sorted(os.environ.items())
                                if THREAD_ENV.match(k) and not SECRET_ENV.search(k)}
     if "torch" in sys.modules or _version("torch"):

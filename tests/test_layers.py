@@ -43,7 +43,7 @@ def layer_of(module: str) -> int:
             if matches and len(prefix) > best_length:
                 best, best_length = rank, len(prefix)
     if best is None:
-        raise AssertionError(f"{module} belongs to no layer: add it to LAYERS (and to the README's diagram)")
+        raise AssertionError(f"{module} belongs to no layer: add it to LAYERS (and to docs/architecture.md's diagram)")
     return best
 
 

@@ -3,7 +3,7 @@
 Two `specd serve` processes, the learner sidecar and Mosquitto under mixed traffic while the fault
 schedule restarts the broker, kills the learner, plants a corrupt and a worse version, rolls back
 by hand and floods a server. Resident memory is judged by the long soak (`--minutes 30`), whose
-table the README quotes; two minutes only catch a leak gross enough to pass the loose bound here.
+table docs/history.md quotes; two minutes only catch a leak gross enough to pass the loose bound here.
 """
 
 from __future__ import annotations

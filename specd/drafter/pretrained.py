@@ -1,8 +1,8 @@
 """The day-0 feature drafter: the shipped pretrained version when it fits, else a fresh one.
 
 Contract: `day0_feature_model` returns a `FeatureDrafterModel` for a target and where it came
-from ("pretrained <file>" or "from scratch"). The shipped file (made by `specd pretrain`, see the
-README) is used only when asked for and when it was made for this target: same fingerprint,
+from ("pretrained <file>" or "from scratch"). The shipped file (made by `specd pretrain`, see
+docs/pretraining.md) is used only when asked for and when it was made for this target: same fingerprint,
 same width, captured layers that exist. A file made by `specd pretrain` carries its manifest (the
 command that made it, the training and evaluation data's sha256, the held-out figure); when one
 is there, or required (the shipped file), `check_manifest` checks those fields, that the `.json`

@@ -21,7 +21,7 @@ class LearnerConfig:
     learning_rate: float = 2e-3
     batch_size: int = 8
     window: int = 96
-    negative_coef: float = 0.0       # chosen by benchmarks/negative_term.py; see the README
+    negative_coef: float = 0.0       # chosen by benchmarks/negative_term.py; see docs/history.md
     miss_weight: float = 2.0
     prompt_weight: float = 0.1
     buffer_capacity: int = 2000
