@@ -26,7 +26,6 @@ The jobs live in their own modules: `intake`, `trainer`, `gate`, `promotion` and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -74,7 +73,9 @@ class Learner(SupervisedLoop):
         self.stats = LearnerStats()
         super().__init__("specd-learner", self.stats, FAILURE_BACKOFF_S)
         self.config, self.bus, self.store = config, bus, store
-        self.promoter = Promoter(config, store, fingerprint, serving_dtype, target_embedding, self.stats)
+        # the trainer is built from what the promoter finds live; it then trains on from what the promoter adopts
+        self.promoter = Promoter(config, store, fingerprint, serving_dtype, target_embedding, self.stats,
+                                 take_weights=lambda restored: self.trainer.take_weights(restored))
         if self.promoter.live_version is not None:  # a restarted learner resumes from what is serving
             initial = self.promoter.load(self.promoter.live_version)
         self.trainer = Trainer(clone_drafter(initial).float().train(), config, target)
@@ -84,8 +85,7 @@ class Learner(SupervisedLoop):
         self._intake = Intake(initial.config.vocab_size, self.objective, self.gate, self.trainer.buffer_capacity,
                               self.stats)
         self.buffer = self._intake.buffer
-        self._take_weights: Callable[[DrafterModel], bool] = self.trainer.take_weights
-        self.promoter.begin(self.model, self._take_weights)
+        self.promoter.begin(self.model)
 
     @property
     def live_version(self) -> int | None:
@@ -123,14 +123,13 @@ class Learner(SupervisedLoop):
     def maybe_publish(self, force: bool = False) -> int | None:
         """Offer the trained drafter when due (or `force`d) and the gate has evidence; the version
         it published and made live, or None."""
-        if self.promoter.held(self._take_weights) and not force:
+        if self.promoter.held() and not force:
             return None
         if not self.promoter.due(self.gate, force):
             return None
         seen = self.live_version  # what the candidate is compared with, and the condition of its promotion
         candidate = clone_drafter(self.model).eval()
-        return self.promoter.offer(candidate, self.evaluate(candidate), seen, self._take_weights,
-                                   self.trainer.staleness or None)
+        return self.promoter.offer(candidate, self.evaluate(candidate), seen, self.trainer.staleness or None)
 
     def evaluate(self, candidate: DrafterModel) -> dict[str, Any]:
         """The gate's verdict on `candidate` against the live version the learner last saw."""

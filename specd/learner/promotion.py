@@ -55,8 +55,10 @@ def promote(store: WeightStore, version: int, verdict: dict[str, Any], seen: int
 
 class Promoter:
     def __init__(self, config: LearnerConfig, store: WeightStore, fingerprint: TargetFingerprint,
-                 serving_dtype: torch.dtype, target_embedding: torch.Tensor | None, stats: LearnerStats) -> None:
+                 serving_dtype: torch.dtype, target_embedding: torch.Tensor | None, stats: LearnerStats,
+                 take_weights: TakeWeights) -> None:
         self.config, self.store, self.fingerprint, self.stats = config, store, fingerprint, stats
+        self.take_weights = take_weights  # trains on from an adopted live version, where it fits
         self.serving_dtype = serving_dtype
         self.target_embedding = target_embedding  # versions that keep it frozen reference it, not copy it
         self.live_version = store.live_version()
@@ -76,7 +78,7 @@ class Promoter:
         serving_copy = clone_drafter(model).to(self.serving_dtype)
         return self.store.publish(serving_copy, self.fingerprint, self.live_version, info, self.target_embedding)
 
-    def begin(self, model: DrafterModel, take_weights: TakeWeights) -> None:
+    def begin(self, model: DrafterModel) -> None:
         """Day 0: the untrained drafter is version 1, live while nothing else is."""
         if self.live_version is not None:
             return
@@ -85,9 +87,9 @@ class Promoter:
             self.store.set_live(first, "initial", if_live=None)
             self.live_version = first
         except LiveVersionChanged:  # another learner or an operator was first: resume from theirs
-            self.adopt(self.store.live_version(), take_weights)
+            self.adopt(self.store.live_version())
 
-    def adopt(self, live: int | None, take_weights: TakeWeights) -> None:
+    def adopt(self, live: int | None) -> None:
         """Take `live` as the version last seen (the next promotion's compare-and-set is against it)
         and train on from its weights where they fit the learner's drafter."""
         self.live_version = live
@@ -98,17 +100,17 @@ class Promoter:
         except (SpecdError, OSError) as error:  # e.g. deleted by hand: the gate will fail on it, visibly
             log.warning("cannot load live version %s (%s); training goes on from the learner's own", live, error)
             return
-        if not take_weights(restored):
+        if not self.take_weights(restored):
             log.warning("live version %s is another kind of drafter; training goes on from the learner's own", live)
 
-    def held(self, take_weights: TakeWeights) -> bool:
+    def held(self) -> bool:
         """Follow a live version an operator or the canary set: True while publishing is held."""
         live = self.store.live_version()
         if live is None or live == self.live_version:
             return time.monotonic() < self._hold_until
         log.warning("live version changed to %s outside the learner; holding publications for %.0f s",
                     live, self.config.hold_after_rollback_s)
-        self.adopt(live, take_weights)
+        self.adopt(live)
         self._hold_until = time.monotonic() + self.config.hold_after_rollback_s
         return True
 
@@ -133,7 +135,7 @@ class Promoter:
         return True
 
     def offer(self, candidate: DrafterModel, verdict: dict[str, Any], seen: int | None,
-              take_weights: TakeWeights, staleness: dict[str, Any] | None) -> int | None:
+              staleness: dict[str, Any] | None) -> int | None:
         """Publish the learner's judged candidate and promote it; its version if it went live."""
         info = {"evaluation": verdict, "records_trained": self.stats.records_trained,
                 "tokens_trained": self.stats.tokens_trained, "learner_steps": self.stats.steps,
@@ -146,7 +148,7 @@ class Promoter:
             log.info("published drafter version %s: %s", version, verdict)
         else:
             if verdict["reason"] == RACE_LOST:
-                self.held(take_weights)
+                self.held()
             self.stats.rejected.append({"version": version, **verdict})
             log.warning("gate rejected candidate %s: %s", version, verdict["reason"])
         self.store.gc()
