@@ -56,7 +56,7 @@ class Faults:
         self.target = target
         self.log: list[dict[str, Any]] = []
         self.planted: dict[str, int] = {}
-        self.served: set[str] = set()
+        self.served: set[int] = set()
         self.live_seen: set[int] = set()
         self._begin = time.monotonic()
         self._stop = threading.Event()
@@ -146,8 +146,8 @@ class Faults:
     def _watch_versions(self) -> None:
         while not self._stop.wait(0.5):
             for server in self.servers:
-                with contextlib.suppress(OSError, ValueError, KeyError):  # a busy server answers next time
-                    self.served.add(str(server.health()["drafter_version"]))
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # a busy server answers next time
+                    self.served.add(int(server.health()["drafter_version"]))
             try:
                 live = get_json(self.learner.url + "/v1/versions")["live"]
                 if live is not None:
@@ -161,7 +161,7 @@ class Faults:
         for thread in self._pending:  # an operator's attempt still waiting for the gate's answer
             thread.join(timeout=360)
         store = WeightStore(self.work / "learner-store")
-        outcome: dict[str, Any] = {"planted": self.planted, "served": sorted(self.served, key=lambda v: (len(v), v))}
+        outcome: dict[str, Any] = {"planted": self.planted, "served": sorted(self.served)}
         for kind in ("corrupt", "worse"):
             version = self.planted.get(kind)
             try:
@@ -169,7 +169,7 @@ class Faults:
             except VersionNotFound:  # collected since: it was not live lately (gc keeps those); the watch decides
                 ever_live = False
             outcome[f"{kind}_live"] = int(version in self.live_seen or ever_live)
-            outcome[f"{kind}_served"] = int(str(version) in self.served)
+            outcome[f"{kind}_served"] = int(version in self.served)
         return outcome
 
 

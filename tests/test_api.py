@@ -269,7 +269,7 @@ async def test_models_and_health(client) -> None:
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512
     health = await (await client.get("/health")).json()
-    assert health["status"] == "ok" and health["drafter_version"] == "0"
+    assert health["status"] == "ok" and health["drafter_version"] == 0
     assert health["running"] == health["waiting"] == health["records_published"] == 0
 
 
@@ -320,7 +320,7 @@ async def test_metrics_and_reports_count_exactly_the_traffic_sent(client, monkey
     assert completion_tokens == [body["max_tokens"] for body, _, _ in TRAFFIC]
     assert [s.num_output_tokens for s in admitted] == completion_tokens
     versions = {step.drafter_version for seq in admitted for step in seq.steps}
-    assert versions == {"0"}  # no swap: every step was verified under the day-0 drafter
+    assert versions == {0}  # no swap: every step was verified under the day-0 drafter
     version = (("version", "0"),)
     drafts, accepted = sum(s.num_drafts_proposed for s in admitted), sum(s.num_drafts_accepted for s in admitted)
     passes, emitted = sum(s.num_target_passes for s in admitted), sum(completion_tokens)
@@ -344,8 +344,8 @@ async def test_metrics_and_reports_count_exactly_the_traffic_sent(client, monkey
     assert set(reports) == {"code", "chat", "default"}
     for domain, report in reports.items():
         seqs = [seq for seq, (_, _, d) in zip(admitted, TRAFFIC, strict=True) if d == domain]
-        assert report.server_id == "specd-0" and list(report.versions) == ["0"]
-        assert report.versions["0"].as_dict() == {
+        assert report.server_id == "specd-0" and list(report.versions) == [0]
+        assert report.versions[0].as_dict() == {
             "drafts": sum(s.num_drafts_proposed for s in seqs), "accepted": sum(s.num_drafts_accepted for s in seqs),
             "passes": sum(s.num_target_passes for s in seqs), "emitted": sum(s.num_output_tokens for s in seqs)}
 

@@ -38,8 +38,8 @@ def test_reports_become_deltas_per_server_and_survive_a_counter_reset() -> None:
     log.add(report("a", 2, v1=(300, 120)))
     log.add(report("b", 2, v1=(40, 10)))
     log.add(report("a", 3, v1=(20, 5)))  # server a restarted: its counters began again
-    assert log.totals["1"].drafts == 100 + 200 + 40 + 20
-    assert log.acceptance("1") == ((50 + 70 + 10 + 5) / 360, 360)
+    assert log.totals[1].drafts == 100 + 200 + 40 + 20
+    assert log.acceptance(1) == ((50 + 70 + 10 + 5) / 360, 360)
     with pytest.raises(ValueError):
         log.add({"server_id": "a", "versions": {"1": {"drafts": "many"}}})
 

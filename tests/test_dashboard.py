@@ -37,7 +37,7 @@ def test_dashboard_renders_live_charts_and_rolls_back_from_the_page(tmp_path: Pa
     server = SpecdProcess(["serve", "--target", str(checkpoint), "--store", str(tmp_path / "store"), "--no-learner",
                            "--model-name", "tiny", "--token", "secret"], free_port(), tmp_path / "serve.log").start()
     try:
-        wait_for(lambda: server.health()["drafter_version"] == "2", 30, what="server on version 2")
+        wait_for(lambda: server.health()["drafter_version"] == 2, 30, what="server on version 2")
         for question in ("Hello there", "What is two plus two?", "Tell me a joke", "Name a colour"):
             chat(server.url, question)
         wait_for(lambda: get_json(server.url + "/v1/acceptance")["series"], 20, what="acceptance reports")
@@ -57,7 +57,7 @@ def test_dashboard_renders_live_charts_and_rolls_back_from_the_page(tmp_path: Pa
             page.click("#versions tr[data-version='1'] button")
             page.wait_for_function("document.querySelector('#live').textContent.includes('v1')", timeout=20000)
             browser.close()
-        wait_for(lambda: server.health()["drafter_version"] == "1", 15, what="the rollback reaching the server")
+        wait_for(lambda: server.health()["drafter_version"] == 1, 15, what="the rollback reaching the server")
         assert store.manifest(2)["status"] == "rolled-back"
     finally:
         server.stop()

@@ -131,9 +131,9 @@ def test_trained_drafter_is_accepted_and_rows_accept_different_counts(
 def test_greedy_output_identical_across_weight_swaps(wrap: str, monkeypatch: pytest.MonkeyPatch) -> None:
     target = tiny_target()
     # two shapes (a swap needs a new cache); float64, so that drafts can be compared exactly
-    models = {f"v{i}": random_feature_model(target, vocab, seed=i) for i, vocab in enumerate((96, 50, 96))}
+    models = {i: random_feature_model(target, vocab, seed=i) for i, vocab in enumerate((96, 50, 96))}
     # a small catch-up budget: after each swap, long rows rebuild their cache over several steps
-    learned = FeatureDrafter(models["v0"], "v0", catchup_tokens_per_step=6)
+    learned = FeatureDrafter(models[0], 0, catchup_tokens_per_step=6)
     drafter = WRAPS[wrap](learned)
     engine = Engine(target, drafter, fixed_k(max_batch=4, num_draft_tokens=3))
     seen = trace(engine, learned, models.values(), monkeypatch)
@@ -144,7 +144,7 @@ def test_greedy_output_identical_across_weight_swaps(wrap: str, monkeypatch: pyt
         step += 1
         if step % 2 == 0 and engine.has_work:  # each offer is taken by the next step's proposal
             offers += 1
-            version = f"v{offers % len(models)}"
+            version = offers % len(models)
             drafter.offer(models[version], version)
     assert learned.num_swaps == offers >= 5
     assert [s.output_ids for s in seqs] == target_only(target)
@@ -158,7 +158,7 @@ def test_swap_to_weights_reading_other_layers_stays_lossless() -> None:
     engine = Engine(target, drafter, fixed_k(max_batch=2, num_draft_tokens=3))
     seqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.step()
-    drafter.offer(feature_model(target, capture_layers=(0, 1)), "other-layers")
+    drafter.offer(feature_model(target, capture_layers=(0, 1)), 1)
     while engine.has_work:
         engine.step()
     assert engine.capture_layers == (0, 1)
@@ -244,13 +244,13 @@ def test_drafting_computes_what_training_unrolls(name: str, learnable: Transform
     else:
         target, model = learnable, unsure(trained)
     params = [SamplingParams(max_tokens=n) for n in (9, 30, 12, 4, 25, 18)]
-    drafter = FeatureDrafter(model, "v0")
+    drafter = FeatureDrafter(model, 0)
     engine = Engine(target, drafter, fixed_k(max_batch=3, num_draft_tokens=4))  # rows finish apart: moves
     seen = trace(engine, drafter, [model], monkeypatch)
     seqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
     while engine.has_work:
         engine.step()
-    assert_drafting_is_unrolled(seqs, seen, {"v0": model})
+    assert_drafting_is_unrolled(seqs, seen, {0: model})
     if name == "unsure":
         assert sum(step.num_accepted >= 2 for s in seqs for step in s.steps) >= 5
 
@@ -300,7 +300,7 @@ def trace(engine: Engine, drafter: FeatureDrafter, models: Iterable[FeatureDraft
     return seen
 
 
-def assert_drafting_is_unrolled(seqs: list[Sequence], seen: Trace, models: dict[str, FeatureDrafterModel]) -> None:
+def assert_drafting_is_unrolled(seqs: list[Sequence], seen: Trace, models: dict[int, FeatureDrafterModel]) -> None:
     """Every proposal of a row that drafted computed what training's `unrolled` computes from the
     same features and chain tokens: the serving cache (catch-up, blocks, chain, moves) is exact."""
     num_checked = 0
@@ -326,17 +326,17 @@ def assert_drafting_is_unrolled(seqs: list[Sequence], seen: Trace, models: dict[
 
 def test_build_drafter_serves_a_feature_model_behind_context_matching() -> None:
     target = tiny_target()
-    drafter = build_drafter(DrafterSpec(kind="hybrid"), feature_model(target), "7")
+    drafter = build_drafter(DrafterSpec(kind="hybrid"), feature_model(target), 7)
     assert isinstance(drafter, HybridDrafter) and isinstance(drafter.learned, FeatureDrafter)
-    assert drafter.version == "7" and drafter.capture_layers == (0, 1)
-    learned = build_drafter(DrafterSpec(kind="learned"), feature_model(target), "7")
+    assert drafter.version == 7 and drafter.capture_layers == (0, 1)
+    learned = build_drafter(DrafterSpec(kind="learned"), feature_model(target), 7)
     assert isinstance(learned, FeatureDrafter)
 
 
 def test_weights_of_the_other_kind_are_refused() -> None:
     target = tiny_target()
     with pytest.raises(BadWeights):
-        FeatureDrafter(feature_model(target)).offer(target, "token-weights")
+        FeatureDrafter(feature_model(target)).offer(target, 1)
     with pytest.raises(BadWeights):
-        tiny_drafter(target).offer(feature_model(target), "feature-weights")
+        tiny_drafter(target).offer(feature_model(target), 1)
     assert HybridDrafter(tiny_drafter(target)).capture_layers == ()

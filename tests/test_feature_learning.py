@@ -176,9 +176,9 @@ def test_misses_weigh_more_at_the_prediction_of_the_replacement_token(target) ->
     output = greedy(target, prompt, 10)
     ids = prompt + output
     wrong = (output[2] + 1) % VOCAB
-    steps = [StepRecord(3, [output[0], output[1], wrong], 2, "1"),   # miss: ids[5] replaced the third draft
-             StepRecord(6, [output[3], output[4]], 2, "1"),          # all accepted: no miss
-             StepRecord(9, [(output[6] + 1) % VOCAB], 0, "1")]       # miss: ids[9] replaced the only draft
+    steps = [StepRecord(3, [output[0], output[1], wrong], 2, 1),   # miss: ids[5] replaced the third draft
+             StepRecord(6, [output[3], output[4]], 2, 1),          # all accepted: no miss
+             StepRecord(9, [(output[6] + 1) % VOCAB], 0, 1)]       # miss: ids[9] replaced the only draft
     record = TrajectoryRecord("r", "test", prompt, output, steps, 0.0, 1.0, 0.0, 0.0)
     validate_record(record.to_dict(), VOCAB)  # a well-formed record
     capture = fresh_feature_drafter(target).config.capture_layers
@@ -214,9 +214,9 @@ def test_tokens_context_matching_drafted_weigh_less_and_only_the_learned_drafter
     prompt = [5, 17, 40]
     output = greedy(target, prompt, 10)
     ids = prompt + output
-    steps = [StepRecord(3, [output[0], output[1], (output[2] + 1) % VOCAB], 2, "1", "context4"),  # 2 covered, miss
-             StepRecord(6, [(output[3] + 1) % VOCAB], 0, "1", "learned"),                        # the learned miss
-             StepRecord(7, [output[4], output[5]], 2, "1", "table2")]                              # 2 covered
+    steps = [StepRecord(3, [output[0], output[1], (output[2] + 1) % VOCAB], 2, 1, "context4"),  # 2 covered, miss
+             StepRecord(6, [(output[3] + 1) % VOCAB], 0, 1, "learned"),                        # the learned miss
+             StepRecord(7, [output[4], output[5]], 2, 1, "table2")]                              # 2 covered
     record = TrajectoryRecord("r", "test", prompt, output, steps, 0.0, 1.0, 0.0, 0.0)
     assert validate_record(record.to_dict(), VOCAB).steps == steps  # the sources survive the wire
     capture = fresh_feature_drafter(target).config.capture_layers

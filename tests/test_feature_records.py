@@ -50,7 +50,7 @@ def record_with_features(positions: int | None = None, width: int = WIDTH, recor
     prompt, output = [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8]
     total = len(prompt) + len(output)
     features = FeatureBlock.of(awkward_features(total - 1 if positions is None else positions, width))
-    return TrajectoryRecord(record_id, "server-a", prompt, output, [StepRecord(5, [9, 2, 7], 2, "4")],
+    return TrajectoryRecord(record_id, "server-a", prompt, output, [StepRecord(5, [9, 2, 7], 2, 4)],
                             0.0, 1.0, 1700000000.25, 1700000001.5, "chat", features=features)
 
 
@@ -176,6 +176,25 @@ def test_validate_record_checks_the_width_only_when_told_it() -> None:
     assert validate_record(raw, VOCAB).features is not None  # any width when the reader has no drafter width
     with pytest.raises(RecordRefused, match="wide"):
         validate_record(raw, VOCAB, WIDTH)
+
+
+def with_step_version(version: Any) -> dict[str, Any]:
+    raw = json.loads(json.dumps(record_with_features().to_dict()))
+    raw["steps"][0]["version"] = version
+    return raw
+
+
+@pytest.mark.parametrize("sent, read", [(4, 4), ("4", 4), (None, None), ("none", None)])
+def test_step_versions_read_as_numbers_from_old_and_new_servers(sent: Any, read: int | None) -> None:
+    # servers before versions were typed wrote them as strings, and "none" for plain decoding
+    assert validate_record(with_step_version(sent), VOCAB).steps[0].version == read
+
+
+@pytest.mark.parametrize("version", ["v4", "-1", -1, True, 2.5, [4]])
+def test_step_versions_that_are_not_version_numbers_are_refused(version: Any) -> None:
+    with pytest.raises(RecordRefused, match="version number") as refused:
+        validate_record(with_step_version(version), VOCAB)
+    assert refused.value.reason == "steps"
 
 
 def test_learner_intake_counts_refused_features_and_keeps_them_out_of_training(tmp_path: Path) -> None:

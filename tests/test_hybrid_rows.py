@@ -50,18 +50,18 @@ def test_the_source_not_chosen_is_scored_against_what_the_target_then_produced()
     hybrid, budget = HybridRows(K), DraftBudget(K)
     tracker = StepTracker("test")
     tokens, lengths = rows(REPEATING)
-    tracker.observe(["a"], [[REPEATING[-1]]], lengths, np.array([3]), tokens, "1")
+    tracker.observe(["a"], [[REPEATING[-1]]], lengths, np.array([3]), tokens, 1)
     before = budget.alpha("learned")[0]
     hybrid.candidates(["a"], [[1, 2, 3, 4]], tokens, lengths, budget)  # context chosen, EAGLE-3's shadowed
     # the target went on with 10 11 (the context's guess), not EAGLE-3's 1
     grown, grown_lengths = rows([*REPEATING, 10, 11])
-    tracker.observe(["a"], [[10, 11]], grown_lengths, np.array([3]), grown, "1")
+    tracker.observe(["a"], [[10, 11]], grown_lengths, np.array([3]), grown, 1)
     hybrid.observe(["a"], tracker, budget)
     assert budget.alpha("learned")[0] < before  # its first draft was scored, and rejected
 
 
 def test_records_name_their_drafting_source_and_an_unnamed_source_is_the_learned_drafter() -> None:
-    steps = [StepRecord(3, [4, 5], 1, "2", "context4"), StepRecord(5, [6], 1, "2")]
+    steps = [StepRecord(3, [4, 5], 1, 2, "context4"), StepRecord(5, [6], 1, 2)]
     record = TrajectoryRecord("r", "s", [1, 2, 3], [4, 6, 6, 7], steps, 0.0, 1.0, 0.0, 0.0)
     raw = record.to_dict()
     assert validate_record(raw, 100).steps == steps

@@ -76,7 +76,7 @@ def test_greedy_output_identical_across_forced_swaps(tmp_path: Path) -> None:
     step = offers = 0
     while engine.has_work:
         if step % 3 == 2:  # a new version every three steps, mid-request
-            drafter.offer(models[(step // 3) % len(models)], str(step))
+            drafter.offer(models[(step // 3) % len(models)], step)
             offers += 1
         engine.step()
         step += 1
@@ -102,7 +102,7 @@ def test_greedy_output_identical_while_another_thread_keeps_swapping_weights() -
         nonlocal offers
         while not done.is_set():
             offers += 1
-            drafter.offer(models[offers % len(models)], str(offers))
+            drafter.offer(models[offers % len(models)], offers)
             offered.set()
             done.wait(0.0005)  # pacing only (lets the engine thread hold the interpreter); nothing waits on it
 
@@ -137,7 +137,7 @@ def test_bad_weights_are_refused_and_serving_keeps_old_version(tmp_path: Path, p
     store = WeightStore(tmp_path)
     good = new_drafter_model(target, SHAPE, seed=0)
     v1 = publish_live(store, good)
-    drafter = TokenDrafter(good, str(v1))
+    drafter = TokenDrafter(good, v1)
     swapper = Swapper(LocalStore(store), drafter, FINGERPRINT)
     bad = new_drafter_model(target, SHAPE, seed=1)
     fingerprint = FINGERPRINT
@@ -167,20 +167,20 @@ def test_bad_weights_are_refused_and_serving_keeps_old_version(tmp_path: Path, p
     assert version in swapper.refused
     engine = Engine(target, drafter, fixed_k(num_draft_tokens=3))
     seq = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=10))[0]
-    assert drafter.version == str(v1) and seq.num_output_tokens == 10
+    assert drafter.version == v1 and seq.num_output_tokens == 10
 
 
 def test_swapper_delivers_new_live_version_between_steps(tmp_path: Path) -> None:
     target = tiny_target()
     store = WeightStore(tmp_path)
     first = new_drafter_model(target, SHAPE, seed=0)
-    drafter = TokenDrafter(first, str(publish_live(store, first)))
+    drafter = TokenDrafter(first, publish_live(store, first))
     swapper = Swapper(LocalStore(store), drafter, FINGERPRINT)
     v2 = publish_live(store, new_drafter_model(target, SHAPE, seed=5))
     assert swapper.check_once()
-    assert drafter.version != str(v2)  # not yet: the switch waits for the next step
+    assert drafter.version != v2  # not yet: the switch waits for the next step
     Engine(target, drafter, fixed_k(num_draft_tokens=2)).generate([[4, 5]], SamplingParams(max_tokens=4))
-    assert drafter.version == str(v2)
+    assert drafter.version == v2
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])

@@ -177,7 +177,7 @@ def swapper(target: Transformer, drafter: Drafter) -> Callable[[int], None]:
     """Between steps, offer the other of two drafter models (two shapes): a new version every step."""
     assert isinstance(drafter, TokenDrafter)
     models = [small_drafter(target, PARTIAL_HEAD, seed=3), small_drafter(target, FULL_HEAD, seed=4)]
-    return lambda step: drafter.offer(models[step % 2], f"swap-{step}")
+    return lambda step: drafter.offer(models[step % 2], step + 1)
 
 
 def run_scenario(scenario: Scenario, drafter: Drafter, target: Transformer) -> tuple[float, list[Sequence]]:

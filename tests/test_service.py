@@ -117,7 +117,7 @@ def test_two_servers_learn_swap_roll_back_and_stay_lossless(tmp_path, broker, ch
         live = wait_for(lambda: (v := get_json(brain.url + "/v1/versions")["live"]) and v >= 2 and v, 120,
                         what="a published version")
         def on_live(server: SpecdProcess) -> bool:
-            return server.health()["drafter_version"] == str(get_json(brain.url + "/v1/versions")["live"])
+            return server.health()["drafter_version"] == get_json(brain.url + "/v1/versions")["live"]
 
         for server in servers:
             wait_for(lambda s=server: on_live(s), 30, what="servers on the new version")
@@ -132,7 +132,7 @@ def test_two_servers_learn_swap_roll_back_and_stay_lossless(tmp_path, broker, ch
         statuses = {m["version"]: m["status"] for m in get_json(brain.url + "/v1/versions")["versions"]}
         assert "rolled-back" in [status for version, status in statuses.items() if version >= live]
         for server in servers:
-            wait_for(lambda s=server: s.health()["drafter_version"] == str(restored), 15, what="servers rolled back")
+            wait_for(lambda s=server: s.health()["drafter_version"] == restored, 15, what="servers rolled back")
         for i, question in enumerate(QUESTIONS):
             assert ask(servers[i % 2], question, stream=True) == expected[question]
         # control operations need the token; malformed records are refused and counted
@@ -186,7 +186,7 @@ def test_broker_outage_learner_restart_and_late_server_lose_nothing(tmp_path, br
         # a server started after the announcement learns the live version from the retained message
         live = get_json(brain.url + "/v1/versions")["live"]
         late = serve(tmp_path, broker, deployment, checkpoint, brain.url, "server-late").start()
-        wait_for(lambda: late.health()["drafter_version"] == str(get_json(brain.url + "/v1/versions")["live"]), 30,
+        wait_for(lambda: late.health()["drafter_version"] == get_json(brain.url + "/v1/versions")["live"], 30,
                  what="late server on the live version")
         assert live is not None
     finally:

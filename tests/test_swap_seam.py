@@ -32,13 +32,13 @@ def test_every_serving_drafter_is_swappable() -> None:
 
 def test_a_later_offer_replaces_one_not_yet_taken_and_installs_once() -> None:
     target = tiny_target()
-    drafter = TokenDrafter(new_drafter_model(target, SHAPE), "1")
+    drafter = TokenDrafter(new_drafter_model(target, SHAPE), 1)
     second, third = new_drafter_model(target, SHAPE, seed=2), new_drafter_model(target, SHAPE, seed=3)
-    drafter.offer(second, "2")
-    drafter.offer(third, "3")
-    assert drafter.version == "1"             # nothing changes until the serving thread takes it
+    drafter.offer(second, 2)
+    drafter.offer(third, 3)
+    assert drafter.version == 1             # nothing changes until the serving thread takes it
     assert drafter.apply_pending() is True
-    assert drafter.model is third and drafter.version == "3" and drafter.num_swaps == 1
+    assert drafter.model is third and drafter.version == 3 and drafter.num_swaps == 1
     assert drafter.apply_pending() is False   # taken once
 
 

@@ -121,7 +121,7 @@ def learner(store: WeightStore) -> Iterator[FakeLearner]:
 
 def serving() -> TokenDrafter:
     """A drafter serving version 1 (the store's first)."""
-    return TokenDrafter(new_drafter_model(tiny_target(), SHAPE, seed=0), "1")
+    return TokenDrafter(new_drafter_model(tiny_target(), SHAPE, seed=0), 1)
 
 
 def files(folder: Path) -> list[str]:
@@ -148,7 +148,7 @@ def test_a_version_that_cannot_be_fetched_is_retried_and_serves_once_the_learner
     assert swapper.check_once() is True
     assert swapper.retrying == {} and not swapper.refused
     Engine(tiny_target(), drafter, fixed_k(num_draft_tokens=2)).generate([[4, 5]], SamplingParams(max_tokens=3))
-    assert drafter.version == "2"
+    assert drafter.version == 2
 
 
 def test_weights_that_fail_their_sha256_are_refused_for_good_and_not_fetched_again(
@@ -163,7 +163,7 @@ def test_weights_that_fail_their_sha256_are_refused_for_good_and_not_fetched_aga
     assert files(tmp_path / "cache") == []  # the wrong bytes are not kept
     for _ in range(3):
         assert swapper.check_once() is False
-    assert learner.weight_requests == 1 and drafter.version == "1"
+    assert learner.weight_requests == 1 and drafter.version == 1
 
 
 def test_a_corrupt_cached_file_is_fetched_again(tmp_path: Path, store: WeightStore, learner: FakeLearner) -> None:
@@ -213,7 +213,7 @@ def test_backoff_grows_to_its_cap_and_a_newer_version_supersedes_the_retry(
     source.live = 3  # published while version 2 waits for its next try: fetched at once
     clock.now -= 1.0
     assert swapper.check_once() is True
-    assert source.fetches[-1] == 3 and swapper.retrying == {} and swapper.prepared_version == "3"
+    assert source.fetches[-1] == 3 and swapper.retrying == {} and swapper.prepared_version == 3
 
 
 def test_force_version_only_pins_and_the_swapper_thread_fetches(store: WeightStore) -> None:
@@ -242,11 +242,11 @@ def test_an_unexpected_failure_restarts_the_swapper_thread_and_is_counted(store:
     try:
         store.set_live(3)
         deadline = time.monotonic() + 20
-        while swapper.prepared_version != "3" and time.monotonic() < deadline:
+        while swapper.prepared_version != 3 and time.monotonic() < deadline:
             time.sleep(0.02)
     finally:
         swapper.stop()
-    assert swapper.prepared_version == "3"  # swaps go on after the failure
+    assert swapper.prepared_version == 3  # swaps go on after the failure
     task = health.snapshot()["swapper"]
     assert task["failures"] == 1 and task["restarts"] == 1 and "a bug in a check" in str(task["last_error"])
 
@@ -262,7 +262,7 @@ def test_the_cache_keeps_the_newest_versions_and_the_serving_one(
         remote.announce({"version": version, "url": learner.url})
         assert swapper.check_once() is True
         assert remote.cached_versions() == sorted({1, version - 1, version})
-    assert drafter.version == "1" and remote.path(1).is_file()
+    assert drafter.version == 1 and remote.path(1).is_file()
 
 
 def test_prune_keeps_pinned_versions_and_removes_stale_partial_downloads(

@@ -89,13 +89,13 @@ def specd_vllm(tmp_path_factory, smollm2: LoadedTarget, broker: Broker, learner:
     server = VllmServer(str(smollm2.folder), port, tmp_path_factory.mktemp("specd") / "vllm.log", argv=argv,
                         env=env).start()
     try:  # fetched and checked in the background; it drafts from the next step on
-        wait_for(lambda: server.rpc("specd_status")["prepared_version"] == "2", 60, what="version 2 in vLLM")
+        wait_for(lambda: server.rpc("specd_status")["prepared_version"] == 2, 60, what="version 2 in vLLM")
     except TimeoutError:
         status = server.rpc("specd_status")
         server.stop()
         raise AssertionError(f"vLLM never prepared version 2; proposer status: {status}") from None
     server.chat("Hello!", 4)
-    assert server.rpc("specd_status")["version"] == "2"
+    assert server.rpc("specd_status")["version"] == 2
     yield server
     server.stop()
 
@@ -134,10 +134,10 @@ def test_versions_swap_in_flight_without_failed_requests_or_changed_outputs(spec
         wait_for(lambda: specd_vllm.rpc("specd_status")["live_requests"] > 0, 60, interval=0.05,
                  what="requests in flight")
         post_json(learner.url + "/v1/rollback", {"version": 1}, token="secret")  # operator's rollback: announced
-        wait_for(lambda: specd_vllm.rpc("specd_status")["version"] == "1", 60, interval=0.1, what="version 1 in vLLM")
+        wait_for(lambda: specd_vllm.rpc("specd_status")["version"] == 1, 60, interval=0.1, what="version 1 in vLLM")
         forced = specd_vllm.rpc("specd_force_version", "2")  # the manual control path, by collective_rpc
         assert forced["forced_version"] == 2
-        wait_for(lambda: specd_vllm.rpc("specd_status")["version"] == "2", 60, interval=0.1, what="forced version 2")
+        wait_for(lambda: specd_vllm.rpc("specd_status")["version"] == 2, 60, interval=0.1, what="forced version 2")
         specd_vllm.rpc("specd_force_version", "none")
 
         def saw_a_swap() -> bool:  # a request drafted by two versions has finished and become a record

@@ -151,7 +151,7 @@ def test_greedy_outputs_with_vllms_eagle3_serving_specds_drafter_equal_plain_vll
         assert token_ids(answer) == expected[prompt], prompt
     accepted = sum(a["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] for a in answers)
     assert accepted > 0, "no draft accepted: vLLM is not drafting with the exported drafter"
-    assert status(eagle3)["version"] == "1" and status(eagle3)["route"] == "eagle3"
+    assert status(eagle3)["version"] == 1 and status(eagle3)["route"] == "eagle3"
 
 
 @torch.no_grad()
@@ -214,9 +214,9 @@ def test_versions_swap_and_roll_back_in_flight_without_failed_requests(eagle3: V
     with KeepAsking(eagle3, PROMPTS, MAX_TOKENS) as traffic:  # requests in flight until both swaps happened
         wait_for(lambda: status(eagle3)["live_requests"] > 0, 60, interval=0.05, what="requests in flight")
         post_json(learner.url + "/v1/live", {"version": 2}, token=TOKEN)
-        wait_for(lambda: status(eagle3)["version"] == "2", 60, interval=0.1, what="version 2 in vLLM")
+        wait_for(lambda: status(eagle3)["version"] == 2, 60, interval=0.1, what="version 2 in vLLM")
         post_json(learner.url + "/v1/rollback", {}, token=TOKEN)  # the operator's rollback: back to 1
-        wait_for(lambda: status(eagle3)["version"] == "1", 60, interval=0.1, what="version 1 again")
+        wait_for(lambda: status(eagle3)["version"] == 1, 60, interval=0.1, what="version 1 again")
 
         def saw_a_swap() -> bool:  # a request drafted by two versions has finished and become a record
             return any(len({s["version"] for s in r["steps"]}) > 1
@@ -240,14 +240,14 @@ def test_a_swapped_version_is_the_one_drafting(eagle3: VllmServer) -> None:
     with eagle3_alone(eagle3):  # acceptance of EAGLE-3's drafts alone
         try:
             eagle3.rpc("specd_force_version", "2")  # its output layer is version 1's plus noise as large
-            wait_for(lambda: status(eagle3)["prepared_version"] == "2", 60, what="version 2 prepared")
+            wait_for(lambda: status(eagle3)["prepared_version"] == 2, 60, what="version 2 prepared")
             eagle3.chat("Hello!", 4)  # the step that installs it
             perturbed = acceptance()
         finally:
             eagle3.rpc("specd_force_version", "none")
-        wait_for(lambda: status(eagle3)["prepared_version"] == "1", 60, what="version 1 prepared")
+        wait_for(lambda: status(eagle3)["prepared_version"] == 1, 60, what="version 1 prepared")
         eagle3.chat("Hello!", 4)
-        assert status(eagle3)["version"] == "1"
+        assert status(eagle3)["version"] == 1
         assert perturbed < 0.5 * acceptance(), "the weights vLLM drafts with did not change with the version"
 
 
@@ -264,6 +264,6 @@ def test_a_corrupt_version_is_refused_and_the_old_one_keeps_serving(eagle3: Vllm
         assert reason in str(status(eagle3)["refused_versions"])
         answers = ask_all(eagle3, PROMPTS[:2], MAX_TOKENS)
         assert [token_ids(a) for a in answers] == [expected[p] for p in PROMPTS[:2]]
-        assert status(eagle3)["version"] == "1"
+        assert status(eagle3)["version"] == 1
     finally:
         post_json(learner.url + "/v1/live", {"version": 1}, token=TOKEN)

@@ -135,14 +135,14 @@ def test_install_in_eager_mode_packs_every_new_weight_again_as_vllm_does() -> No
 
 def test_vllms_drafter_slot_refuses_a_version_of_another_shape() -> None:
     target = tiny_target().float()
-    slot = VllmDrafterSlot(drafter(target), "1", torch.device("cpu"))
-    slot.offer(drafter(target, seed=1), "2")
+    slot = VllmDrafterSlot(drafter(target), 1, torch.device("cpu"))
+    slot.offer(drafter(target, seed=1), 2)
     pending = slot.take()
-    assert pending is not None and pending[1] == "2" and set(pending[0][1]) == VLLM_NAMES
+    assert pending is not None and pending[1] == 2 and set(pending[0][1]) == VLLM_NAMES
     other_layers = new_feature_drafter(target.config, target.embed.weight.float(), target.lm_head.weight.float(),
                                        target.norm.weight.float(), torch.arange(40), capture_layers=(1,))
     with pytest.raises(CheckpointError, match="its own shape"):
-        slot.offer(other_layers, "3")
+        slot.offer(other_layers, 3)
     assert slot.take() is None
 
 

@@ -113,17 +113,17 @@ def test_step_tracker_infers_accepted_counts_and_voids_drafts_that_were_never_ve
     tracker = StepTracker("vllm-test", domain="code")
     prompt_a, prompt_b = [1, 2, 3], [4, 5]
     tokens, lengths = rows_of([[*prompt_a, 10], [*prompt_b, 20]])
-    assert tracker.observe(["a", "b"], [[10], [20]], lengths, np.array([3, 2]), tokens, "1") == []
-    tracker.remember(["a", "b"], [[11, 12, 13], [21, 22]], lengths, "1")
+    assert tracker.observe(["a", "b"], [[10], [20]], lengths, np.array([3, 2]), tokens, 1) == []
+    tracker.remember(["a", "b"], [[11, 12, 13], [21, 22]], lengths, 1)
     # a accepted 2 drafts (+ a correction); b left the batch (preempted): its drafts are void
     tokens, lengths = rows_of([[*prompt_a, 10, 11, 12, 99]])
-    assert tracker.observe(["a"], [[11, 12, 99]], lengths, np.array([3]), tokens, "1") == [2, 0]
-    tracker.remember(["a"], [[7]], lengths, "2")
+    assert tracker.observe(["a"], [[11, 12, 99]], lengths, np.array([3]), tokens, 1) == [2, 0]
+    tracker.remember(["a"], [[7]], lengths, 2)
     tokens, lengths = rows_of([[*prompt_b, 20, 30], [*prompt_a, 10, 11, 12, 99, 8]])
-    assert tracker.observe(["b", "a"], [[30], [8]], lengths, np.array([2, 3]), tokens, "2") == [0]
+    assert tracker.observe(["b", "a"], [[30], [8]], lengths, np.array([2, 3]), tokens, 2) == [0]
     record = tracker.finish("a", keep_output=4, sampling={"temperature": 0.0, "top_p": 1.0})
     assert record is not None and record.prompt_ids == prompt_a and record.output_ids == [10, 11, 12, 99]
-    assert [(s.position, s.drafts, s.num_accepted, s.version) for s in record.steps] == [(4, [11, 12, 13], 2, "1")]
+    assert [(s.position, s.drafts, s.num_accepted, s.version) for s in record.steps] == [(4, [11, 12, 13], 2, 1)]
     validate_record(json.loads(json.dumps(record.to_dict())), vocab_size=100)
     assert tracker.report().to_dict()["versions"]["1"] == {"drafts": 3, "accepted": 2, "passes": 3, "emitted": 5}
     # a pass that verified no drafts counts for the version serving at that step
@@ -272,14 +272,14 @@ def test_draft_policy_holds_back_drafts_below_the_bar_and_scores_them_later_from
         sequences["a"] += sampled[0]
         sequences["b"] += sampled[1]
         tokens, lengths = rows_of([sequences["a"], sequences["b"]])
-        tracker.observe(["a", "b"], list(sampled), lengths, np.array([3, 2]), tokens, "1")
+        tracker.observe(["a", "b"], list(sampled), lengths, np.array([3, 2]), tokens, 1)
         policy.observe(["a", "b"], list(sampled), tracker, now=0.06 * now)
         table_alpha.append(budget.alpha("table2")[0])
         drafts = policy.choose(["a", "b"], offers, lengths, list(sampled))
         assert drafts[0] == [], "the table's drafts cost more verification than they return"
         if now == 0:
             assert drafts[1] == [21, 22, 23], "context matches have paid: sent in full"
-        tracker.remember(["a", "b"], drafts, lengths, "1")
+        tracker.remember(["a", "b"], drafts, lengths, 1)
     # a's first held-back drafts [11, 12, 13] at position 4 settle when the target writes 99 for 13
     assert table_alpha[0] == table_alpha[1] == table_alpha[2], "unsettled while the target agrees so far"
     assert table_alpha[3] > table_alpha[2], "two of three held-back drafts were right: the estimate rises"
@@ -322,14 +322,14 @@ def test_draft_policy_switches_off_a_learned_drafter_that_costs_more_than_it_add
     for now in range(6):
         sequence.append(40 + now)                       # every draft rejected: one new token per step
         tokens, lengths = rows_of([sequence])
-        tracker.observe(["a"], [[sequence[-1]]], lengths, np.array([3]), tokens, "1")
+        tracker.observe(["a"], [[sequence[-1]]], lengths, np.array([3]), tokens, 1)
         policy.observe(["a"], [[sequence[-1]]], tracker, now=0.05 * now)
         decisions.append(policy.use_learned())
         if decisions[-1]:  # the learned drafter takes 98% of each 50 ms step
             offers = Candidates([[7, 8, 9]], [3], ["learned"], learned_seconds=0.049)
         else:              # switched off, it offers nothing (a hybrid drafter's "none" rows)
             offers = Candidates([[0, 0, 0]], [0], ["none"])
-        tracker.remember(["a"], policy.choose(["a"], offers, lengths, [[sequence[-1]]]), lengths, "1")
+        tracker.remember(["a"], policy.choose(["a"], offers, lengths, [[sequence[-1]]]), lengths, 1)
     assert decisions == [True, True, False, False, False, False]
     assert policy.learned_steps == 2
     status = policy.status()
@@ -359,10 +359,10 @@ class RecordingPublisher:
 def finished_record(tracker: StepTracker) -> TrajectoryRecord:
     prompt = [1, 2, 3]
     tokens, lengths = rows_of([[*prompt, 10]])
-    tracker.observe(["a"], [[10]], lengths, np.array([3]), tokens, "1")
-    tracker.remember(["a"], [[11, 12]], lengths, "1")
+    tracker.observe(["a"], [[10]], lengths, np.array([3]), tokens, 1)
+    tracker.remember(["a"], [[11, 12]], lengths, 1)
     tokens, lengths = rows_of([[*prompt, 10, 11, 12, 13]])
-    tracker.observe(["a"], [[11, 12, 13]], lengths, np.array([3]), tokens, "1")
+    tracker.observe(["a"], [[11, 12, 13]], lengths, np.array([3]), tokens, 1)
     record = tracker.finish("a")
     assert record is not None
     return record

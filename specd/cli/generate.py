@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from specd.core.errors import ConfigurationError
-from specd.drafter.base import Drafter
+from specd.drafter.base import BUILT_IN_VERSION, Drafter
 from specd.drafter.checkpoint import load_drafter
 from specd.drafter.factory import DrafterSpec, build_drafter
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
@@ -50,7 +50,7 @@ def _build_drafter(choice: str, loaded: LoadedTarget, prompt_ids: list[int], par
     if not path.is_file():
         raise ConfigurationError(f"--drafter {choice!r}: not a file, and not one of random, replay, none")
     model = load_drafter(path, loaded.fingerprint, DTYPES[dtype], device, target_embedding=loaded.model.embed.weight)
-    return build_drafter(DrafterSpec(kind="learned"), model, path.stem)
+    return build_drafter(DrafterSpec(kind="learned"), model, BUILT_IN_VERSION)  # a file, not a stored version
 
 
 def run_generate(args: argparse.Namespace) -> int:

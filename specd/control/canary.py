@@ -31,8 +31,8 @@ class CanaryConfig:
 class AcceptanceLog:
     def __init__(self, max_points: int = 5000) -> None:
         self.series: deque[dict[str, Any]] = deque(maxlen=max_points)
-        self.totals: dict[str, AcceptanceCounts] = {}
-        self._last: dict[tuple[str, str, str], AcceptanceCounts] = {}
+        self.totals: dict[int, AcceptanceCounts] = {}
+        self._last: dict[tuple[str, str, int], AcceptanceCounts] = {}
 
     def add(self, report: AcceptanceReport | dict[str, Any]) -> None:
         """Take one cumulative report (an untrusted dict is validated first: RecordRefused if malformed)."""
@@ -51,14 +51,14 @@ class AcceptanceLog:
             self.series.append({"time": at, "server": report.server_id, "version": version,
                                 "domain": report.domain, **delta.as_dict()})
 
-    def acceptance(self, version: str) -> tuple[float | None, int]:
+    def acceptance(self, version: int) -> tuple[float | None, int]:
         total = self.totals.get(version)
         if total is None:
             return None, 0
         return total.acceptance_rate, total.drafts
 
     def totals_as_dict(self) -> dict[str, dict[str, int]]:
-        return {version: counts.as_dict() for version, counts in self.totals.items()}
+        return {str(version): counts.as_dict() for version, counts in self.totals.items()}
 
 
 def canary_verdict(log: AcceptanceLog, live: int, predecessor: int | None, live_pinned: bool,
@@ -66,8 +66,8 @@ def canary_verdict(log: AcceptanceLog, live: int, predecessor: int | None, live_
     """Evidence for a rollback of `live`, or None when it stands."""
     if predecessor is None or live_pinned:
         return None
-    ours, drafted = log.acceptance(str(live))
-    theirs, their_drafts = log.acceptance(str(predecessor))
+    ours, drafted = log.acceptance(live)
+    theirs, their_drafts = log.acceptance(predecessor)
     if ours is None or theirs is None or drafted < config.min_drafts:
         return None
     if ours < theirs - config.margin:

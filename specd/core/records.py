@@ -96,7 +96,7 @@ class StepRecord:
     position: int             # index (in prompt + output) of the first token this step emitted
     drafts: list[int]
     num_accepted: int
-    version: str
+    version: int | None       # the drafter version that proposed the drafts; None: no drafter ran
     source: str = LEARNED_SOURCE  # who drafted: the learned drafter, or "context<n>" / "table<n>" and the like
 
 
@@ -126,6 +126,24 @@ class TrajectoryRecord:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+
+NO_DRAFTER = "none"  # how a step that no drafter proposed for names its version in JSON and labels
+
+
+def version_label(version: int | None) -> str:
+    """A version as JSON object keys and Prometheus labels carry it."""
+    return NO_DRAFTER if version is None else str(version)
+
+
+def parse_version(value: Any, name: str, reason: RefusalReason = RefusalReason.MALFORMED) -> int:
+    """A drafter version number from untrusted input: a non-negative int, or its decimal string
+    (how JSON object keys, Prometheus labels and records of older servers carry it)."""
+    if isinstance(value, str) and value.isdecimal() and len(value) <= 18:
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RecordRefused(f"{name} must be a drafter version number, got {value!r}", reason)
+    return value
 
 
 def _int_list(value: Any, name: str, vocab_size: int, limit: int) -> list[int]:
@@ -170,7 +188,10 @@ def validate_record(raw: Any, vocab_size: int, feature_size: int | None = None) 
         if not isinstance(source, str) or not 0 < len(source) <= MAX_SOURCE_CHARS:
             raise RecordRefused(f"steps[{i}].source must be a name of 1 to {MAX_SOURCE_CHARS} characters",
                                 RefusalReason.STEPS)
-        steps.append(StepRecord(position, drafts, accepted, str(step.get("version", "")), source))
+        version = step.get("version")
+        version = None if version in (None, NO_DRAFTER) else parse_version(version, f"steps[{i}].version",
+                                                                            RefusalReason.STEPS)
+        steps.append(StepRecord(position, drafts, accepted, version, source))
     features = None if raw.get("features") is None else validate_features(raw["features"], total, feature_size)
     try:
         return TrajectoryRecord(
@@ -246,11 +267,11 @@ class AcceptanceReport:
     server_id: str
     time: float
     domain: str
-    versions: dict[str, AcceptanceCounts]
+    versions: dict[int, AcceptanceCounts]
 
     def to_dict(self) -> dict[str, Any]:
         return {"server_id": self.server_id, "time": self.time, "domain": self.domain,
-                "versions": {version: counts.as_dict() for version, counts in self.versions.items()}}
+                "versions": {str(version): counts.as_dict() for version, counts in self.versions.items()}}
 
 
 def validate_report(raw: Any) -> AcceptanceReport:
@@ -266,6 +287,6 @@ def validate_report(raw: Any) -> AcceptanceReport:
     return AcceptanceReport(
         server_id=str(raw.get("server_id", "?")), time=float(at) if at is not None else clock.time(),
         domain=str(raw.get("domain") or "default"),
-        versions={str(version): AcceptanceCounts.from_dict(counts, f"versions[{version!r}]")
-                  for version, counts in versions.items()})
+        versions={parse_version(version, f"versions[{version!r}]", RefusalReason.REPORT):
+                  AcceptanceCounts.from_dict(counts, f"versions[{version!r}]") for version, counts in versions.items()})
 

@@ -99,7 +99,7 @@ class ModeRun:
     rounds: list[dict[str, Any]] = field(default_factory=list)
     sent: list[tuple[float, str]] = field(default_factory=list)   # (time, domain) of each record sent
     step_seconds: list[float] = field(default_factory=list)
-    step_versions: list[str] = field(default_factory=list)
+    step_versions: list[int | None] = field(default_factory=list)
     step_k: list[int] = field(default_factory=list)
 
 
@@ -215,7 +215,7 @@ def _run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig
     def day0() -> ServingDrafter:
         model = load_drafter(store.weights_path(static_version), loaded.fingerprint, embedding.dtype,
                              target_embedding=embedding)
-        return build_drafter(config.drafter, model, str(static_version))
+        return build_drafter(config.drafter, model, static_version)
 
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     split = split_cores() if config.learning and config.learner_process else None
@@ -312,5 +312,5 @@ def _request_rows(run: ModeRun, items: list[TrafficItem]) -> list[dict[str, Any]
         rows.append({"index": i, "domain": item.domain, "tokens": seq.num_output_tokens,
                      "target_passes": seq.num_target_passes, "drafts_proposed": seq.num_drafts_proposed,
                      "drafts_accepted": seq.num_drafts_accepted, "accept_length": seq.accept_length,
-                     "drafter_version": max(set(versions), key=versions.count) if versions else "none"})
+                     "drafter_version": max(set(versions), key=versions.count) if versions else None})
     return rows

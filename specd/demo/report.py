@@ -79,7 +79,7 @@ def round_figures(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {"per_round": table, "by_domain": by_domain}
 
 
-def swap_timing(step_seconds: list[float], step_versions: list[str]) -> dict[str, Any]:
+def swap_timing(step_seconds: list[float], step_versions: list[int | None]) -> dict[str, Any]:
     """The longest step at or right after a drafter change, against the median step."""
     swaps = [i for i in range(1, len(step_versions)) if step_versions[i] != step_versions[i - 1]]
     around = [step_seconds[j] for i in swaps for j in (i, i + 1) if j < len(step_seconds)]
@@ -88,8 +88,9 @@ def swap_timing(step_seconds: list[float], step_versions: list[str]) -> dict[str
             "ratio": max(around, default=0.0) / median if median else None}
 
 
-def versions_served(requests: list[dict[str, Any]], domain: str | None) -> list[str]:
-    """The drafter versions that served requests (of `domain`, or all), in order of first use."""
+def versions_served(requests: list[dict[str, Any]], domain: str | None) -> list[int | None]:
+    """The drafter versions that served requests (of `domain`, or all), in order of first use (None:
+    no drafter)."""
     return list(dict.fromkeys(r["drafter_version"] for r in requests
                               if domain is None or r["domain"] == domain))
 

@@ -17,6 +17,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+BUILT_IN_VERSION = 0  # a drafter not read from the weight store (the day-0 drafter, a replay, a capture)
+
 
 @dataclass
 class DraftBatch:
@@ -52,7 +54,7 @@ class Drafter(Protocol):
     """Anything that proposes drafts: a small transformer, a replay, an n-gram table."""
 
     @property
-    def version(self) -> str: ...
+    def version(self) -> int: ...
 
     def bind(self, max_batch: int, max_seq: int, device: torch.device) -> None:
         """Allocate per-slot state for an engine of this size."""

@@ -71,7 +71,7 @@ def initial_model(target: Transformer | TargetHead, spec: DrafterSpec, seed: int
     return new_drafter_model(target, shape, copy_from_target=True, seed=seed)
 
 
-def build_drafter(spec: DrafterSpec, model: DrafterModel, version: str,
+def build_drafter(spec: DrafterSpec, model: DrafterModel, version: int,
                   table: TrafficTable | None = None) -> ServingDrafter:
     """The drafter a server runs (a feature drafter for a `FeatureDrafterModel`, else a token
     drafter); a hybrid one gets `table`, or a fresh one when the spec wants one."""

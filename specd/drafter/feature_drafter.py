@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from specd.drafter.base import DraftBatch, Proposal
+from specd.drafter.base import BUILT_IN_VERSION, DraftBatch, Proposal
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.drafter.swap import HotSwapped
 from specd.model.distributions import sample_from, target_probs
@@ -29,7 +29,8 @@ class FeatureDrafter(HotSwapped[FeatureDrafterModel]):
 
     serves = FeatureDrafterModel
 
-    def __init__(self, model: FeatureDrafterModel, version: str = "0", catchup_tokens_per_step: int = 256) -> None:
+    def __init__(self, model: FeatureDrafterModel, version: int = BUILT_IN_VERSION,
+                 catchup_tokens_per_step: int = 256) -> None:
         super().__init__(version)
         self.model = model
         self.catchup_tokens_per_step = catchup_tokens_per_step

@@ -61,7 +61,7 @@ class HybridDrafter:
 
     # the learned part owns versions, swaps and caches
     @property
-    def version(self) -> str:
+    def version(self) -> int:
         return self.learned.version
 
     @property
@@ -84,7 +84,7 @@ class HybridDrafter:
     def check_compatible(self, model: Transformer | FeatureDrafterModel) -> None:
         self.learned.check_compatible(model)
 
-    def offer(self, model: Transformer | FeatureDrafterModel, version: str) -> None:
+    def offer(self, model: Transformer | FeatureDrafterModel, version: int) -> None:
         self.learned.offer(model, version)
 
     def apply_pending(self) -> bool:

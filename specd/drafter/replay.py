@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from specd.drafter.base import DraftBatch, Proposal
+from specd.drafter.base import BUILT_IN_VERSION, DraftBatch, Proposal
 
 
 class ReplayDrafter:
@@ -21,8 +21,8 @@ class ReplayDrafter:
         self._slots: list[list[int] | None] = []  # per slot: the recording its request replays
 
     @property
-    def version(self) -> str:
-        return "replay"
+    def version(self) -> int:
+        return BUILT_IN_VERSION
 
     def bind(self, max_batch: int, max_seq: int, device: torch.device) -> None:
         self._slots = [None] * max_batch

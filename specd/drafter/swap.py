@@ -29,7 +29,7 @@ Payload = TypeVar("Payload")
 @runtime_checkable
 class Swappable(Protocol):
     @property
-    def version(self) -> str: ...
+    def version(self) -> int: ...
 
     @property
     def model(self) -> Any: ...
@@ -40,7 +40,7 @@ class Swappable(Protocol):
     def check_compatible(self, model: DrafterModel) -> None:
         """Raise `BadWeights` (or a subclass) if `model` cannot serve here."""
 
-    def offer(self, model: DrafterModel, version: str) -> None: ...
+    def offer(self, model: DrafterModel, version: int) -> None: ...
 
     def apply_pending(self) -> bool: ...
 
@@ -56,14 +56,14 @@ class WeightHandoff(Generic[Payload]):
     offer replaces one not yet taken."""
 
     def __init__(self) -> None:
-        self._pending: tuple[Payload, str] | None = None
+        self._pending: tuple[Payload, int] | None = None
         self._lock = threading.Lock()
 
-    def put(self, payload: Payload, version: str) -> None:
+    def put(self, payload: Payload, version: int) -> None:
         with self._lock:
             self._pending = (payload, version)
 
-    def take(self) -> tuple[Payload, str] | None:
+    def take(self) -> tuple[Payload, int] | None:
         with self._lock:
             pending, self._pending = self._pending, None
         return pending
@@ -72,13 +72,13 @@ class WeightHandoff(Generic[Payload]):
 class HotSwapped(Generic[Payload]):
     serves: ClassVar[type]   # the class of model weights this drafter serves
 
-    def __init__(self, version: str) -> None:
+    def __init__(self, version: int) -> None:
         self._version = version
         self._handoff: WeightHandoff[Payload] = WeightHandoff()
         self.num_swaps = 0
 
     @property
-    def version(self) -> str:
+    def version(self) -> int:
         return self._version
 
     def check_compatible(self, model: DrafterModel) -> None:
@@ -90,12 +90,12 @@ class HotSwapped(Generic[Payload]):
         """What `install` takes, made on the offering thread (by default the model itself)."""
         return cast(Payload, model)
 
-    def offer(self, model: DrafterModel, version: str) -> None:
+    def offer(self, model: DrafterModel, version: int) -> None:
         """Hand over checked weights from any thread; they take over at the next `apply_pending`."""
         self.check_compatible(model)
         self._handoff.put(self.prepare(model), version)
 
-    def take(self) -> tuple[Payload, str] | None:
+    def take(self) -> tuple[Payload, int] | None:
         """The pending offer, removed (None when there is none)."""
         return self._handoff.take()
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specd.drafter.base import DraftBatch, Proposal
+from specd.drafter.base import BUILT_IN_VERSION, DraftBatch, Proposal
 from specd.drafter.swap import HotSwapped
 from specd.model.distributions import sample_from, target_probs
 from specd.model.transformer import KVCache, ModelConfig, Transformer
@@ -91,7 +91,7 @@ class TokenDrafter(HotSwapped[Transformer]):
 
     serves = Transformer
 
-    def __init__(self, model: Transformer, version: str = "0", catchup_tokens_per_step: int = 256) -> None:
+    def __init__(self, model: Transformer, version: int = BUILT_IN_VERSION, catchup_tokens_per_step: int = 256) -> None:
         super().__init__(version)
         self.model = model
         self.catchup_tokens_per_step = catchup_tokens_per_step

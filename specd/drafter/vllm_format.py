@@ -114,14 +114,15 @@ def eagle3_config(model: FeatureDrafterModel, target_config: dict[str, Any],
 
 
 def export_eagle3(model: FeatureDrafterModel, folder: str | Path, target_dir: str | Path,
-                  fingerprint: TargetFingerprint, version: str) -> Path:
+                  fingerprint: TargetFingerprint, version: int) -> Path:
     """Write the folder vLLM's `eagle3` method loads (and specd's copy beside it); returns it."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     target_config = json.loads((Path(target_dir) / "config.json").read_text())
     save_file(checkpoint_tensors(model), str(folder / "model.safetensors"))
     (folder / SPECD_CHECKPOINT).parent.mkdir(exist_ok=True)
-    save_drafter(model, folder / SPECD_CHECKPOINT, fingerprint, extra={"specd_version": version})
+    # safetensors metadata values are strings
+    save_drafter(model, folder / SPECD_CHECKPOINT, fingerprint, extra={"specd_version": str(version)})
     config = eagle3_config(model, target_config, {"version": version})
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return folder

@@ -68,7 +68,7 @@ class StepStats:
     num_drafts_accepted: int
     num_tokens_emitted: int
     seconds: float
-    drafter_version: str
+    drafter_version: int | None   # None: no drafter ran
     k: int = 0
 
     @property
@@ -278,7 +278,7 @@ class Engine:
                        torch.where(is_greedy[:, None], greedy.tokens, sampled.tokens))
 
     def _emit(self, verdict: Verdict, drafts: torch.Tensor, limit: torch.Tensor,
-              lengths: torch.Tensor, version: str) -> StepStats:
+              lengths: torch.Tensor, version: int | None) -> StepStats:
         eos = set(self.config.eos_token_ids)
         stats = StepStats(len(self.running), 0, 0, 0, 0.0, version)
         # who drafted each row: a hybrid drafter names it per row ("context4", "table2", "learned", ...)
@@ -308,8 +308,9 @@ class Engine:
         return stats
 
     @property
-    def drafter_version(self) -> str:
-        return self.drafter.version if self.drafter is not None and self.k > 0 else "none"
+    def drafter_version(self) -> int | None:
+        """The version that drafts the next step; None when no drafter runs."""
+        return self.drafter.version if self.drafter is not None and self.k > 0 else None
 
     def _retire(self) -> list[Sequence]:
         finished = [slot for slot, seq in enumerate(self.running) if seq.is_finished]

@@ -53,7 +53,7 @@ class LookaheadController:
     def __init__(self, config: LookaheadConfig, costs: LookaheadCosts | None = None) -> None:
         self.config = config
         self.acceptance = config.prior_acceptance
-        self.version: str | None = None
+        self.version: int | None = None
         self.costs = costs if costs is not None else LookaheadCosts()
         self.steps_without_drafting = 0
 
@@ -65,7 +65,7 @@ class LookaheadController:
     def verify_seconds(self) -> dict[int, float]:
         return self.costs.verify_seconds
 
-    def choose(self, version: str) -> int:
+    def choose(self, version: int) -> int:
         if version != self.version:
             self.version, self.acceptance = version, self.config.prior_acceptance
         if not self.config.adaptive or self.draft_seconds is None or not self.verify_seconds:

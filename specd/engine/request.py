@@ -66,7 +66,7 @@ class VerifyStep:
     position: int              # sequence length before the step (index of the first new token)
     drafts: tuple[int, ...]    # the drafts that were verified (empty without speculation)
     num_accepted: int          # drafts the target accepted
-    drafter_version: str
+    drafter_version: int | None   # None: no drafter ran
     source: str = LEARNED_SOURCE  # who drafted: the learned drafter, or "context<n>", "table<n>", ...
 
 
@@ -117,7 +117,7 @@ class Sequence:
                                 self.num_output_tokens)
 
     def record_step(self, position: int, drafts: list[int], num_accepted: int, num_kept: int,
-                    drafter_version: str, source: str = LEARNED_SOURCE) -> None:
+                    drafter_version: int | None, source: str = LEARNED_SOURCE) -> None:
         self.steps.append(VerifyStep(position, tuple(drafts), num_accepted, drafter_version, source))
         self.num_drafts_proposed += len(drafts)
         self.num_drafts_accepted += num_kept

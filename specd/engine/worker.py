@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class WorkerMetrics(Protocol):
     """What the worker reports per verification step and per published record (the server's metrics)."""
 
-    def observe_verification(self, version: str, drafts: int, accepted: int, emitted: int,
+    def observe_verification(self, version: int | None, drafts: int, accepted: int, emitted: int,
                              domain: str = "default") -> None: ...
 
     def record_published(self) -> None: ...

@@ -47,7 +47,7 @@ SWAPPER_TASK = "swapper"
 
 @dataclass
 class SwapEvent:
-    version: str
+    version: int
     seconds_to_prepare: float
     at: float = field(default_factory=time.time)
 
@@ -100,12 +100,12 @@ class Swapper:
         self.retrying: dict[int, int] = {}  # version -> failed fetches in a row (one version at a time)
         self.fetch_failures = 0             # every transient failure since start
         self.retry_at = 0.0                 # `clock` time before which the retried version is not fetched
-        self._wanted: str | None = None
+        self._wanted: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
-    def prepared_version(self) -> str | None:
+    def prepared_version(self) -> int | None:
         """The last version handed to the drafter (it serves from the drafter's next proposal)."""
         return self._wanted
 
@@ -116,7 +116,7 @@ class Swapper:
         except (OSError, ValueError) as error:
             log.warning("cannot read the store's live version: %s", error)
             return False
-        if live is None or str(live) in (self.drafter.version, self._wanted) or live in self.refused:
+        if live is None or live in (self.drafter.version, self._wanted) or live in self.refused:
             self.retrying.clear()  # whatever was retried is not wanted any more
             return False
         if live not in self.retrying:
@@ -133,9 +133,9 @@ class Swapper:
             self._refuse(live, error)
             return False
         self.retrying.clear()
-        self._wanted = str(live)
-        self.drafter.offer(model, str(live))
-        self.prepared.append(SwapEvent(str(live), time.perf_counter() - begin))
+        self._wanted = live
+        self.drafter.offer(model, live)
+        self.prepared.append(SwapEvent(live, time.perf_counter() - begin))
         log.info("drafter version %s ready; it takes over at the next step", live)
         self._prune()
         return True
@@ -157,10 +157,7 @@ class Swapper:
 
     def _prune(self) -> None:
         """Bound the fetched files, keeping the version that serves and the one handed over to serve next."""
-        keep = set()
-        for version in (self.drafter.version, self._wanted):
-            if version is not None and version.isdigit():
-                keep.add(int(version))
+        keep = {self.drafter.version} | ({self._wanted} if self._wanted is not None else set())
         try:
             self.source.prune(keep)
         except OSError as error:  # a cache we cannot tidy must not stop swaps

@@ -92,7 +92,7 @@ class Trainer:
         stats.losses.append(value)
         now = time.time()
         ages = [now - r.finished for r in records]
-        behind = [(live_version or 0) - int(s.version) for r in records for s in r.steps[:1] if s.version.isdigit()]
+        behind = [(live_version or 0) - s.version for r in records for s in r.steps[:1] if s.version is not None]
         self._staleness = {"mean_record_age_s": sum(ages) / len(ages),
                            "mean_versions_behind": sum(behind) / len(behind) if behind else None}
         return value

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from specd.core.errors import ConfigurationError
 from specd.core.traffic import TRAINING_RANGE, iter_conversations_in
-from specd.drafter.base import DraftBatch, Proposal
+from specd.drafter.base import BUILT_IN_VERSION, DraftBatch, Proposal
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams
 from specd.model.target import LoadedTarget
@@ -104,7 +104,7 @@ class FeatureCapture:
     """A drafter that drafts nothing and only names the layers to capture: the engine then records
     each request's features from its own prefill and decoding passes."""
 
-    version = "capture"
+    version = BUILT_IN_VERSION
 
     def __init__(self, capture_layers: tuple[int, ...]) -> None:
         self._capture = tuple(capture_layers)

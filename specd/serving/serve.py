@@ -37,6 +37,7 @@ from specd.control.canary import AcceptanceLog, CanaryConfig, apply_canary
 from specd.control.plane import ControlPlane, add_control_routes
 from specd.core.errors import ConfigurationError
 from specd.core.threads import BackgroundHealth, supervise
+from specd.drafter.base import BUILT_IN_VERSION
 from specd.drafter.checkpoint import DrafterModel, clone_drafter, load_drafter
 from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
 from specd.drafter.hybrid import HybridDrafter
@@ -90,7 +91,7 @@ class Wiring:
     counters: BusCounters
     source: VersionSource
     model: DrafterModel                # the drafter to serve until the source's live version arrives
-    version: str
+    version: int
     store: WeightStore | None = None   # embedded: the local store, its learner and control plane
     learner: LearnerHandle | None = None
     serving_cores: list[int] | None = None  # the server's cores when the learner has others
@@ -103,7 +104,7 @@ def _sidecar_wiring(options: ServeOptions, mqtt: MqttSettings, loaded: LoadedTar
     health = BackgroundHealth()
     publisher = MqttPublisher(mqtt, options.server_id, on_announcement=remote.announce, health=health)
     model = initial_model(loaded.model, options.drafter, fingerprint=loaded.fingerprint)
-    return Wiring(publisher, publisher.counters, remote, model, "0", publisher=publisher, health=health)
+    return Wiring(publisher, publisher.counters, remote, model, BUILT_IN_VERSION, publisher=publisher, health=health)
 
 
 LEARNER_MODES = ("auto", "process", "thread")
@@ -130,14 +131,14 @@ def _embedded_wiring(options: ServeOptions, loaded: LoadedTarget, store_dir: Pat
             store.set_live(live, "initial", if_live=None)
         process = LearnerProcess(config_for_process(LearnerConfig(k=options.k)), store_dir, loaded.model,
                                  loaded.fingerprint, embedding.dtype, learner_cores)
-        return Wiring(process.sink, process.sink.counters, LocalStore(store), model, str(live), store, process,
+        return Wiring(process.sink, process.sink.counters, LocalStore(store), model, live, store, process,
                       serving_cores=serving_cores)
     bus = InProcessBus()
     learner = None
     if options.learner:
         learner = Learner(LearnerConfig(duty_cycle=options.duty_cycle, k=options.k), bus, store, model,
                           loaded.fingerprint, embedding.dtype, embedding, target=loaded.model)
-    return Wiring(bus, bus.counters, LocalStore(store), model, str(store.live_version() or "0"), store, learner)
+    return Wiring(bus, bus.counters, LocalStore(store), model, store.live_version() or BUILT_IN_VERSION, store, learner)
 
 
 def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> web.Application:

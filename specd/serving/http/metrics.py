@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from specd.core.background_metrics import BackgroundCollector
-from specd.core.records import AcceptanceCounts, AcceptanceReport
+from specd.core.records import AcceptanceCounts, AcceptanceReport, version_label
 from specd.core.threads import BackgroundHealth
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80)
@@ -55,12 +55,12 @@ class _DerivedRates(Collector):
                                    labels=["version"])
         by_version: dict[str, AcceptanceCounts] = {}
         for (version, _), counts in self.metrics.snapshot().items():  # evicted versions have no gauges
-            by_version.setdefault(version, AcceptanceCounts()).add(counts)
-        for version, summed in by_version.items():
+            by_version.setdefault(version_label(version), AcceptanceCounts()).add(counts)
+        for label, summed in by_version.items():
             if summed.acceptance_rate is not None:
-                rate.add_metric([version], summed.acceptance_rate)
+                rate.add_metric([label], summed.acceptance_rate)
             if summed.accept_length is not None:
-                length.add_metric([version], summed.accept_length)
+                length.add_metric([label], summed.accept_length)
         yield rate
         yield length
         for name, help_text in (("specd_drafter_swaps", "drafter versions taken over"),
@@ -69,7 +69,7 @@ class _DerivedRates(Collector):
             source = self.metrics.sources.get(name)
             if source is not None:
                 yield CounterMetricFamily(name, help_text, value=source())
-        yield from _domain_counters(self.metrics.snapshot(with_older=True))
+        yield from _domain_counters(self.metrics.labelled_snapshot())
 
 
 DOMAIN_COUNTERS = (("draft_tokens", "drafts proposed", "drafts"), ("accepted_tokens", "drafts accepted", "accepted"),
@@ -78,12 +78,13 @@ DOMAIN_COUNTERS = (("draft_tokens", "drafts proposed", "drafts"), ("accepted_tok
 
 
 def _domain_counters(totals: dict[tuple[str, str], AcceptanceCounts]) -> Iterator[CounterMetricFamily]:
-    """specd_spec_decode_domain_*_total{version, domain}: what dashboards break acceptance down by."""
+    """specd_spec_decode_domain_*_total{version, domain}: what dashboards break acceptance down by
+    (`totals` keyed by version label and domain)."""
     for short, help_text, field in DOMAIN_COUNTERS:
         family = CounterMetricFamily(f"specd_spec_decode_domain_{short}", f"{help_text}, by version and domain",
                                      labels=["version", "domain"])
-        for (version, domain), counts in sorted(totals.items()):
-            family.add_metric([version, domain], getattr(counts, field))
+        for (label, domain), counts in sorted(totals.items()):
+            family.add_metric([label, domain], getattr(counts, field))
         yield family
 
 
@@ -115,16 +116,17 @@ class ServingMetrics:
                                              "time between streamed tokens", registry=r, buckets=ITL_BUCKETS)
         # (version, domain) -> counts: what reports to the learner carry. Written by the engine
         # thread, read by scrapes and reports: only under `_lock`
-        self.totals: dict[tuple[str, str], AcceptanceCounts] = {}
-        self._versions: OrderedDict[str, None] = OrderedDict()   # labelled versions, least recent first
+        self.totals: dict[tuple[int | None, str], AcceptanceCounts] = {}
+        self._versions: OrderedDict[int | None, None] = OrderedDict()   # labelled versions, least recent first
         self._older: dict[str, AcceptanceCounts] = {}   # evicted versions' counts per domain (metrics only)
         self._lock = threading.Lock()
         r.register(_DerivedRates(self))
         if background is not None:
             r.register(BackgroundCollector(background))
 
-    def observe_verification(self, version: str, drafts: int, accepted: int, emitted: int,
+    def observe_verification(self, version: int | None, drafts: int, accepted: int, emitted: int,
                              domain: str = "default") -> None:
+        label = version_label(version)
         with self._lock:
             if version not in self._versions:
                 self._versions[version] = None
@@ -132,16 +134,16 @@ class ServingMetrics:
                     self._evict(next(iter(self._versions)))
             elif next(reversed(self._versions)) != version:
                 self._versions.move_to_end(version)
-            self.draft_tokens.labels(version).inc(drafts)
-            self.accepted_tokens.labels(version).inc(accepted)
-            self.passes.labels(version).inc()
-            self.emitted.labels(version).inc(emitted)
+            self.draft_tokens.labels(label).inc(drafts)
+            self.accepted_tokens.labels(label).inc(accepted)
+            self.passes.labels(label).inc()
+            self.emitted.labels(label).inc(emitted)
             self.totals.setdefault((version, domain), AcceptanceCounts()).add(
                 AcceptanceCounts(drafts, accepted, 1, emitted))
         for position in range(accepted):
             self.accepted_per_pos.labels(str(position)).inc()
 
-    def _evict(self, version: str) -> None:
+    def _evict(self, version: int | None) -> None:
         """Fold a version's counts into `older` and forget its label sets (caller holds `_lock`)."""
         del self._versions[version]
         folded = AcceptanceCounts()
@@ -152,25 +154,31 @@ class ServingMetrics:
         for counter, amount in ((self.draft_tokens, folded.drafts), (self.accepted_tokens, folded.accepted),
                                 (self.passes, folded.passes), (self.emitted, folded.emitted)):
             counter.labels(OLDER).inc(amount)
-            counter.remove(version)
+            counter.remove(version_label(version))
 
-    def snapshot(self, with_older: bool = False) -> dict[tuple[str, str], AcceptanceCounts]:
-        """A consistent copy of the per-(version, domain) counts, safe to read on any thread; with
-        `with_older`, evicted versions' counts too, under the version `older`."""
+    def snapshot(self) -> dict[tuple[int | None, str], AcceptanceCounts]:
+        """A consistent copy of the per-(version, domain) counts, safe to read on any thread."""
         with self._lock:
-            copy = {key: replace(counts) for key, counts in self.totals.items()}
-            if with_older:
-                copy.update({(OLDER, domain): replace(counts) for domain, counts in self._older.items()})
+            return {key: replace(counts) for key, counts in self.totals.items()}
+
+    def labelled_snapshot(self) -> dict[tuple[str, str], AcceptanceCounts]:
+        """The same keyed by version label, with evicted versions' counts under the label `older`."""
+        with self._lock:
+            copy = {(version_label(version), domain): replace(counts)
+                    for (version, domain), counts in self.totals.items()}
+            copy.update({(OLDER, domain): replace(counts) for domain, counts in self._older.items()})
             return copy
 
     def record_published(self) -> None:
         self.records_published.inc()
 
     def reports(self, server_id: str) -> list[AcceptanceReport]:
-        """One cumulative report per traffic domain: counts per drafter version."""
-        by_domain: dict[str, dict[str, AcceptanceCounts]] = {}
+        """One cumulative report per traffic domain: counts per drafter version (steps no drafter
+        proposed for have no acceptance to report)."""
+        by_domain: dict[str, dict[int, AcceptanceCounts]] = {}
         for (version, domain), counts in self.snapshot().items():
-            by_domain.setdefault(domain, {})[version] = counts
+            if version is not None:
+                by_domain.setdefault(domain, {})[version] = counts
         now = time.time()
         return [AcceptanceReport(server_id, now, domain, versions) for domain, versions in by_domain.items()]
 

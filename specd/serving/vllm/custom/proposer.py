@@ -31,7 +31,7 @@ import torch
 
 from specd.core.errors import CheckpointError
 from specd.core.records import LEARNED_SOURCE
-from specd.drafter.base import DraftBatch
+from specd.drafter.base import BUILT_IN_VERSION, DraftBatch
 from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
 from specd.drafter.hybrid import HybridDrafter
 from specd.drafter.swap import ServingDrafter
@@ -93,8 +93,8 @@ class SpecdProposer:
         # (the feature drafter runs on the eagle3 route, see specd.serving.vllm.eagle3.companion)
         spec = DrafterSpec(settings.drafter_kind, arch="token", layers=settings.drafter_layers,
                            head_vocab=settings.drafter_head_vocab, traffic_table=settings.traffic_table)
-        # version "0" serves until the live version is loaded, a moment after start
-        self.drafter = build_drafter(spec, initial_model(TargetHead(config, embed, head), spec), "0")
+        # the built-in version serves until the live version is loaded, a moment after start
+        self.drafter = build_drafter(spec, initial_model(TargetHead(config, embed, head), spec), BUILT_IN_VERSION)
         self.drafter.bind(self.slots.capacity, self.max_model_len + self.k + 1, device)
         self.swapper = Swapper(self.source, self.drafter, fingerprint, target_embedding=embed)
         self.swapper.check_once()  # a local store's live version serves from the first step

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specd.core.errors import CheckpointError
+from specd.drafter.base import BUILT_IN_VERSION
 from specd.drafter.checkpoint import DrafterModel, load_drafter, read_metadata
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.drafter.swap import HotSwapped
@@ -107,7 +108,7 @@ class VllmDrafterSlot(HotSwapped[tuple[FeatureDrafterModel, dict[str, torch.Tens
 
     serves = FeatureDrafterModel
 
-    def __init__(self, model: FeatureDrafterModel, version: str, device: torch.device,
+    def __init__(self, model: FeatureDrafterModel, version: int, device: torch.device,
                  installer: Callable[[dict[str, torch.Tensor]], None] | None = None) -> None:
         super().__init__(version)
         self.model, self.device, self.installer = model, device, installer
@@ -167,7 +168,7 @@ class Eagle3Companion:
         model = load_drafter(path, fingerprint, target_embedding=embed)
         if not isinstance(model, FeatureDrafterModel):
             raise CheckpointError(f"{path}: not a feature drafter")
-        version = read_metadata(path).get("specd_version", "0")
+        version = int(read_metadata(path).get("specd_version", BUILT_IN_VERSION))  # written by export_eagle3
         compiled = int(getattr(self.proposer.vllm_config.compilation_config, "mode", 0) or 0) != 0
         self.repack = vllm_cpu_repack() if device.type == "cpu" and not compiled else None
         install(self.proposer.model, vllm_parameters(model), self.repack)

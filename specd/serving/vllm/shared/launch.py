@@ -174,6 +174,7 @@ def prepare_eagle3_drafter(target_dir: str | Path, settings: PluginSettings, fol
     """Export the version vLLM's EAGLE-3 proposer starts from (see `_start_version`) into `folder`
     (default: a new temporary folder owned by this process, which outlives it: see the module's
     docstring); the worker side then follows the live version from there."""
+    from specd.drafter.base import BUILT_IN_VERSION
     from specd.drafter.checkpoint import load_drafter
     from specd.drafter.feature_model import FeatureDrafterModel
     from specd.drafter.vllm_format import export_eagle3
@@ -184,7 +185,7 @@ def prepare_eagle3_drafter(target_dir: str | Path, settings: PluginSettings, fol
     config, embed, _ = read_target_head(target_dir)
     fingerprint = TargetFingerprint.of(config, target_dir)
     try:
-        path, version = (Path(drafter), "0") if drafter is not None else _start_version(settings, folder)
+        path, version = (Path(drafter), BUILT_IN_VERSION) if drafter is not None else _start_version(settings, folder)
         try:
             model = load_drafter(path, fingerprint, target_embedding=embed)
         except SpecdError as error:
@@ -200,10 +201,11 @@ def prepare_eagle3_drafter(target_dir: str | Path, settings: PluginSettings, fol
         shutil.rmtree(folder / "fetched", ignore_errors=True)  # a fetched start version: the export holds a copy
 
 
-def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, str]:
+def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, int]:
     """The file and version to start from: `settings.version` (else the live one) from the store, or
-    from the learner over HTTP; the shipped pretrained drafter ("0") when there is none yet or the
+    from the learner over HTTP; the shipped pretrained drafter (`BUILT_IN_VERSION`) when there is none yet or the
     learner cannot be reached (a warning says so)."""
+    from specd.drafter.base import BUILT_IN_VERSION
     from specd.drafter.pretrained import SHIPPED_DRAFTER
     from specd.hotswap.integrity import check_file
     from specd.hotswap.remote import RemoteSource
@@ -214,20 +216,21 @@ def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, str]:
         version = settings.version if settings.version is not None else store.live_version()
         if version is not None:
             check_file(version, store.weights_path(version), store.manifest(version), ConfigurationError)
-            return store.weights_path(version), str(version)
+            return store.weights_path(version), version
     elif settings.learner_url is not None:
         try:
             with urllib.request.urlopen(settings.learner_url.rstrip("/") + "/v1/status", timeout=10) as response:
                 live = json.loads(response.read())["live"]
             version = settings.version if settings.version is not None else live
             if version is not None:
-                path, manifest = RemoteSource(folder / "fetched", settings.learner_url).fetch(int(version))
-                check_file(int(version), path, manifest, ConfigurationError)
-                return path, str(version)
+                version = int(version)
+                path, manifest = RemoteSource(folder / "fetched", settings.learner_url).fetch(version)
+                check_file(version, path, manifest, ConfigurationError)
+                return path, version
         except (OSError, ValueError, KeyError, SpecdError) as error:
             log.warning("cannot read the learner's live version (%s); vLLM starts from the shipped drafter and "
                         "follows the learner's versions once they are announced", error)
-    return SHIPPED_DRAFTER, "0"
+    return SHIPPED_DRAFTER, BUILT_IN_VERSION
 
 
 OWNER_FILE = ".specd-owner"  # the process id that removes the folder when it exits

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, AcceptanceReport, StepRecord, TrajectoryRecord
+from specd.drafter.base import BUILT_IN_VERSION
 
 
 class SlotDrafter(Protocol):
@@ -123,7 +124,7 @@ class Trajectory:
     steps: list[StepRecord] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)   # proposed at the last step, not yet verified
     drafted_at: int = 0                # sequence length when they were proposed
-    version: str = ""
+    version: int = BUILT_IN_VERSION  # of the drafter that proposed `drafts`
     source: str = LEARNED_SOURCE       # who drafted them
     stop_checked: int = 0              # output tokens already known not to be stop tokens
 
@@ -148,18 +149,18 @@ class StepTracker:
         self.server_id = server_id
         self.domain = domain
         self.live: dict[str, Trajectory] = {}
-        self.totals: dict[str, AcceptanceCounts] = {}
+        self.totals: dict[int, AcceptanceCounts] = {}
         self.previous_rows: list[str] = []
         self.last_verified: list[tuple[str, int, int]] = []  # (request id, drafts, accepted) at the last observe
         self._finished: OrderedDict[str, None] = OrderedDict()   # ids already turned into records
         self._keep_finished = keep_finished
 
     def observe(self, request_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: np.ndarray,
-                prompt_lengths: np.ndarray, token_rows: np.ndarray, version: str) -> list[int]:
+                prompt_lengths: np.ndarray, token_rows: np.ndarray, version: int) -> list[int]:
         """Take one step's outcome; returns, per row of the previous proposal, its accepted drafts."""
         row_of = {request_id: row for row, request_id in enumerate(request_ids)}
         accepted_by_previous_row = []
-        verified_by: dict[str, str] = {}   # request id -> version whose drafts this step verified
+        verified_by: dict[str, int] = {}   # request id -> version whose drafts this step verified
         self.last_verified = []
         for request_id in self.previous_rows:
             trajectory, row = self.live.get(request_id), row_of.get(request_id)
@@ -193,7 +194,7 @@ class StepTracker:
         return accepted_by_previous_row
 
     def remember(self, request_ids: Sequence[str], drafts: Sequence[list[int]], lengths: np.ndarray,
-                 version: str, sources: Sequence[str] | None = None) -> None:
+                 version: int, sources: Sequence[str] | None = None) -> None:
         """The drafts just proposed per row (and who drafted them); the next `observe` learns their fate."""
         self.previous_rows = list(request_ids)
         for row, request_id in enumerate(request_ids):

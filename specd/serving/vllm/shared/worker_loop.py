@@ -91,11 +91,11 @@ class RequestBook:
         self.telemetry = Telemetry(self.tracker, settings.report_seconds)
 
     def observe(self, request_ids: list[str], sampled: Sequence[Sequence[int]], lengths: np.ndarray,
-                prompt_lengths: np.ndarray, token_ids_cpu: np.ndarray, version: str) -> list[int]:
+                prompt_lengths: np.ndarray, token_ids_cpu: np.ndarray, version: int) -> list[int]:
         with self.telemetry.lock:
             return self.tracker.observe(request_ids, sampled, lengths, prompt_lengths, token_ids_cpu, version)
 
-    def remember(self, request_ids: list[str], drafts: list[list[int]], lengths: np.ndarray, version: str,
+    def remember(self, request_ids: list[str], drafts: list[list[int]], lengths: np.ndarray, version: int,
                  sources: list[str] | None = None) -> None:
         with self.telemetry.lock:
             self.tracker.remember(request_ids, drafts, lengths, version, sources)
