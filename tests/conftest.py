@@ -7,8 +7,10 @@ import pytest
 import torch
 from dependencies import pytest_collection_modifyitems
 
+from specd.core.records import AcceptanceCounts, source_kind
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import EngineConfig
+from specd.engine.request import Sequence
 from specd.model.transformer import Transformer
 from specd.testing import TINY, learnable_target, tiny_target
 
@@ -36,6 +38,19 @@ def always_right_counts(num_output: int, max_tokens: int, k: int) -> tuple[int, 
         else:
             accepted, emitted = accepted + limit, emitted + limit + 1
     return passes, proposed, accepted
+
+
+def counts_by_source(seqs: list[Sequence]) -> dict[str, AcceptanceCounts]:
+    """What each drafting source's steps proposed, had accepted and emitted (a step emits up to the
+    next step's position), computed from the requests' own steps."""
+    totals: dict[str, AcceptanceCounts] = {}
+    for seq in seqs:
+        ends = [step.position for step in seq.steps[1:]] + [seq.num_tokens]
+        for step, end in zip(seq.steps, ends, strict=True):
+            emitted = end - step.position
+            totals.setdefault(source_kind(step.source, len(step.drafts)), AcceptanceCounts()).add(
+                AcceptanceCounts(len(step.drafts), min(step.num_accepted, emitted), 1, emitted))
+    return totals
 
 
 def tiny_drafter(target: Transformer, seed: int = 1) -> TokenDrafter:

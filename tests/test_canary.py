@@ -66,3 +66,32 @@ def test_canary_leaves_a_good_version_and_a_pinned_floor_alone(store: WeightStor
     store.pin(2)
     assert apply_canary(store, log, CanaryConfig(margin=0.1, min_drafts=400)) is None  # pinned: the floor
     assert store.live_version() == 2
+
+
+def test_source_counts_are_kept_apart_from_the_versions_and_survive_a_counter_reset() -> None:
+    log = AcceptanceLog()
+    learned, context = {"drafts": 100, "accepted": 50}, {"drafts": 80, "accepted": 70, "passes": 20, "emitted": 90}
+    log.add(report("a", 1, v1=(100, 50)) | {"sources": {"learned": learned, "context": context}})
+    log.add(report("a", 2, v1=(100, 50)) | {"sources": {"context": {"drafts": 10, "accepted": 9}}})  # a restart
+    assert log.acceptance(1) == (0.5, 100)  # the version is judged on the learned drafter's own drafts
+    assert log.source_totals_as_dict() == {"learned": {"drafts": 100, "accepted": 50, "passes": 0, "emitted": 0},
+                                           "context": {"drafts": 90, "accepted": 79, "passes": 20, "emitted": 90}}
+    assert [p["source"] for p in log.source_series] == ["learned", "context", "context"]
+    with pytest.raises(ValueError):
+        log.add(report("a", 3) | {"sources": {"x" * 40: {}}})
+
+
+def test_specd_versions_shows_served_acceptance_per_version_and_source(monkeypatch, capsys) -> None:
+    from specd.cli import store_commands
+    from specd.cli.main import main
+
+    log = AcceptanceLog()
+    log.add(report("a", 1, v2=(200, 150)) | {"sources": {"learned": {"drafts": 200, "accepted": 150},
+                                                         "table": {"drafts": 40, "accepted": 10}}})
+    manifest = {"version": 2, "status": "live", "created": 0.0, "evaluation": {"candidate": 1.9, "live": 1.8}}
+    answers = {"/v1/versions": {"live": 2, "versions": [manifest]},
+               "/v1/acceptance": {"totals": log.totals_as_dict(), "source_totals": log.source_totals_as_dict()}}
+    monkeypatch.setattr(store_commands, "_http", lambda args, path, body=None: answers[path])
+    assert main(["versions", "--url", "http://learner.invalid"]) == 0
+    out = capsys.readouterr().out
+    assert "150/200 = 0.75" in out and "table 10/40 = 0.25" in out and "learned 150/200 = 0.75" in out

@@ -50,6 +50,7 @@ def test_dashboard_renders_live_charts_and_rolls_back_from_the_page(tmp_path: Pa
             page.goto(server.url + "/dashboard")
             page.wait_for_function("document.querySelectorAll('#rate polyline.series').length > 0", timeout=20000)
             assert page.locator("#length polyline.series").count() > 0
+            assert page.locator("#source-rate polyline.series").count() > 0  # acceptance per drafting source
             assert int(page.locator("#rate").get_attribute("data-points") or 0) > 0
             assert page.locator("#versions tbody tr").count() == 2
             assert "live: v2" in page.locator("#live").inner_text()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY, always_right_counts, fixed_k, tiny_drafter, tiny_target
+from conftest import TINY, always_right_counts, counts_by_source, fixed_k, tiny_drafter, tiny_target
 
 from specd.core.errors import RequestRefused
 from specd.core.records import AcceptanceCounts
@@ -263,3 +263,19 @@ def test_adaptive_lookahead_stays_lossless_when_it_changes_k() -> None:
     seqs = engine.generate(PROMPTS, GREEDY)
     assert [s.output_ids for s in seqs] == target_only(target)
     assert len({s.k for s in engine.step_stats}) > 1
+
+
+def test_engine_counts_each_drafting_source_apart() -> None:
+    from specd.drafter.hybrid import HybridDrafter
+
+    target = tiny_target()
+    engine = Engine(target, HybridDrafter(tiny_drafter(target)), fixed_k(max_batch=3, num_draft_tokens=3))
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [3, 3, 3, 3, 3]]   # two repeat themselves
+    seqs = engine.generate(prompts, SamplingParams(max_tokens=20))
+    counted: dict[str, AcceptanceCounts] = {}
+    for stats in engine.step_stats:
+        for source, counts in stats.by_source.items():
+            counted.setdefault(source, AcceptanceCounts()).add(counts)
+    expected = counts_by_source(seqs)
+    assert {"learned", "context"} <= set(counted)
+    assert {s: c.as_dict() for s, c in counted.items()} == {s: c.as_dict() for s, c in expected.items()}

@@ -214,22 +214,22 @@ def test_a_message_is_acknowledged_only_after_its_handler_stored_it(tmp_path) ->
 
 def labelled_versions(metrics: ServingMetrics) -> set[str]:
     text = metrics.exposition().decode()
-    return set(re.findall(r'specd_spec_decode_num_draft_tokens_total\{version="([^"]+)"\}', text))
+    return set(re.findall(r'specd_spec_decode_num_draft_tokens_total\{source="[^"]+",version="([^"]+)"\}', text))
 
 
 def test_only_the_most_recent_versions_keep_their_own_metric_labels(tmp_path) -> None:
     metrics = ServingMetrics(max_versions=8)
     for version in range(1, 101):
-        metrics.observe_verification(version, drafts=4, accepted=2, emitted=3)
+        metrics.observe_verification(version, "learned", drafts=4, accepted=2, emitted=3)
     assert labelled_versions(metrics) == {str(v) for v in range(93, 101)} | {OLDER}
     text = metrics.exposition().decode()
     # nothing is lost from the sums: the evicted versions' counts live on under "older"
-    assert f'specd_spec_decode_num_draft_tokens_total{{version="{OLDER}"}} 368.0' in text
+    assert f'specd_spec_decode_num_draft_tokens_total{{source="learned",version="{OLDER}"}} 368.0' in text
     assert {version for report in metrics.reports("s") for version in report.versions} == \
         set(range(93, 101))
     # the version served again (a rollback) is recent again and is not the next evicted
-    metrics.observe_verification(93, 4, 4, 5)
-    metrics.observe_verification(101, 4, 4, 5)
+    metrics.observe_verification(93, "learned", 4, 4, 5)
+    metrics.observe_verification(101, "learned", 4, 4, 5)
     assert "93" in labelled_versions(metrics) and "94" not in labelled_versions(metrics)
 
 
@@ -242,7 +242,8 @@ def test_metrics_scrape_while_the_engine_thread_counts(tmp_path) -> None:
         i = 0
         try:
             while not stop.is_set():
-                metrics.observe_verification(i % 50, 4, i % 5, 2, domain=f"d{i % 7}")
+                source = "context4" if i % 3 else "learned"
+                metrics.observe_verification(i % 50, source, 4, i % 5, 2, domain=f"d{i % 7}")
                 i += 1
         except BaseException as error:  # kept: the assertion below names it
             errors.append(error)

@@ -125,9 +125,13 @@ def test_step_tracker_infers_accepted_counts_and_voids_drafts_that_were_never_ve
     assert record is not None and record.prompt_ids == prompt_a and record.output_ids == [10, 11, 12, 99]
     assert [(s.position, s.drafts, s.num_accepted, s.version) for s in record.steps] == [(4, [11, 12, 13], 2, 1)]
     validate_record(json.loads(json.dumps(record.to_dict())), vocab_size=100)
-    assert tracker.report().to_dict()["versions"]["1"] == {"drafts": 3, "accepted": 2, "passes": 3, "emitted": 5}
-    # a pass that verified no drafts counts for the version serving at that step
-    assert tracker.report().to_dict()["versions"]["2"] == {"drafts": 1, "accepted": 0, "passes": 2, "emitted": 2}
+    report = tracker.report().to_dict()
+    # per version: the learned drafter's own verified drafts and the passes that verified them
+    assert report["versions"]["1"] == {"drafts": 3, "accepted": 2, "passes": 1, "emitted": 3}
+    assert report["versions"]["2"] == {"drafts": 1, "accepted": 0, "passes": 1, "emitted": 1}
+    # a pass that verified no drafts counts for no drafter: under the source "none"
+    assert report["sources"] == {"learned": {"drafts": 4, "accepted": 2, "passes": 2, "emitted": 4},
+                                 "none": {"drafts": 0, "accepted": 0, "passes": 3, "emitted": 3}}
     assert tracker.finish("a") is None and tracker.is_finished("a")
 
 
@@ -380,7 +384,8 @@ def test_telemetry_hands_a_finished_record_to_the_publisher_the_recent_records_a
     assert len(table) > 0 and table.draft([1, 2, 3, 10], 2) == [11, 12]   # the table learned its tokens
     status = telemetry.status()
     assert status["records_published"] == 1 and status["live_requests"] == 0
-    assert status["totals"]["1"] == {"drafts": 2, "accepted": 2, "passes": 2, "emitted": 4}
+    assert status["totals"]["1"] == {"drafts": 2, "accepted": 2, "passes": 1, "emitted": 3}
+    assert status["totals_by_source"]["none"] == {"drafts": 0, "accepted": 0, "passes": 1, "emitted": 1}
 
 
 def test_telemetry_reports_acceptance_totals_on_its_own_thread() -> None:
@@ -389,4 +394,4 @@ def test_telemetry_reports_acceptance_totals_on_its_own_thread() -> None:
     finished_record(tracker)
     assert publisher.report_arrived.wait(timeout=10), "the report thread never sent a report"
     assert publisher.last_report is not None
-    assert publisher.last_report["versions"] == {"1": {"drafts": 2, "accepted": 2, "passes": 2, "emitted": 4}}
+    assert publisher.last_report["versions"] == {"1": {"drafts": 2, "accepted": 2, "passes": 1, "emitted": 3}}

@@ -86,24 +86,39 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_versions(args: argparse.Namespace) -> int:
+    served: dict[str, dict[str, dict[str, int]]] = {"totals": {}, "source_totals": {}}
     if args.url:
         listing = _http(args, "/v1/versions")
         live, manifests = listing["live"], listing["versions"]
+        served = _http(args, "/v1/acceptance")  # what the servers report, per version and per source
     else:
         store = _open_store(args.store)
         live, manifests = store.live_version(), [store.manifest(v) for v in store.versions()]
+    by_version, by_source = served.get("totals", {}), served.get("source_totals", {})
     if args.json:
-        print(json.dumps({"live": live, "versions": manifests}))
+        print(json.dumps({"live": live, "versions": manifests, "served_by_version": by_version,
+                          "served_by_source": by_source}))
         return 0
     print(f"live: {live}")
-    print(f"{'version':>7}  {'status':11} {'pinned':6} {'parent':>6}  {'accept len (cand/live)':22} created")
+    print(f"{'version':>7}  {'status':11} {'pinned':6} {'parent':>6}  {'accept len (cand/live)':22} "
+          f"{'served acceptance':17} created")
     for m in manifests:
         evaluation = m.get("evaluation") or {}
         scores = f"{evaluation.get('candidate') or '-'}/{evaluation.get('live') or '-'}"
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["created"]))
         print(f"{m['version']:>7}  {m['status']:11} {'yes' if m.get('pinned') else '':6} "
-              f"{m.get('parent') or '-':>6}  {scores:22} {created}")
+              f"{m.get('parent') or '-':>6}  {scores:22} {_acceptance(by_version.get(str(m['version']))):17} {created}")
+    if by_source:
+        print("served acceptance by drafting source: " + ", ".join(
+            f"{source} {_acceptance(counts)}" for source, counts in sorted(by_source.items()) if source != "none"))
     return 0
+
+
+def _acceptance(counts: dict[str, int] | None) -> str:
+    """"accepted/drafts = rate" of reported counts, or "-" when nothing was drafted."""
+    if not counts or not counts.get("drafts"):
+        return "-"
+    return f"{counts['accepted']}/{counts['drafts']} = {counts['accepted'] / counts['drafts']:.2f}"
 
 
 def run_rollback(args: argparse.Namespace) -> int:

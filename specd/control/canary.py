@@ -1,9 +1,10 @@
 """Live acceptance from the servers' reports, and the canary that rolls a regression back.
 
-Contract: servers report cumulative counters per drafter version and traffic domain (drafts
-proposed and accepted, target passes, tokens emitted). `AcceptanceLog.add` turns them into per-interval deltas per
-server and version (a restarted server's counters start again at zero: a drop is a reset, not a
-negative delta), keeps a bounded time series for the dashboard, and totals per version.
+Contract: servers report cumulative counters per traffic domain (drafts proposed and accepted,
+target passes, tokens emitted), per drafter version of the learned drafter's own drafts and per
+drafting source kind. `AcceptanceLog.add` turns them into per-interval deltas per server and
+version or source (a restarted server's counters start again at zero: a drop is a reset, not a
+negative delta), keeps bounded time series for the dashboard, and totals per version and source.
 `canary_verdict` compares the live version with the one before it: once the live version has
 at least `min_drafts` drafted tokens, an acceptance rate below its predecessor's by more than
 `margin` is a regression. A pinned live version is the floor and is never rolled back
@@ -29,10 +30,15 @@ class CanaryConfig:
 
 
 class AcceptanceLog:
+    """Per-version acceptance (the learned drafter's own drafts: what the canary judges) and
+    per-source acceptance (what operators see beside it), as deltas and totals."""
+
     def __init__(self, max_points: int = 5000) -> None:
         self.series: deque[dict[str, Any]] = deque(maxlen=max_points)
+        self.source_series: deque[dict[str, Any]] = deque(maxlen=max_points)
         self.totals: dict[int, AcceptanceCounts] = {}
-        self._last: dict[tuple[str, str, int], AcceptanceCounts] = {}
+        self.source_totals: dict[str, AcceptanceCounts] = {}
+        self._last: dict[tuple[str, str, int | str], AcceptanceCounts] = {}
 
     def add(self, report: AcceptanceReport | dict[str, Any]) -> None:
         """Take one cumulative report (an untrusted dict is validated first: RecordRefused if malformed)."""
@@ -40,16 +46,26 @@ class AcceptanceLog:
             report = validate_report(report)
         at = report.time or time.time()
         for version, counts in report.versions.items():
-            key = (report.server_id, report.domain, version)
-            previous = self._last.get(key, AcceptanceCounts())
-            # a restarted server's counters start again at zero: then the whole count is new
-            delta = counts.minus(previous) if counts.covers(previous) else counts
-            self._last[key] = counts
-            if delta.is_empty:
-                continue
-            self.totals.setdefault(version, AcceptanceCounts()).add(delta)
-            self.series.append({"time": at, "server": report.server_id, "version": version,
-                                "domain": report.domain, **delta.as_dict()})
+            delta = self._delta((report.server_id, report.domain, version), counts)
+            if delta is not None:
+                self.totals.setdefault(version, AcceptanceCounts()).add(delta)
+                self.series.append({"time": at, "server": report.server_id, "version": version,
+                                    "domain": report.domain, **delta.as_dict()})
+        for source, counts in report.sources.items():
+            # the key's last part is a str for sources and an int for versions: they never collide
+            delta = self._delta((report.server_id, report.domain, source), counts)
+            if delta is not None:
+                self.source_totals.setdefault(source, AcceptanceCounts()).add(delta)
+                self.source_series.append({"time": at, "server": report.server_id, "source": source,
+                                           "domain": report.domain, **delta.as_dict()})
+
+    def _delta(self, key: tuple[str, str, int | str], counts: AcceptanceCounts) -> AcceptanceCounts | None:
+        """What `counts` adds to the last report under `key`; None when nothing."""
+        previous = self._last.get(key, AcceptanceCounts())
+        # a restarted server's counters start again at zero: then the whole count is new
+        delta = counts.minus(previous) if counts.covers(previous) else counts
+        self._last[key] = counts
+        return None if delta.is_empty else delta
 
     def acceptance(self, version: int) -> tuple[float | None, int]:
         total = self.totals.get(version)
@@ -59,6 +75,9 @@ class AcceptanceLog:
 
     def totals_as_dict(self) -> dict[str, dict[str, int]]:
         return {str(version): counts.as_dict() for version, counts in self.totals.items()}
+
+    def source_totals_as_dict(self) -> dict[str, dict[str, int]]:
+        return {source: counts.as_dict() for source, counts in self.source_totals.items()}
 
 
 def canary_verdict(log: AcceptanceLog, live: int, predecessor: int | None, live_pinned: bool,

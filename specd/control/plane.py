@@ -5,7 +5,8 @@ embedded `specd serve`:
   GET  /v1/versions                 {"live": n, "versions": [manifest, ...]}
   GET  /v1/versions/{n}             one manifest
   GET  /v1/versions/{n}/weights     the safetensors file (servers check its sha256)
-  GET  /v1/acceptance               acceptance time series per version and server
+  GET  /v1/acceptance               acceptance time series and totals per version and server (the
+                                    learned drafter's own drafts), and per drafting source
   GET  /v1/status                   learner and store status
   POST /v1/live      {"version": n}            make n live; a candidate (a version that never went
                                                through the gate) is first put through the learner's
@@ -127,7 +128,8 @@ async def weights(request: web.Request) -> web.StreamResponse:
 
 async def acceptance(request: web.Request) -> web.Response:
     log = request.app[PLANE].acceptance
-    return web.json_response({"series": list(log.series), "totals": log.totals_as_dict()})
+    return web.json_response({"series": list(log.series), "totals": log.totals_as_dict(),
+                              "source_series": list(log.source_series), "source_totals": log.source_totals_as_dict()})
 
 
 async def status(request: web.Request) -> web.Response:

@@ -10,9 +10,10 @@ learner that trains a feature drafter; a server that cannot capture them (vLLM) 
 raises `RecordRefused` with the reason; it never lets a malformed record reach training.
 `AcceptanceCounts` is the one type for "drafts proposed, drafts accepted, target passes, tokens
 emitted", used by the engine's metrics, specd's and vLLM's servers, their reports and the canary
-alike; an `AcceptanceReport` carries cumulative counts per drafter version for one server and
-traffic domain, and `validate_report` checks an untrusted one. This module knows nothing of engines
-or models.
+alike; an `AcceptanceReport` carries cumulative counts for one server and traffic domain, per
+drafter version (the learned drafter's own drafts only) and per drafting source kind
+(`source_kind`), and `validate_report` checks an untrusted one. This module knows nothing of
+engines or models.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from specd.core.errors import RecordRefused, RefusalReason
 
 SCHEMA_VERSION = 1
 LEARNED_SOURCE = "learned"
+NO_DRAFTS_SOURCE = "none"  # a pass that verified no drafts: no drafter's acceptance
 MAX_SOURCE_CHARS = 32
 MAX_TOKENS_PER_RECORD = 65_536
 MAX_DRAFTS_PER_STEP = 64
@@ -134,6 +136,15 @@ NO_DRAFTER = "none"  # how a step that no drafter proposed for names its version
 def version_label(version: int | None) -> str:
     """A version as JSON object keys and Prometheus labels carry it."""
     return NO_DRAFTER if version is None else str(version)
+
+
+def source_kind(source: str, num_drafts: int) -> str:
+    """What a step's counts are shown under: the learned drafter's own drafts ("learned"), a kind of
+    context matching ("context4" -> "context", "table2" -> "table"), or "none" for a pass that
+    verified no drafts, so that no drafter is credited or blamed for it."""
+    if num_drafts == 0:
+        return NO_DRAFTS_SOURCE
+    return source.rstrip("0123456789") or source
 
 
 def parse_version(value: Any, name: str, reason: RefusalReason = RefusalReason.MALFORMED) -> int:
@@ -262,16 +273,34 @@ class AcceptanceCounts:
 
 @dataclass
 class AcceptanceReport:
-    """Cumulative acceptance counts per drafter version, from one server, for one traffic domain."""
+    """Cumulative acceptance counts from one server for one traffic domain: per drafter version, of
+    the learned drafter's own drafts only (what the canary judges a version by), and per drafting
+    source kind (`source_kind`) over all versions (what operators see next to it)."""
 
     server_id: str
     time: float
     domain: str
     versions: dict[int, AcceptanceCounts]
+    sources: dict[str, AcceptanceCounts] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"server_id": self.server_id, "time": self.time, "domain": self.domain,
-                "versions": {str(version): counts.as_dict() for version, counts in self.versions.items()}}
+                "versions": {str(version): counts.as_dict() for version, counts in self.versions.items()},
+                "sources": {source: counts.as_dict() for source, counts in self.sources.items()}}
+
+
+def reports_from(server_id: str, totals: Mapping[tuple[int | None, str, str], AcceptanceCounts],
+                 at: float | None = None) -> list[AcceptanceReport]:
+    """One report per domain from counts keyed by (version, source kind, domain): `versions` sums
+    the learned drafter's own steps per version, `sources` every step per source kind."""
+    reports: dict[str, AcceptanceReport] = {}
+    now = clock.time() if at is None else at
+    for (version, source, domain), counts in totals.items():
+        report = reports.setdefault(domain, AcceptanceReport(server_id, now, domain, {}))
+        report.sources.setdefault(source, AcceptanceCounts()).add(counts)
+        if source == LEARNED_SOURCE and version is not None:
+            report.versions.setdefault(version, AcceptanceCounts()).add(counts)
+    return list(reports.values())
 
 
 def validate_report(raw: Any) -> AcceptanceReport:
@@ -281,6 +310,11 @@ def validate_report(raw: Any) -> AcceptanceReport:
     versions = raw.get("versions")
     if not isinstance(versions, dict):
         raise RecordRefused("a report needs a `versions` object", RefusalReason.REPORT)
+    sources = raw.get("sources", {})  # servers from before sources were reported send none
+    if not isinstance(sources, dict) or not all(isinstance(s, str) and 0 < len(s) <= MAX_SOURCE_CHARS
+                                                for s in sources):
+        raise RecordRefused(f"a report's `sources` must map names of 1 to {MAX_SOURCE_CHARS} characters to counts",
+                            RefusalReason.REPORT)
     at = raw.get("time")
     if at is not None and (not isinstance(at, int | float) or isinstance(at, bool)):
         raise RecordRefused(f"report time must be a number, got {at!r}", RefusalReason.REPORT)
@@ -288,5 +322,7 @@ def validate_report(raw: Any) -> AcceptanceReport:
         server_id=str(raw.get("server_id", "?")), time=float(at) if at is not None else clock.time(),
         domain=str(raw.get("domain") or "default"),
         versions={parse_version(version, f"versions[{version!r}]", RefusalReason.REPORT):
-                  AcceptanceCounts.from_dict(counts, f"versions[{version!r}]") for version, counts in versions.items()})
+                  AcceptanceCounts.from_dict(counts, f"versions[{version!r}]") for version, counts in versions.items()},
+        sources={source: AcceptanceCounts.from_dict(counts, f"sources[{source!r}]")
+                 for source, counts in sources.items()})
 

@@ -24,12 +24,12 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specd.core.errors import RequestRefused
-from specd.core.records import LEARNED_SOURCE, AcceptanceCounts
+from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, source_kind
 from specd.drafter.base import DraftBatch, Drafter, FeatureReader, Proposal, one_hot_q
 from specd.drafter.hybrid import HybridDrafter
 from specd.engine.lookahead import LookaheadConfig, LookaheadController
@@ -70,6 +70,8 @@ class StepStats:
     seconds: float
     drafter_version: int | None   # None: no drafter ran
     k: int = 0
+    # the same counts per drafting source kind (`source_kind`): the learned drafter's own apart
+    by_source: dict[str, AcceptanceCounts] = field(default_factory=dict)
 
     @property
     def counts(self) -> AcceptanceCounts:
@@ -305,6 +307,8 @@ class Engine:
             stats.num_drafts_proposed += row_limit
             stats.num_drafts_accepted += drafts_kept
             stats.num_tokens_emitted += len(emitted)
+            stats.by_source.setdefault(source_kind(sources[slot], row_limit), AcceptanceCounts()).add(
+                AcceptanceCounts(row_limit, drafts_kept, 1, len(emitted)))
         return stats
 
     @property

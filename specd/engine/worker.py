@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class WorkerMetrics(Protocol):
     """What the worker reports per verification step and per published record (the server's metrics)."""
 
-    def observe_verification(self, version: int | None, drafts: int, accepted: int, emitted: int,
+    def observe_verification(self, version: int | None, source: str, drafts: int, accepted: int, emitted: int,
                              domain: str = "default") -> None: ...
 
     def record_published(self) -> None: ...
@@ -160,7 +160,7 @@ class EngineWorker:
             steps = sub.seq.steps
             for i, step in enumerate(steps[sub.steps_seen:], start=sub.steps_seen):
                 end = steps[i + 1].position if i + 1 < len(steps) else sub.seq.num_tokens
-                self.metrics.observe_verification(step.drafter_version, len(step.drafts),
+                self.metrics.observe_verification(step.drafter_version, step.source, len(step.drafts),
                                                   min(step.num_accepted, end - step.position), end - step.position,
                                                   sub.domain or "default")
         sub.steps_seen = len(sub.seq.steps)

@@ -27,7 +27,6 @@ Names (the `specd_` twins of vLLM's `vllm:spec_decode_*`):
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -37,11 +36,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from specd.core.background_metrics import BackgroundCollector
-from specd.core.records import AcceptanceCounts, AcceptanceReport, version_label
+from specd.core.records import AcceptanceCounts, AcceptanceReport, reports_from, source_kind, version_label
 from specd.core.threads import BackgroundHealth
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+Key = tuple[int | None, str, str]   # (drafter version, source kind, domain)
 
 
 class _DerivedRates(Collector):
@@ -50,17 +52,17 @@ class _DerivedRates(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         rate = GaugeMetricFamily("specd_spec_decode_acceptance_rate", "accepted / proposed drafts",
-                                 labels=["version"])
+                                 labels=["version", "source"])
         length = GaugeMetricFamily("specd_spec_decode_accept_length", "tokens emitted per target pass",
-                                   labels=["version"])
-        by_version: dict[str, AcceptanceCounts] = {}
-        for (version, _), counts in self.metrics.snapshot().items():  # evicted versions have no gauges
-            by_version.setdefault(version_label(version), AcceptanceCounts()).add(counts)
-        for label, summed in by_version.items():
-            if summed.acceptance_rate is not None:
-                rate.add_metric([label], summed.acceptance_rate)
-            if summed.accept_length is not None:
-                length.add_metric([label], summed.accept_length)
+                                   labels=["version", "source"])
+        summed: dict[tuple[str, str], AcceptanceCounts] = {}
+        for (version, kind, _), counts in self.metrics.snapshot().items():  # evicted versions have no gauges
+            summed.setdefault((version_label(version), kind), AcceptanceCounts()).add(counts)
+        for labels, counts in summed.items():
+            if counts.acceptance_rate is not None:
+                rate.add_metric(list(labels), counts.acceptance_rate)
+            if counts.accept_length is not None:
+                length.add_metric(list(labels), counts.accept_length)
         yield rate
         yield length
         for name, help_text in (("specd_drafter_swaps", "drafter versions taken over"),
@@ -77,14 +79,15 @@ DOMAIN_COUNTERS = (("draft_tokens", "drafts proposed", "drafts"), ("accepted_tok
                    ("emitted_tokens", "tokens emitted", "emitted"))
 
 
-def _domain_counters(totals: dict[tuple[str, str], AcceptanceCounts]) -> Iterator[CounterMetricFamily]:
-    """specd_spec_decode_domain_*_total{version, domain}: what dashboards break acceptance down by
-    (`totals` keyed by version label and domain)."""
+def _domain_counters(totals: dict[tuple[str, str, str], AcceptanceCounts]) -> Iterator[CounterMetricFamily]:
+    """specd_spec_decode_domain_*_total{version, source, domain}: what dashboards break acceptance
+    down by (`totals` keyed by version label, source kind and domain)."""
     for short, help_text, field in DOMAIN_COUNTERS:
-        family = CounterMetricFamily(f"specd_spec_decode_domain_{short}", f"{help_text}, by version and domain",
-                                     labels=["version", "domain"])
-        for (label, domain), counts in sorted(totals.items()):
-            family.add_metric([label, domain], getattr(counts, field))
+        family = CounterMetricFamily(f"specd_spec_decode_domain_{short}",
+                                     f"{help_text}, by version, drafting source and domain",
+                                     labels=["version", "source", "domain"])
+        for labels, counts in sorted(totals.items()):
+            family.add_metric(list(labels), getattr(counts, field))
         yield family
 
 
@@ -99,14 +102,14 @@ class ServingMetrics:
         self.max_versions = max_versions
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.draft_tokens = Counter("specd_spec_decode_num_draft_tokens", "drafts proposed", ["version"], registry=r)
-        self.accepted_tokens = Counter("specd_spec_decode_num_accepted_tokens", "drafts accepted", ["version"],
-                                       registry=r)
+        by = ["version", "source"]
+        self.draft_tokens = Counter("specd_spec_decode_num_draft_tokens", "drafts proposed", by, registry=r)
+        self.accepted_tokens = Counter("specd_spec_decode_num_accepted_tokens", "drafts accepted", by, registry=r)
         self.accepted_per_pos = Counter("specd_spec_decode_num_accepted_tokens_per_pos",
                                         "drafts accepted at each draft position", ["position"], registry=r)
-        self.passes = Counter("specd_spec_decode_num_verification_passes", "target verification passes",
-                              ["version"], registry=r)
-        self.emitted = Counter("specd_spec_decode_num_emitted_tokens", "tokens emitted", ["version"], registry=r)
+        self.passes = Counter("specd_spec_decode_num_verification_passes", "target verification passes", by,
+                              registry=r)
+        self.emitted = Counter("specd_spec_decode_num_emitted_tokens", "tokens emitted", by, registry=r)
         self.records_published = Counter("specd_records_published", "trajectory records published", registry=r)
         # counts owned by other objects (drafter, swapper, bus), read at scrape time
         self.sources: dict[str, Callable[[], float]] = {}
@@ -114,19 +117,21 @@ class ServingMetrics:
                                          buckets=LATENCY_BUCKETS)
         self.inter_token_latency = Histogram("specd_inter_token_latency_seconds",
                                              "time between streamed tokens", registry=r, buckets=ITL_BUCKETS)
-        # (version, domain) -> counts: what reports to the learner carry. Written by the engine
-        # thread, read by scrapes and reports: only under `_lock`
-        self.totals: dict[tuple[int | None, str], AcceptanceCounts] = {}
+        # (version, source kind, domain) -> counts: what reports to the learner carry. Written by
+        # the engine thread, read by scrapes and reports: only under `_lock`
+        self.totals: dict[Key, AcceptanceCounts] = {}
         self._versions: OrderedDict[int | None, None] = OrderedDict()   # labelled versions, least recent first
-        self._older: dict[str, AcceptanceCounts] = {}   # evicted versions' counts per domain (metrics only)
+        self._older: dict[tuple[str, str], AcceptanceCounts] = {}   # evicted versions' counts per (source, domain)
         self._lock = threading.Lock()
         r.register(_DerivedRates(self))
         if background is not None:
             r.register(BackgroundCollector(background))
 
-    def observe_verification(self, version: int | None, drafts: int, accepted: int, emitted: int,
+    def observe_verification(self, version: int | None, source: str, drafts: int, accepted: int, emitted: int,
                              domain: str = "default") -> None:
-        label = version_label(version)
+        """One verification pass of one request; `source` names who drafted (see `source_kind`)."""
+        kind = source_kind(source, drafts)
+        labels = (version_label(version), kind)
         with self._lock:
             if version not in self._versions:
                 self._versions[version] = None
@@ -134,11 +139,11 @@ class ServingMetrics:
                     self._evict(next(iter(self._versions)))
             elif next(reversed(self._versions)) != version:
                 self._versions.move_to_end(version)
-            self.draft_tokens.labels(label).inc(drafts)
-            self.accepted_tokens.labels(label).inc(accepted)
-            self.passes.labels(label).inc()
-            self.emitted.labels(label).inc(emitted)
-            self.totals.setdefault((version, domain), AcceptanceCounts()).add(
+            self.draft_tokens.labels(*labels).inc(drafts)
+            self.accepted_tokens.labels(*labels).inc(accepted)
+            self.passes.labels(*labels).inc()
+            self.emitted.labels(*labels).inc(emitted)
+            self.totals.setdefault((version, kind, domain), AcceptanceCounts()).add(
                 AcceptanceCounts(drafts, accepted, 1, emitted))
         for position in range(accepted):
             self.accepted_per_pos.labels(str(position)).inc()
@@ -146,41 +151,38 @@ class ServingMetrics:
     def _evict(self, version: int | None) -> None:
         """Fold a version's counts into `older` and forget its label sets (caller holds `_lock`)."""
         del self._versions[version]
-        folded = AcceptanceCounts()
+        folded: dict[str, AcceptanceCounts] = {}
         for key in [key for key in self.totals if key[0] == version]:
             counts = self.totals.pop(key)
-            folded.add(counts)
-            self._older.setdefault(key[1], AcceptanceCounts()).add(counts)
-        for counter, amount in ((self.draft_tokens, folded.drafts), (self.accepted_tokens, folded.accepted),
-                                (self.passes, folded.passes), (self.emitted, folded.emitted)):
-            counter.labels(OLDER).inc(amount)
-            counter.remove(version_label(version))
+            folded.setdefault(key[1], AcceptanceCounts()).add(counts)
+            self._older.setdefault(key[1:], AcceptanceCounts()).add(counts)
+        for source, counts in folded.items():
+            for counter, amount in ((self.draft_tokens, counts.drafts), (self.accepted_tokens, counts.accepted),
+                                    (self.passes, counts.passes), (self.emitted, counts.emitted)):
+                counter.labels(OLDER, source).inc(amount)
+                counter.remove(version_label(version), source)
 
-    def snapshot(self) -> dict[tuple[int | None, str], AcceptanceCounts]:
-        """A consistent copy of the per-(version, domain) counts, safe to read on any thread."""
+    def snapshot(self) -> dict[Key, AcceptanceCounts]:
+        """A consistent copy of the per-(version, source kind, domain) counts, safe on any thread."""
         with self._lock:
             return {key: replace(counts) for key, counts in self.totals.items()}
 
-    def labelled_snapshot(self) -> dict[tuple[str, str], AcceptanceCounts]:
+    def labelled_snapshot(self) -> dict[tuple[str, str, str], AcceptanceCounts]:
         """The same keyed by version label, with evicted versions' counts under the label `older`."""
         with self._lock:
-            copy = {(version_label(version), domain): replace(counts)
-                    for (version, domain), counts in self.totals.items()}
-            copy.update({(OLDER, domain): replace(counts) for domain, counts in self._older.items()})
+            copy = {(version_label(version), source, domain): replace(counts)
+                    for (version, source, domain), counts in self.totals.items()}
+            copy.update({(OLDER, source, domain): replace(counts)
+                         for (source, domain), counts in self._older.items()})
             return copy
 
     def record_published(self) -> None:
         self.records_published.inc()
 
     def reports(self, server_id: str) -> list[AcceptanceReport]:
-        """One cumulative report per traffic domain: counts per drafter version (steps no drafter
-        proposed for have no acceptance to report)."""
-        by_domain: dict[str, dict[int, AcceptanceCounts]] = {}
-        for (version, domain), counts in self.snapshot().items():
-            if version is not None:
-                by_domain.setdefault(domain, {})[version] = counts
-        now = time.time()
-        return [AcceptanceReport(server_id, now, domain, versions) for domain, versions in by_domain.items()]
+        """One cumulative report per traffic domain: per drafter version, of the learned drafter's
+        own drafts; per source kind, of every version."""
+        return reports_from(server_id, self.snapshot())
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -73,11 +73,12 @@ class Telemetry:
                 continue
             with self.lock:
                 report = self.tracker.report()
-            if report.versions:
+            if report.sources:
                 self.publisher.report(report.to_dict())
 
     def status(self) -> dict[str, Any]:
-        """Requests in flight, acceptance totals per version, and where finished records went."""
+        """Requests in flight, acceptance totals per version (the learned drafter's own drafts) and per
+        drafting source, and where finished records went."""
         with self.lock:
             report = self.tracker.report()
             live_requests = len(self.tracker.live)
@@ -85,4 +86,4 @@ class Telemetry:
                 "traffic_table_contexts": len(self.table) if self.table is not None else None,
                 "broker_connected": self.publisher.connected.is_set() if self.publisher else None,
                 "records_published": self.publisher.counters.published if self.publisher else 0,
-                "totals": report.to_dict()["versions"]}
+                "totals": report.to_dict()["versions"], "totals_by_source": report.to_dict()["sources"]}

@@ -11,8 +11,9 @@ Contract (plain Python and numpy, no vLLM import, so it is tested without vLLM):
   token) give accepted = len(S) - 1 and rejected = len(D) - accepted. Drafts pending for a
   request that is not in this batch, or that is back in prefill (S empty), were never verified
   and are voided. It keeps each request's tokens and steps, turns a finished request into a
-  `TrajectoryRecord`, and keeps per-version totals (drafts, accepted, target passes, emitted
-  tokens) for acceptance reports.
+  `TrajectoryRecord`, and keeps totals (drafts, accepted, target passes, emitted tokens) per
+  version and drafting source kind for acceptance reports (a pass that verified no drafts counts
+  under "none").
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, AcceptanceReport, StepRecord, TrajectoryRecord
+from specd.core.records import (
+    LEARNED_SOURCE,
+    NO_DRAFTS_SOURCE,
+    AcceptanceCounts,
+    AcceptanceReport,
+    StepRecord,
+    TrajectoryRecord,
+    reports_from,
+    source_kind,
+)
 from specd.drafter.base import BUILT_IN_VERSION
 
 
@@ -149,7 +159,7 @@ class StepTracker:
         self.server_id = server_id
         self.domain = domain
         self.live: dict[str, Trajectory] = {}
-        self.totals: dict[int, AcceptanceCounts] = {}
+        self.totals: dict[tuple[int, str], AcceptanceCounts] = {}  # (version, source kind)
         self.previous_rows: list[str] = []
         self.last_verified: list[tuple[str, int, int]] = []  # (request id, drafts, accepted) at the last observe
         self._finished: OrderedDict[str, None] = OrderedDict()   # ids already turned into records
@@ -160,7 +170,7 @@ class StepTracker:
         """Take one step's outcome; returns, per row of the previous proposal, its accepted drafts."""
         row_of = {request_id: row for row, request_id in enumerate(request_ids)}
         accepted_by_previous_row = []
-        verified_by: dict[str, int] = {}   # request id -> version whose drafts this step verified
+        verified_by: dict[str, tuple[int, str]] = {}   # request id -> (version, source kind) of the drafts verified
         self.last_verified = []
         for request_id in self.previous_rows:
             trajectory, row = self.live.get(request_id), row_of.get(request_id)
@@ -169,10 +179,11 @@ class StepTracker:
                 accepted = min(len(sampled[row]) - 1, len(trajectory.drafts))
                 trajectory.steps.append(StepRecord(trajectory.drafted_at, trajectory.drafts, accepted,
                                                    trajectory.version, trajectory.source))
-                totals = self.totals.setdefault(trajectory.version, AcceptanceCounts())
+                key = (trajectory.version, source_kind(trajectory.source, len(trajectory.drafts)))
+                totals = self.totals.setdefault(key, AcceptanceCounts())
                 totals.drafts += len(trajectory.drafts)
                 totals.accepted += accepted
-                verified_by[request_id] = trajectory.version
+                verified_by[request_id] = key
                 self.last_verified.append((request_id, len(trajectory.drafts), accepted))
             if trajectory is not None:
                 trajectory.drafts = []  # verified, or voided
@@ -188,7 +199,8 @@ class StepTracker:
             if length > len(trajectory.tokens):
                 trajectory.tokens.extend(token_rows[row, len(trajectory.tokens):length].tolist())
             if sampled[row]:
-                totals = self.totals.setdefault(verified_by.get(request_id, version), AcceptanceCounts())
+                totals = self.totals.setdefault(verified_by.get(request_id, (version, NO_DRAFTS_SOURCE)),
+                                                AcceptanceCounts())
                 totals.passes += 1
                 totals.emitted += len(sampled[row])
         return accepted_by_previous_row
@@ -231,5 +243,8 @@ class StepTracker:
 
     def report(self) -> AcceptanceReport:
         """A cumulative acceptance report, as specd's own servers send (one domain)."""
-        versions = {version: replace(totals) for version, totals in list(self.totals.items())}  # a snapshot
-        return AcceptanceReport(self.server_id, time.time(), self.domain or "default", versions)
+        domain = self.domain or "default"
+        totals: dict[tuple[int | None, str, str], AcceptanceCounts] = {
+            (version, source, domain): replace(counts) for (version, source), counts in self.totals.items()}
+        reports = reports_from(self.server_id, totals)
+        return reports[0] if reports else AcceptanceReport(self.server_id, time.time(), domain, {})
