@@ -17,10 +17,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from specd.core.records import AcceptanceCounts, AcceptanceReport, validate_report
 from specd.hotswap.store import LiveVersionChanged, WeightStore
+
+Name = TypeVar("Name", int, str)   # a version number or a source name
 
 
 @dataclass(frozen=True)
@@ -46,26 +48,22 @@ class AcceptanceLog:
             report = validate_report(report)
         at = report.time or time.time()
         for version, counts in report.versions.items():
-            delta = self._delta((report.server_id, report.domain, version), counts)
-            if delta is not None:
-                self.totals.setdefault(version, AcceptanceCounts()).add(delta)
-                self.series.append({"time": at, "server": report.server_id, "version": version,
-                                    "domain": report.domain, **delta.as_dict()})
+            self._take(report, at, "version", version, counts, self.totals, self.series)
         for source, counts in report.sources.items():
-            # the key's last part is a str for sources and an int for versions: they never collide
-            delta = self._delta((report.server_id, report.domain, source), counts)
-            if delta is not None:
-                self.source_totals.setdefault(source, AcceptanceCounts()).add(delta)
-                self.source_series.append({"time": at, "server": report.server_id, "source": source,
-                                           "domain": report.domain, **delta.as_dict()})
+            self._take(report, at, "source", source, counts, self.source_totals, self.source_series)
 
-    def _delta(self, key: tuple[str, str, int | str], counts: AcceptanceCounts) -> AcceptanceCounts | None:
-        """What `counts` adds to the last report under `key`; None when nothing."""
+    def _take(self, report: AcceptanceReport, at: float, field: str, name: Name, counts: AcceptanceCounts,
+              totals: dict[Name, AcceptanceCounts], series: deque[dict[str, Any]]) -> None:
+        """Add what `counts` adds to the last report of this server, domain and version (or source)."""
+        key = (report.server_id, report.domain, name)  # an int for a version, a str for a source: apart
         previous = self._last.get(key, AcceptanceCounts())
         # a restarted server's counters start again at zero: then the whole count is new
         delta = counts.minus(previous) if counts.covers(previous) else counts
         self._last[key] = counts
-        return None if delta.is_empty else delta
+        if not delta.is_empty:
+            totals.setdefault(name, AcceptanceCounts()).add(delta)
+            series.append({"time": at, "server": report.server_id, field: name, "domain": report.domain,
+                           **delta.as_dict()})
 
     def acceptance(self, version: int) -> tuple[float | None, int]:
         total = self.totals.get(version)
