@@ -217,15 +217,15 @@ async def test_client_chosen_domain_labels_are_bounded(client) -> None:
 async def test_a_request_whose_prefill_fails_gets_500_and_its_neighbours_are_served(client, monkeypatch) -> None:
     state = api_state(client)
     engine = state.worker.engine
-    prefill = engine._prefill
+    start = engine._start
     poison = state.loaded.encode("boom")
 
-    def faulty(seq):
-        if seq.prompt_ids == poison:
+    def faulty(part):
+        if part.seq.prompt_ids == poison:
             raise RuntimeError("a fault traced to this request")
-        prefill(seq)
+        start(part)
 
-    monkeypatch.setattr(engine, "_prefill", faulty)
+    monkeypatch.setattr(engine, "_start", faulty)
     body = {"model": "tiny", "max_tokens": 8, "temperature": 0}
     fine = [client.post("/v1/completions", json={**body, "prompt": f"fine {i}"}) for i in range(3)]
     answers = await asyncio.gather(client.post("/v1/completions", json={**body, "prompt": "boom"}), *fine)

@@ -41,7 +41,7 @@ class WrongDrafter:
     def __init__(self, expected: dict[int, int]) -> None:
         self.expected = expected
 
-    version = "wrong"
+    version = 0
 
     def bind(self, max_batch, max_seq, device) -> None: ...
     def start(self, slot) -> None: ...
@@ -168,14 +168,14 @@ def test_seeds_at_the_edges_of_torchs_range_are_served() -> None:
 def test_a_failing_prefill_fails_its_request_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     target = tiny_target()
     engine = Engine(target, tiny_drafter(target), fixed_k(max_batch=3, num_draft_tokens=3))
-    prefill = engine._prefill
+    start = engine._start
 
-    def faulty(seq):  # a fault traced to one request's admission (as an overflowing seed was)
-        if seq.prompt_ids == PROMPTS[1]:
+    def faulty(part):  # a fault traced to one request's admission (as an overflowing seed was)
+        if part.seq.prompt_ids == PROMPTS[1]:
             raise RuntimeError("Overflow when unpacking long")
-        prefill(seq)
+        start(part)
 
-    monkeypatch.setattr(engine, "_prefill", faulty)
+    monkeypatch.setattr(engine, "_start", faulty)
     seqs = engine.generate(PROMPTS[:3], GREEDY)
     assert seqs[1].finish_reason == "error" and "Overflow" in (seqs[1].error or "")
     healthy = Engine(target, None, EngineConfig(max_batch=3)).generate([PROMPTS[0], PROMPTS[2]], GREEDY)

@@ -234,9 +234,10 @@ def unsure(trained: FeatureDrafterModel) -> FeatureDrafterModel:
     return model
 
 
+@pytest.mark.parametrize("chunk", [None, 3])   # 3: prompts prefilled over several steps, features chunk by chunk
 @pytest.mark.parametrize("name", ["random", "unsure"])
-def test_drafting_computes_what_training_unrolls(name: str, learnable: Transformer, trained: FeatureDrafterModel,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_drafting_computes_what_training_unrolls(name: str, chunk: int | None, learnable: Transformer,
+                                                 trained: FeatureDrafterModel, monkeypatch: pytest.MonkeyPatch) -> None:
     # a random drafter is rarely accepted (rows feed one entry a step); a trained one often is (several)
     if name == "random":
         target = tiny_target()
@@ -245,7 +246,7 @@ def test_drafting_computes_what_training_unrolls(name: str, learnable: Transform
         target, model = learnable, unsure(trained)
     params = [SamplingParams(max_tokens=n) for n in (9, 30, 12, 4, 25, 18)]
     drafter = FeatureDrafter(model, 0)
-    engine = Engine(target, drafter, fixed_k(max_batch=3, num_draft_tokens=4))  # rows finish apart: moves
+    engine = Engine(target, drafter, fixed_k(max_batch=3, num_draft_tokens=4, prefill_chunk=chunk))  # moves
     seen = trace(engine, drafter, [model], monkeypatch)
     seqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
     while engine.has_work:

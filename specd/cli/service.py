@@ -37,6 +37,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-context", type=int, default=4096,
                    help="prompt + output tokens per request; KV caches are sized for it (default 4096, "
                         "capped at the target's own limit)")
+    p.add_argument("--prefill-chunk", type=int, default=64,
+                   help="prompt tokens prefilled per decoding step, so that a long prompt never stalls the "
+                        "running streams for its whole prefill (0: each prompt whole; default 64)")
     p.add_argument("--max-queued", type=int, default=64,
                    help="requests waiting for a batch slot beyond which new ones get a 429 with Retry-After "
                         "(default 64; 0: no bound)")
@@ -144,10 +147,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from specd.serving.serve import ServeOptions, build_server
 
+    if args.prefill_chunk < 0:
+        raise ConfigurationError(f"--prefill-chunk must be 0 (whole prompts) or more, got {args.prefill_chunk}")
     if args.max_queued < 0:
         raise ConfigurationError(f"--max-queued must be 0 (no bound) or more, got {args.max_queued}")
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
                            max_context=args.max_context, max_queued=args.max_queued or None, api_key=args.api_key,
+                           prefill_chunk=args.prefill_chunk or None,
                            learner=not args.no_learner, learner_mode=args.learner_mode, duty_cycle=args.duty_cycle,
                            server_id=args.server_id,
                            model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,

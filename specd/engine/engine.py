@@ -1,7 +1,9 @@
 """The speculative-decoding engine: continuous batching, propose, verify in one pass, accept.
 
-Contract: `Engine.step()` admits waiting requests into free slots (prefilling their prompts),
-then runs one decoding step for every running request: the drafter proposes k tokens per row,
+Contract: `Engine.step()` admits waiting requests into free slots, prefilling their prompts up
+to `prefill_chunk` tokens a step (`specd.engine.prefill`: a long prompt is spread over several
+steps instead of stalling the running streams for its whole prefill), then runs one decoding
+step for every running request: the drafter proposes k tokens per row,
 the target verifies all rows' k + 1 positions in one batched pass, and each row accepts with
 exact rejection sampling (`specd.engine.verification`). Greedy output is token-identical to
 target-only decoding whatever the drafter; sampled output is distributed as the target's.
@@ -33,6 +35,7 @@ from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, source_kind
 from specd.drafter.base import DraftBatch, Drafter, FeatureReader, Proposal, one_hot_q
 from specd.drafter.hybrid import HybridDrafter
 from specd.engine.lookahead import LookaheadConfig, LookaheadController
+from specd.engine.prefill import InProgress, follow, run_chunk
 from specd.engine.request import SamplingParams, Sequence
 from specd.engine.verification import Verdict, verify_greedy, verify_sampled
 from specd.model.distributions import target_probs
@@ -49,6 +52,9 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = ()
     adaptive_lookahead: bool = True    # pick k per step from measured acceptance and costs
     record_features: bool = False      # keep each request's captured features for its record
+    # prompt tokens prefilled per step (chunked prefill, `specd.engine.prefill`): a long prompt
+    # then delays the running streams by one chunk a step, not by its whole prefill. None: whole
+    prefill_chunk: int | None = 64   # chosen by benchmarks/prefill_stall.py on this machine
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -57,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"num_draft_tokens must be 0 or more, got {self.num_draft_tokens}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {self.max_context}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1 (or None), got {self.prefill_chunk}")
 
 
 @dataclass
@@ -98,6 +106,7 @@ class Engine:
             drafter.bind(config.max_batch, max_seq, self.device)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # index = slot
+        self.prefilling: InProgress | None = None  # in slot len(running), until its prompt is in the cache
         self.lookahead = LookaheadController(LookaheadConfig(max_k=config.num_draft_tokens,
                                                              adaptive=config.adaptive_lookahead))
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
@@ -124,7 +133,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[Sequence]:
         """Decode all prompts together to the end; results in prompt order."""
@@ -135,7 +144,8 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         """End a request at the next step boundary (finish reason "cancelled"), running or waiting."""
-        for seq in (*self.waiting, *self.running):
+        prefilling = (self.prefilling.seq,) if self.prefilling is not None else ()
+        for seq in (*self.waiting, *prefilling, *self.running):
             if seq.request_id == request_id and not seq.is_finished:
                 seq.finish_reason = "cancelled"
 
@@ -143,6 +153,7 @@ class Engine:
         """Forget every request (after a fault); caches are overwritten by the next prefill."""
         self.waiting.clear()
         self.running.clear()
+        self.prefilling = None
         if self.drafter is not None:
             self.drafter.bind(self.config.max_batch, self.cache.max_seq, self.device)
 
@@ -151,16 +162,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Admit, decode one step for every running row, retire finished rows; returns them."""
         done = self._retire() + self._drop_cancelled_waiting()  # cancelled since the last step
-        while self.waiting and len(self.running) < self.config.max_batch:
-            seq = self.waiting.popleft()
-            try:
-                self._prefill(seq)
-            except Exception as error:  # traced to this request's admission: it fails alone
-                log.exception("prefill of %s failed", seq.request_id)
-                if self.running and self.running[-1] is seq:
-                    self.running.pop()
-                seq.finish_reason, seq.error = "error", f"{type(error).__name__}: {error}"
-                done.append(seq)
+        done += self._admit()
         if not self.running:
             return done
         begin = time.perf_counter()
@@ -206,15 +208,44 @@ class Engine:
             self.waiting = deque(seq for seq in self.waiting if not seq.is_finished)
         return cancelled
 
-    def _prefill(self, seq: Sequence) -> None:
-        slot = len(self.running)
-        prompt = torch.tensor(seq.prompt_ids, device=self.device)
-        self.tokens[slot, :len(prompt)] = prompt
-        capture, features = self.capture_layers, None
-        if len(prompt) > 1:  # the last prompt token is the first step's input
-            start = torch.zeros(1, dtype=torch.long, device=self.device)
-            _, features = self.target(prompt[None, :-1], start, self.cache, first_slot=slot, logits_for="none",
-                                      return_hidden=bool(capture), capture_layers=capture)
+    def _admit(self) -> list[Sequence]:
+        """Prefill waiting requests, in order, up to the step's token budget; a request whose prompt
+        is in the cache starts decoding. Returns those that failed or were cancelled meanwhile."""
+        done: list[Sequence] = []
+        budget = self.config.prefill_chunk
+        while budget is None or budget > 0:
+            if self.prefilling is None:
+                if not self.waiting or len(self.running) >= self.config.max_batch:
+                    break
+                seq = self.waiting.popleft()
+                self.prefilling = InProgress(seq, len(self.running))
+                self.tokens[len(self.running), :len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids,
+                                                                                   device=self.device)
+            part = self.prefilling
+            if part.seq.is_finished:  # cancelled part-way: its slot is free again
+                self.prefilling = None
+                done.append(part.seq)
+                continue
+            try:
+                used = run_chunk(self.target, self.cache, part, budget, self.capture_layers)
+                if part.is_complete:
+                    self._start(part)
+            except Exception as error:  # traced to this request's admission: it fails alone
+                log.exception("prefill of %s failed", part.seq.request_id)
+                if self.running and self.running[-1] is part.seq:
+                    self.running.pop()
+                part.seq.finish_reason, part.seq.error = "error", f"{type(error).__name__}: {error}"
+                self.prefilling = None
+                done.append(part.seq)
+                continue
+            if part.is_complete:
+                self.prefilling = None
+            budget = None if budget is None else budget - used
+        return done
+
+    def _start(self, part: InProgress) -> None:
+        """A prefilled request joins the running rows."""
+        seq, slot = part.seq, part.slot
         seq.generator = torch.Generator()
         if seq.params.seed is not None:
             seq.generator.manual_seed(seq.params.seed)
@@ -223,8 +254,9 @@ class Engine:
         if self.drafter is not None:
             self.drafter.start(slot)
         self.running.append(seq)
+        features = part.gathered_features()
         if features is not None:
-            self._observe(slot, 0, features[0])
+            self._observe(slot, 0, features)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -329,4 +361,6 @@ class Engine:
                     self.drafter.move(last, slot)
                 self.running[slot] = moved
             self.running.pop()
+        if finished and self.prefilling is not None:
+            follow(self.prefilling, self.cache, self.tokens, len(self.running))
         return done

@@ -16,6 +16,6 @@ from specd.model.transformer import Transformer
 def record_greedy(target: Transformer, prompts: list[list[int]], max_tokens: int,
                   eos_token_ids: tuple[int, ...] = (), max_batch: int = 8) -> ReplayDrafter:
     """Decode the prompts target-only (greedy) and return a drafter that replays the outputs."""
-    engine = Engine(target, None, EngineConfig(max_batch=max_batch, eos_token_ids=eos_token_ids))
+    engine = Engine(target, None, EngineConfig(max_batch=max_batch, eos_token_ids=eos_token_ids, prefill_chunk=None))
     outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
     return ReplayDrafter({tuple(p): seq.output_ids for p, seq in zip(prompts, outputs, strict=True)})

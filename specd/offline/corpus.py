@@ -180,7 +180,8 @@ def first_user_turns(span: range, count: int, max_chars: int = 600) -> list[str]
 def greedy_continuations(loaded: LoadedTarget, prompts: list[list[int]], max_tokens: int,
                          capture: tuple[int, ...]) -> HeldOut:
     """The target's own greedy continuations of `prompts` with their features: what a drafter serves."""
-    engine = Engine(loaded.model, None, EngineConfig(max_batch=8, eos_token_ids=loaded.eos_token_ids))
+    engine = Engine(loaded.model, None, EngineConfig(max_batch=8, eos_token_ids=loaded.eos_token_ids,
+                                                     prefill_chunk=None))  # offline: whole prompts, as made before
     made = []
     for prompt, seq in zip(prompts, engine.generate(prompts, SamplingParams(max_tokens=max_tokens)), strict=True):
         tokens = torch.tensor(prompt + seq.output_ids)

@@ -147,7 +147,7 @@ def generate_examples(loaded: LoadedTarget, prompts: list[TrainingPrompt], first
     engine = Engine(loaded.model, FeatureCapture(capture),
                     EngineConfig(max_batch=config.batch, num_draft_tokens=0, record_features=True,
                                  max_context=config.max_prompt + config.max_new_tokens,
-                                 eos_token_ids=loaded.eos_token_ids))
+                                 eos_token_ids=loaded.eos_token_ids, prefill_chunk=None))  # bulk: whole prompts
     seqs = [engine.add_request(p.ids, prompt_params(config, first_place + i, round_))
             for i, p in enumerate(prompts)]
     while engine.has_work:

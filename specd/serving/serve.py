@@ -67,6 +67,7 @@ class ServeOptions:
     k: int = 4
     max_batch: int = 8
     max_context: int | None = 4096    # prompt + output tokens per request; None: the target's own limit
+    prefill_chunk: int | None = EngineConfig.prefill_chunk  # prompt tokens prefilled per step; None: whole
     learner: bool = True
     learner_mode: str = "auto"         # embedded: "process" (cores of its own), "thread", "auto" (process on 2+ cores)
     duty_cycle: float = 0.5            # a learner thread's share of wall time (a process trains all the time)
@@ -155,6 +156,7 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
                             "specd_drafter_refused": lambda: len(swapper.refused)})
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=options.max_batch, num_draft_tokens=options.k,
                                                         max_context=options.max_context,
+                                                        prefill_chunk=options.prefill_chunk,
                                                         eos_token_ids=loaded.eos_token_ids,
                                                         record_features=options.drafter.arch == "feature"))
     worker = EngineWorker(engine, wiring.bus if options.publish_records else None, options.server_id, metrics, table)

@@ -1,0 +1,67 @@
+"""Chunked prefill: a prompt enters the target's cache a budget of tokens per engine step.
+
+Contract: at most one request is part-way through its prefill (`InProgress`). It owns the slot
+just past the running rows (`len(running)`), so the running rows keep reading a plain prefix of
+the caches; when a running row retires and the rows compact, the engine moves the part-filled
+slot down with them (`follow`). Each step spends at most `budget` prompt tokens (None: a whole
+prompt at once, as before chunking), in prompt order, and a request whose prefill completes
+joins the running rows at that step. The chunks run the same target code as a whole prefill, at
+their own start positions against the cache already written, so the cache holds the same
+entries. The features a feature drafter reads are gathered chunk by chunk and handed over
+together when the request starts decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.engine.request import Sequence
+from specd.model.transformer import KVCache, Transformer
+
+
+@dataclass
+class InProgress:
+    seq: Sequence
+    slot: int
+    filled: int = 0   # prompt tokens (of prompt[:-1]) already in the cache
+    features: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def to_fill(self) -> int:
+        """Prompt tokens the cache needs: all but the last, which is the first step's input."""
+        return max(len(self.seq.prompt_ids) - 1, 0)
+
+    @property
+    def is_complete(self) -> bool:
+        return self.filled >= self.to_fill
+
+    def gathered_features(self) -> torch.Tensor | None:
+        return torch.cat(self.features) if self.features else None
+
+
+def run_chunk(target: Transformer, cache: KVCache, part: InProgress, budget: int | None,
+              capture: tuple[int, ...]) -> int:
+    """Write up to `budget` more prompt tokens of `part` into its slot's cache; returns how many."""
+    end = part.to_fill if budget is None else min(part.to_fill, part.filled + budget)
+    if end <= part.filled:
+        return 0
+    device = target.embed.weight.device
+    chunk = torch.tensor(part.seq.prompt_ids[part.filled:end], device=device)
+    start = torch.tensor([part.filled], dtype=torch.long, device=device)
+    _, features = target(chunk[None, :], start, cache, first_slot=part.slot, logits_for="none",
+                         return_hidden=bool(capture), capture_layers=capture)
+    if features is not None:
+        part.features.append(features[0])
+    used, part.filled = end - part.filled, end
+    return used
+
+
+def follow(part: InProgress, cache: KVCache, tokens: torch.Tensor, slot: int) -> None:
+    """Move a part-filled prefill to `slot` (the running rows compacted below it)."""
+    if part.slot == slot:
+        return
+    cache.move_slot(part.slot, slot, part.filled)
+    tokens[slot, :len(part.seq.prompt_ids)] = tokens[part.slot, :len(part.seq.prompt_ids)]
+    part.slot = slot
