@@ -8,7 +8,8 @@ worse version is a copy with its weights drowned in noise; an operator tries to 
 (`POST /v1/live`), which must refuse both (the corrupt one by its checksum, the worse one by
 the gate). `version_outcomes()` says whether either went live or was served anyway.
 `MemoryWatch` samples each process's resident memory every two seconds; its summary compares
-the last instance of each process after its warm-up share with its end.
+the last instance of each process, once it has run for the warm-up share of the soak since its
+own start (a learner restarted mid-run is judged after its ramp), with its end.
 """
 
 from __future__ import annotations
@@ -210,10 +211,13 @@ class MemoryWatch:
             if not samples:
                 continue
             last_pid = samples[-1][1]
-            mine = [mb for _, pid, mb in samples if pid == last_pid]
-            warm = mine[int(len(mine) * warmup_share):] or mine
+            mine = [(t, mb) for t, pid, mb in samples if pid == last_pid]
+            # a process warms up for the same share of the run after its own start: one restarted
+            # mid-run (the learner) is judged after its ramp, not during it
+            warm_from = mine[0][0] + warmup_share * (samples[-1][0] - samples[0][0])
+            warm = [mb for t, mb in mine if t >= warm_from] or [mb for _, mb in mine[-3:]]
             start, end = statistics.median(warm[:3]), statistics.median(warm[-3:])
-            out[name] = {"warm_mb": start, "end_mb": end, "max_mb": max(mine),
+            out[name] = {"warm_mb": start, "end_mb": end, "max_mb": max(mb for _, mb in mine),
                          "growth_pct": 100 * (end - start) / start,
                          "samples": len(mine), "series": [(round(t, 1), round(mb, 1)) for t, pid, mb in samples]}
         return out

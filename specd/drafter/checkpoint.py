@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from safetensors.torch import save_file
 from specd.core.errors import CheckpointError
 from specd.drafter.feature_model import FeatureDrafterConfig, FeatureDrafterModel
 from specd.model.fingerprint import TargetFingerprint
-from specd.model.loading import load_state_into
+from specd.model.loading import check_shapes, load_state_into
 from specd.model.transformer import ModelConfig, Transformer
 
 FEATURE_FORMAT = "feature-drafter/2"
@@ -90,7 +91,11 @@ def read_metadata(path: str | Path) -> dict[str, str]:
 def load_drafter(path: str | Path, expect: TargetFingerprint | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  target_embedding: torch.Tensor | None = None) -> DrafterModel:
-    """Read and check a drafter; `target_embedding` fills in an embedding the file shares with the target."""
+    """Read and check a drafter; `target_embedding` fills in an embedding the file shares with the target.
+
+    The file is untrusted until checked: its config must be within `MAX_POSITION` and describe
+    exactly the tensors its header lists (compared on a model built on the meta device, which
+    allocates nothing) before any tensor is read or any real model is built."""
     metadata = read_metadata(path)
     if metadata.get("specd_format") == FEATURE_FORMAT:
         return _load_feature_drafter(path, metadata, expect, dtype, device, target_embedding)
@@ -104,27 +109,53 @@ def load_drafter(path: str | Path, expect: TargetFingerprint | None = None,
         if config_fields.get("rope_llama3") is not None:
             config_fields["rope_llama3"] = tuple(config_fields["rope_llama3"])
         config = ModelConfig(**config_fields)
-        fingerprint = TargetFingerprint(**json.loads(metadata["target_fingerprint"]))
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{path}: unreadable drafter metadata ({error})") from None
-    if expect is not None and fingerprint != expect:
-        raise CheckpointError(f"{path}: made for target {fingerprint}, this target is {expect}")
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            state = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError) as error:
-        raise CheckpointError(f"{path}: unreadable tensors ({error})") from None
+    _check_fingerprint(metadata, path, expect)
+    shared = metadata.get("embedding") == "target"
+    if shared:
+        _check_target_embedding(path, target_embedding, config.vocab_size, config.hidden_size)
+    header = _header_shapes(path)
+    if shared:
+        header["embed.weight"] = (config.vocab_size, config.hidden_size)
+    layers_in_file = {name.split(".")[1] for name in header if name.startswith("blocks.")}
+    if len(layers_in_file) != config.num_layers:  # before the skeleton: its size follows num_layers
+        raise CheckpointError(f"{path}: its config has {config.num_layers} layers, its tensors {len(layers_in_file)}")
+    _check_config(path, config.max_position, header, lambda: Transformer(config))
+    state = _read_state(path)
     _check_finite(state, path)
-    if metadata.get("embedding") == "target":
-        if target_embedding is None:
-            raise CheckpointError(f"{path}: shares the target's embedding; load it with the target's embedding")
-        if tuple(target_embedding.shape) != (config.vocab_size, config.hidden_size):
-            raise CheckpointError(f"{path}: the target's embedding has shape {tuple(target_embedding.shape)}, "
-                                  f"expected {(config.vocab_size, config.hidden_size)}")
+    if shared:
+        assert target_embedding is not None
         state["embed.weight"] = target_embedding.detach().to("cpu", torch.float32)
     model = Transformer(config)
     load_state_into(model, state, str(path))
     return model.to(device=device, dtype=dtype).eval()
+
+
+MAX_POSITION = 1 << 17  # rotary tables are sized by a drafter's max_position: a bound on what a file can ask for
+
+
+def _check_config(path: str | Path, max_position: int, header: dict[str, tuple[int, ...]],
+                  build: Callable[[], torch.nn.Module]) -> None:
+    """Refuse a config out of bounds, or one whose model's tensors are not the file's, before
+    anything is allocated: the model is built on the meta device and only its shapes are read."""
+    if not 0 < max_position <= MAX_POSITION:
+        raise CheckpointError(f"{path}: max_position {max_position} is outside (0, {MAX_POSITION}]")
+    try:
+        with torch.device("meta"):
+            skeleton = build()
+    except (ValueError, RuntimeError, TypeError) as error:
+        raise CheckpointError(f"{path}: its config describes no valid drafter ({error})") from None
+    check_shapes({name: tuple(t.shape) for name, t in skeleton.state_dict().items()}, header, str(path),
+                 tied=getattr(skeleton.config, "tie_embeddings", False))
+
+
+def _check_target_embedding(path: str | Path, embedding: torch.Tensor | None, vocab: int, hidden: int) -> None:
+    if embedding is None:
+        raise CheckpointError(f"{path}: shares the target's embedding; load it with the target's embedding")
+    if tuple(embedding.shape) != (vocab, hidden):
+        raise CheckpointError(f"{path}: the target's embedding has shape {tuple(embedding.shape)}, "
+                              f"expected {(vocab, hidden)}")
 
 
 def _check_fingerprint(metadata: dict[str, str], path: str | Path, expect: TargetFingerprint | None) -> None:
@@ -134,6 +165,15 @@ def _check_fingerprint(metadata: dict[str, str], path: str | Path, expect: Targe
         raise CheckpointError(f"{path}: unreadable target fingerprint ({error})") from None
     if expect is not None and fingerprint != expect:
         raise CheckpointError(f"{path}: made for target {fingerprint}, this target is {expect}")
+
+
+def _header_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes from the file's header, without reading any tensor."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path}: unreadable tensors ({error})") from None
 
 
 def _read_state(path: str | Path) -> dict[str, torch.Tensor]:
@@ -161,9 +201,10 @@ def _load_feature_drafter(path: str | Path, metadata: dict[str, str], expect: Ta
     _check_fingerprint(metadata, path, expect)
     if target_embedding is None:
         raise CheckpointError(f"{path}: a feature drafter reads the target's embedding; load it with the target's")
-    if tuple(target_embedding.shape) != (config.vocab_size, config.hidden_size):
-        raise CheckpointError(f"{path}: the target's embedding has shape {tuple(target_embedding.shape)}, "
-                              f"expected {(config.vocab_size, config.hidden_size)}")
+    _check_target_embedding(path, target_embedding, config.vocab_size, config.hidden_size)
+    _check_config(path, config.max_position, _header_shapes(path), lambda: FeatureDrafterModel(
+        config, torch.empty(config.vocab_size, config.hidden_size),
+        torch.zeros(config.draft_vocab_size, dtype=torch.long)))
     state = _read_state(path)
     _check_finite(state, path)
     draft_ids = state.get("draft_ids")

@@ -66,13 +66,22 @@ class Promoter:
         self._steps_at_publish = 0
         self._hold_until = 0.0
         self._gate_waiting = False
+        self._live_copy: tuple[int, DrafterModel] | None = None
 
     def load(self, version: int) -> DrafterModel:
         return load_drafter(self.store.weights_path(version), self.fingerprint, target_embedding=self.target_embedding)
 
     def live_model(self, version: int | None = None) -> DrafterModel | None:
+        """The live version's model for the gate to compare against: one copy, kept while that
+        version is the one asked for (versions are immutable), not a reload per verdict. The gate
+        only reads it; training never gets this copy (`adopt` loads its own)."""
         version = self.live_version if version is None else version
-        return None if version is None else self.load(version)
+        if version is None:
+            return None
+        if self._live_copy is None or self._live_copy[0] != version:
+            self._live_copy = None  # the old copy goes before the new one is read: one at a time
+            self._live_copy = (version, self.load(version))
+        return self._live_copy[1]
 
     def publish(self, model: DrafterModel, info: dict[str, Any]) -> int:
         serving_copy = clone_drafter(model).to(self.serving_dtype)

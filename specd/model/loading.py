@@ -91,19 +91,27 @@ def _hf_to_specd(config: ModelConfig, read: dict[str, torch.Tensor]) -> dict[str
     return out
 
 
+def check_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], source: str,
+                 tied: bool = False) -> None:
+    """Refuse missing, unexpected or wrongly shaped tensors by name (`tied`: the output head is
+    the embedding and is not stored)."""
+    if tied:
+        expected = {name: shape for name, shape in expected.items() if name != "lm_head.weight"}
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+    for name, shape in found.items():
+        if tuple(shape) != tuple(expected[name]):
+            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(shape)}, expected {tuple(expected[name])}")
+
+
 def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Copy `state` into `model`, refusing missing, unexpected or wrongly shaped tensors by name."""
     params = dict(model.state_dict())
-    if getattr(model.config, "tie_embeddings", False):
-        params.pop("lm_head.weight", None)
-    missing = sorted(set(params) - set(state))
-    unexpected = sorted(set(state) - set(params))
-    if missing or unexpected:
-        raise CheckpointError(f"{source}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(params[name].shape):
-            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
-                                  f"expected {tuple(params[name].shape)}")
+    tied = getattr(model.config, "tie_embeddings", False)
+    check_shapes({name: tuple(p.shape) for name, p in params.items()},
+                 {name: tuple(t.shape) for name, t in state.items()}, source, tied)
     with torch.no_grad():
         for name, tensor in state.items():
             params[name].copy_(tensor)
