@@ -12,6 +12,8 @@ is not stored: the file says so, and the loader takes it from the target, which 
 small (a 1-layer drafter: ~35 MB instead of ~150 MB) and swaps cheap. `load_drafter` refuses,
 with `CheckpointError` naming the problem, a file that is not safetensors, lacks that metadata,
 was made for another target, has missing or wrongly shaped tensors, or holds non-finite values.
+A file is untrusted until checked: its config's bounds and its header's tensor shapes are
+compared (on a meta-device skeleton) before any tensor is read or any model is allocated.
 """
 
 from __future__ import annotations
