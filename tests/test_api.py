@@ -22,6 +22,7 @@ from specd.drafter.factory import DrafterSpec
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.lookahead import LookaheadConfig, LookaheadController
 from specd.engine.request import SamplingParams, Sequence
+from specd.engine.worker import Submission
 from specd.serving.http.api import STATE, ApiState
 from specd.serving.serve import ServeOptions, build_server
 from specd.testing import ByteTokenizer, tiny_loaded_target
@@ -253,6 +254,35 @@ async def test_an_engine_fault_mid_stream_ends_the_stream_with_an_error_event_an
     error = json.loads(events[-2])["error"]
     assert "the engine broke" in error["message"] and error["type"] == "server_error"
     assert any("choices" in json.loads(e) for e in events[:-2])  # it did stream before the fault
+    # the decoding thread is supervised: the fault is counted where operators see background failures
+    background = (await (await client.get("/health")).json())["background"]
+    assert background["engine"]["failures"] == 1 and "the engine broke" in background["engine"]["last_error"]
+    metrics = await (await client.get("/metrics")).text()
+    assert 'specd_background_failures_total{task="engine"} 1.0' in metrics
+    again = await client.post("/v1/completions", json={**body, "stream": False})
+    assert again.status == 200  # and serving goes on
+
+
+async def test_a_client_callback_that_raises_fails_its_step_not_the_decoding_thread(client) -> None:
+    worker = api_state(client).worker
+    seen: list[tuple[int, str]] = []
+
+    def broken(tokens: list[int]) -> None:
+        raise RuntimeError("a callback that should only hand data over did not")
+
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def failed(error: tuple[int, str]) -> None:  # on the worker thread
+        seen.append(error)
+        loop.call_soon_threadsafe(done.set_result, True)
+
+    worker.submit(Submission([1, 2, 3], SamplingParams(max_tokens=6), broken, lambda seq: None, failed))
+    await asyncio.wait_for(done, 30)
+    assert seen and seen[0][0] == 500
+    assert worker._thread is not None and worker._thread.is_alive()
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 4, "temperature": 0}
+    assert (await client.post("/v1/completions", json=body)).status == 200
 
 
 async def test_an_api_key_guards_the_openai_routes_only(client) -> None:

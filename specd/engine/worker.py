@@ -8,11 +8,15 @@ Finished requests are turned into trajectory records and published on the bus, w
 blocks, and added to the traffic table when there is one. `cancel` ends a request at the next
 step boundary, decoding or still queued (a client that went away, a stop string), and its slot
 or place in line is free from then on. `queued` counts requests only, not cancellations. Nothing
-here waits on disk or network inside a step.
+here waits on disk or network inside a step. The decoding thread is supervised: a fault in a
+step or in what follows it fails the requests in flight with a 500, is counted in the server's
+`BackgroundHealth` under "engine" (`/health`, `specd_background_failures_total`), and the
+engine serves on from a clean state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from specd.core.errors import RequestRefused
+from specd.core.threads import BackgroundHealth
 from specd.drafter.swap import Swappable
 from specd.drafter.traffic_table import TrafficTable
 from specd.engine.engine import Engine
@@ -29,6 +34,8 @@ from specd.engine.request import SamplingParams, Sequence, record_from_sequence
 from specd.transport.bus import RecordSink
 
 log = logging.getLogger(__name__)
+
+ENGINE_TASK = "engine"  # the decoding thread's name among the supervised background tasks
 
 
 class WorkerMetrics(Protocol):
@@ -56,8 +63,11 @@ class Submission:
 
 class EngineWorker:
     def __init__(self, engine: Engine, bus: RecordSink | None = None, server_id: str = "specd",
-                 metrics: WorkerMetrics | None = None, table: TrafficTable | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, table: TrafficTable | None = None,
+                 health: BackgroundHealth | None = None) -> None:
         self.engine = engine
+        self.health = health if health is not None else BackgroundHealth()
+        self.health.register(ENGINE_TASK)
         self.table = table  # learns each finished request (the drafter reads it on this same thread)
         self.bus = bus
         self.metrics = metrics
@@ -115,44 +125,55 @@ class EngineWorker:
             self._active[item.seq.request_id] = item
 
     def _run(self) -> None:
+        """The decoding thread, supervised: any fault in a step or in what follows it (callbacks,
+        records) is counted under `ENGINE_TASK`, fails the requests in flight with a 500, and the
+        engine starts afresh on the next request. The thread itself never dies of it."""
         while not self._stop.is_set():
-            self._drain_inbox(block=not self.engine.has_work)
-            if not self.engine.has_work:
-                # idle: a swap offered meanwhile can happen now rather than at the next request
-                if isinstance(self.engine.drafter, Swappable):
-                    self.engine.drafter.apply_pending()
-                continue
             try:
-                finished = self.engine.step()
+                self._once()
             except Exception as error:  # never leave clients hanging on an engine fault
                 log.exception("engine step failed")
+                self.health.failed(ENGINE_TASK, error)
                 for sub in self._active.values():
-                    sub.on_error((500, f"internal engine error: {error}"))
+                    with contextlib.suppress(Exception):  # one client's failing callback spares the rest
+                        sub.on_error((500, f"internal engine error: {error}"))
                 self._active.clear()
                 self.engine.reset()
+
+    def _once(self) -> None:
+        self._drain_inbox(block=not self.engine.has_work)
+        if not self.engine.has_work:
+            # idle: a swap offered meanwhile can happen now rather than at the next request
+            if isinstance(self.engine.drafter, Swappable):
+                self.engine.drafter.apply_pending()
+            return
+        finished = self.engine.step()
+        self._report(finished)
+
+    def _report(self, finished: list[Sequence]) -> None:
+        """Tokens to their clients, finished requests to theirs, to the table and the bus."""
+        for sub in self._active.values():
+            assert sub.seq is not None
+            self._count_steps(sub)
+            if sub.seq.num_output_tokens > sub.sent:
+                sub.on_tokens(sub.seq.output_ids[sub.sent:])
+                sub.sent = sub.seq.num_output_tokens
+        for seq in finished:
+            if seq.request_id not in self._active:
                 continue
-            for sub in self._active.values():
-                assert sub.seq is not None
-                self._count_steps(sub)
-                if sub.seq.num_output_tokens > sub.sent:
-                    sub.on_tokens(sub.seq.output_ids[sub.sent:])
-                    sub.sent = sub.seq.num_output_tokens
-            for seq in finished:
-                if seq.request_id not in self._active:
-                    continue
-                sub = self._active.pop(seq.request_id)
-                if seq.finish_reason == "error":  # this request alone failed (e.g. its prefill)
-                    sub.on_error((500, f"internal engine error: {seq.error}"))
-                    continue
-                sub.on_done(seq)
-                if self.table is not None and seq.finish_reason != "cancelled":
-                    self.table.add(seq.prompt_ids + seq.output_ids)
-                if self.bus is not None and seq.finish_reason != "cancelled":
-                    record = record_from_sequence(seq, self.server_id, time.time(), sub.domain)
-                    self.bus.publish(record.to_dict())
-                    self.num_records_published += 1
-                    if self.metrics is not None:
-                        self.metrics.record_published()
+            sub = self._active.pop(seq.request_id)
+            if seq.finish_reason == "error":  # this request alone failed (e.g. its prefill)
+                sub.on_error((500, f"internal engine error: {seq.error}"))
+                continue
+            sub.on_done(seq)
+            if self.table is not None and seq.finish_reason != "cancelled":
+                self.table.add(seq.prompt_ids + seq.output_ids)
+            if self.bus is not None and seq.finish_reason != "cancelled":
+                record = record_from_sequence(seq, self.server_id, time.time(), sub.domain)
+                self.bus.publish(record.to_dict())
+                self.num_records_published += 1
+                if self.metrics is not None:
+                    self.metrics.record_published()
 
     def _count_steps(self, sub: Submission) -> None:
         assert sub.seq is not None

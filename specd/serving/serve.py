@@ -159,7 +159,8 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
                                                         prefill_chunk=options.prefill_chunk,
                                                         eos_token_ids=loaded.eos_token_ids,
                                                         record_features=options.drafter.arch == "feature"))
-    worker = EngineWorker(engine, wiring.bus if options.publish_records else None, options.server_id, metrics, table)
+    worker = EngineWorker(engine, wiring.bus if options.publish_records else None, options.server_id, metrics, table,
+                          health=wiring.health)
     status = _status(options, wiring, worker)
     app = create_app(ApiState(loaded, worker, metrics, options.model_name or Path(loaded.folder).name, status,
                               options.max_queued, api_key=options.api_key))
