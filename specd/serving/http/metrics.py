@@ -2,25 +2,29 @@
 
 Contract: `ServingMetrics` owns its own registry (tests make their own), is updated from the
 engine thread with plain counter increments (`observe_verification`, `observe_request`), and
-derives acceptance rate and accept length per drafter version at scrape time from the counters.
-It keeps `AcceptanceCounts` per (version, domain), from which `reports` builds what the learner's
-canary reads. Scrapes and reports run on other threads than the engine: they read a snapshot
-taken under the same lock the engine's updates take, so `/metrics` never fails mid-update.
-Only the `max_versions` drafter versions served most recently keep their own `version` label
-(and their own counts in the reports); an older one is evicted when a new one is observed: its
-counts move into the label `version="older"`, so sums over versions stay monotonic, and a
-version that is served again starts its own counts from zero (the canary reads a restart).
+derives acceptance rate and accept length per drafter version and drafting source at scrape time
+from the counters. `source` is the step's source kind (`core.records.source_kind`: "learned",
+"context", "table", or "none" for a pass that verified no drafts), so the learned drafter's
+figures count only its own drafts. It keeps `AcceptanceCounts` per (version, source, domain),
+from which `reports` builds what the learner's canary reads (a version's counts: the learned
+drafter's own steps). Scrapes and reports run on other threads than the engine: they read a
+snapshot taken under the same lock the engine's updates take, so `/metrics` never fails
+mid-update. Only the `max_versions` drafter versions served most recently keep their own
+`version` label (and their own counts in the reports); an older one is evicted when a new one is
+observed: its counts move into the label `version="older"`, so sums over versions stay
+monotonic, and a version that is served again starts its own counts from zero (the canary reads
+a restart).
 Names (the `specd_` twins of vLLM's `vllm:spec_decode_*`):
-  specd_spec_decode_num_draft_tokens_total{version}       drafts proposed
-  specd_spec_decode_num_accepted_tokens_total{version}    drafts accepted
+  specd_spec_decode_num_draft_tokens_total{version,source}       drafts proposed
+  specd_spec_decode_num_accepted_tokens_total{version,source}    drafts accepted
   specd_spec_decode_num_accepted_tokens_per_pos_total{position}
-  specd_spec_decode_num_verification_passes_total{version}
-  specd_spec_decode_num_emitted_tokens_total{version}
-  specd_spec_decode_acceptance_rate{version}, specd_spec_decode_accept_length{version}  (gauges)
+  specd_spec_decode_num_verification_passes_total{version,source}
+  specd_spec_decode_num_emitted_tokens_total{version,source}
+  specd_spec_decode_acceptance_rate{version,source}, specd_spec_decode_accept_length{version,source}  (gauges)
   specd_drafter_swaps_total, specd_drafter_refused_total
   specd_records_published_total, specd_records_shed_total
   specd_request_latency_seconds, specd_inter_token_latency_seconds (histograms)
-  specd_spec_decode_domain_{draft_tokens,accepted_tokens,verification_passes,emitted_tokens}_total{version,domain}
+  specd_spec_decode_domain_{draft_tokens,accepted_tokens,verification_passes,emitted_tokens}_total{version,source,domain}
   specd_background_failures_total{task}   failures of supervised background loops (threads.py)
 """
 
