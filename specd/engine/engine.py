@@ -227,7 +227,7 @@ class Engine:
                 done.append(part.seq)
                 continue
             try:
-                used = run_chunk(self.target, self.cache, part, budget, self.capture_layers)
+                used = run_chunk(self.target, self.cache, self.tokens, part, budget, self.capture_layers)
                 if part.is_complete:
                     self._start(part)
             except Exception as error:  # traced to this request's admission: it fails alone

@@ -41,15 +41,15 @@ class InProgress:
         return torch.cat(self.features) if self.features else None
 
 
-def run_chunk(target: Transformer, cache: KVCache, part: InProgress, budget: int | None,
+def run_chunk(target: Transformer, cache: KVCache, tokens: torch.Tensor, part: InProgress, budget: int | None,
               capture: tuple[int, ...]) -> int:
-    """Write up to `budget` more prompt tokens of `part` into its slot's cache; returns how many."""
+    """Write up to `budget` more prompt tokens of `part` (already in its row of `tokens`, the
+    engine's token buffer) into its slot's cache; returns how many."""
     end = part.to_fill if budget is None else min(part.to_fill, part.filled + budget)
     if end <= part.filled:
         return 0
-    device = target.embed.weight.device
-    chunk = torch.tensor(part.seq.prompt_ids[part.filled:end], device=device)
-    start = torch.tensor([part.filled], dtype=torch.long, device=device)
+    chunk = tokens[part.slot, part.filled:end]
+    start = torch.tensor([part.filled], dtype=torch.long, device=tokens.device)
     _, features = target(chunk[None, :], start, cache, first_slot=part.slot, logits_for="none",
                          return_hidden=bool(capture), capture_layers=capture)
     if features is not None:
