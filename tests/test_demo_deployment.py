@@ -84,6 +84,15 @@ def test_without_learning_adaptive_and_static_are_the_same_run(tmp_path: Path) -
     assert result["lookahead_costs"]["verify_seconds"].keys() == {0, 1, 2, 3, 4}
 
 
+def test_the_demo_prints_its_table_from_a_real_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from specd.cli.demo_command import print_demo
+
+    result = run_demo(tiny_loaded_target(), shifted_traffic(), demo_config(learning=False), tmp_path / "store")
+    print_demo(result)  # versions are numbers: the line naming them must still print
+    out = capsys.readouterr().out
+    assert f"versions serving after the shift: {result['static_version']}" in out and "lossless" in out
+
+
 @TWO_CORES
 def test_a_version_trained_after_the_shift_goes_live_within_the_records_the_gate_promises(tmp_path: Path) -> None:
     target = learnable_target(vocab_size=ByteTokenizer.vocab_size)

@@ -88,7 +88,7 @@ def print_demo(result: dict[str, Any]) -> None:
     learner, swaps = result["learner"], result["swaps"]
     print(f"\nlossless (greedy outputs equal to no speculation): {result['lossless']}")
     print(f"static = version {result['static_version']}; {swaps['applied']} swaps; versions serving after the "
-          f"shift: {', '.join(swaps['versions_live_after_shift'])}")
+          f"shift: {', '.join(str(v) for v in swaps['versions_live_after_shift'])}")
     print(f"learner ({learner['arrangement']}, cores {learner.get('cores')}): {learner['steps']} steps, "
           f"{learner['tokens_trained']} tokens trained, {len(learner['published'])} versions passed the gate, "
           f"{learner.get('rejected', 0)} rejected, {learner.get('cpu_seconds')} CPU s")
