@@ -6,6 +6,7 @@ as an outside publisher (or a careless operator) would. Previously live versions
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,26 @@ async def test_a_corrupt_version_cannot_go_live_by_hand(tmp_path, monkeypatch) -
     [(status, answer, _)] = await operator_sets_live(learner, corrupt)
     assert status == 409 and "does not match" in str(answer)
     assert learner.store.live_version() == 1
+
+
+async def test_an_operators_verdict_does_not_wait_for_the_training_step_in_progress(tmp_path, monkeypatch) -> None:
+    learner = learner_on(tmp_path, records=6)
+    judged_by_norm(learner, monkeypatch)
+    training, release = threading.Event(), threading.Event()
+
+    def stuck_step() -> bool:  # a learner step that lasts until the verdict is in
+        training.set()
+        release.wait(timeout=60)
+        return True
+
+    monkeypatch.setattr(learner, "step", stuck_step)
+    learner.start()
+    try:
+        assert training.wait(timeout=30)
+        better = plant(learner, 1.5)
+        [(status, answer, _)] = await operator_sets_live(learner, better)
+        assert release.is_set() is False  # answered while the step still ran
+        assert status == 200 and answer["live"] == better
+    finally:
+        release.set()
+        learner.stop()

@@ -11,6 +11,9 @@ Contract:
   the body raises they log the error with its traceback, record it, wait a jittered exponential
   backoff and run the body again. A background loop is never silently dead: it is either
   running or visibly failing. A body that returns normally is not restarted.
+- `CallWorker` runs submitted calls one at a time on a daemon thread of its own, at the
+  priority of the thread that built it, and answers each with a future: rare, short requests
+  (an operator's) that must not queue behind a long-running loop.
 Imports nothing of specd.
 """
 
@@ -24,7 +27,10 @@ import random
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
+from queue import SimpleQueue
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -131,3 +137,26 @@ def supervised_thread(name: str, body: Callable[[], None], health: BackgroundHea
             health.restarted(name)
 
     return threading.Thread(target=run, name=name, daemon=True)
+
+
+class CallWorker:
+    """Calls run in order on one daemon thread, started at once (it inherits its creator's
+    priority on Linux: build it from a thread that was not reniced)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._calls.put((fn, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            fn, future = self._calls.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as error:  # the caller gets it; the worker goes on
+                    future.set_exception(error)

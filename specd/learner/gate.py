@@ -4,7 +4,9 @@ Contract: every `every`-th record the learner takes is held out (kept from train
 `capacity` are kept), whatever its temperature. A candidate passes when its weights are finite and
 its simulated accept length on the held-out records is not worse than the live version's by more
 than `margin`. With fewer than `min_held_out` held-out records there is no evidence and no pass:
-`has_evidence` is False (the learner then waits and trains on) and `verdict` fails.
+`has_evidence` is False (the learner then waits and trains on) and `verdict` fails. The learner's
+thread holds records out while an operator's candidate may be judged on another thread: the
+held-out set is copied under a lock, so a verdict judges one consistent set.
 
 Why sampled records are evidence: the serving drafter proposes its argmax x, a one-hot draft, so
 speculative sampling accepts it with probability min(1, p(x) / 1) = p(x), p the target's
@@ -20,6 +22,7 @@ comparison see the same draws.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -36,12 +39,14 @@ class Gate:
     def __init__(self, every: int, capacity: int, min_held_out: int, margin: float) -> None:
         self.every, self.min_held_out, self.margin = every, min_held_out, margin
         self.held_out: deque[TrajectoryRecord] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
 
     def hold_out(self, record: TrajectoryRecord, index: int) -> bool:
         """Keep the `index`-th record taken (counting from 1) if it is its turn; True if it was kept."""
         if index % self.every:
             return False
-        self.held_out.append(record)
+        with self._lock:
+            self.held_out.append(record)
         return True
 
     @property
@@ -53,7 +58,8 @@ class Gate:
         """Pass or fail `candidate` against `live` (None: nothing to compare with, accept length 1)."""
         if not all(bool(torch.isfinite(p).all()) for p in candidate.parameters()):
             return {"passed": False, "reason": "non-finite weights"}
-        records = list(self.held_out)
+        with self._lock:
+            records = list(self.held_out)
         if len(records) < self.min_held_out:
             return {"passed": False, "reason": f"{len(records)} held-out records, the gate needs {self.min_held_out}",
                     "held_out_records": len(records)}

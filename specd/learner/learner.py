@@ -14,12 +14,14 @@ a candidate, but only once at least `gate_min_held_out` records are held out: un
 learner publishes nothing, counts the wait (`stats.gate_waits`) and trains on. A candidate is
 published and made live if its simulated accept length on the held-out records is not worse than
 the live version's by more than `gate_margin` and its weights are finite, rejected (with the
-reason in its manifest) otherwise. Promotion is a compare-and-set against the live version the
-learner last saw: if an operator or the canary changed it meanwhile, theirs stands, the learner
-trains on from it and publishes nothing for `hold_after_rollback_s`. `duty_cycle` caps the share
-of wall time spent training, so a learner beside serving leaves the cores to decoding. The thread
-survives any Exception in a step: it is logged with its traceback, counted
-(`stats.loop_failures`, `stats.last_failure`, both in `health()`), and the loop backs off a second.
+reason in its manifest) otherwise. An operator's candidate (`submit`) is judged by the same gate
+on a worker thread of its own at serving priority, so its verdict never queues behind training.
+Promotion is a compare-and-set against the live version the learner last saw: if an operator or
+the canary changed it meanwhile, theirs stands, the learner trains on from it and publishes
+nothing for `hold_after_rollback_s`. `duty_cycle` caps the share of wall time spent training, so a
+learner beside serving leaves the cores to decoding. The thread survives any Exception in a step:
+it is logged with its traceback, counted (`stats.loop_failures`, `stats.last_failure`, both in
+`health()`), and the loop backs off a second.
 The jobs live in their own modules: `intake`, `trainer`, `gate`, `promotion` and `supervision`.
 """
 
@@ -32,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from specd.core.records import TrajectoryRecord
+from specd.core.threads import CallWorker
 from specd.drafter.checkpoint import DrafterModel, clone_drafter
 from specd.hotswap.store import WeightStore
 from specd.learner.config import LearnerConfig, LearnerStats
@@ -86,6 +89,8 @@ class Learner(SupervisedLoop):
                               self.stats)
         self.buffer = self._intake.buffer
         self.promoter.begin(self.model)
+        # built here, on the constructing thread: not the reniced training loop's priority
+        self._operator_calls = CallWorker("specd-operator-gate")
 
     @property
     def live_version(self) -> int | None:
@@ -143,8 +148,9 @@ class Learner(SupervisedLoop):
     def submit(self, version: int) -> Future[dict[str, Any]]:
         """Put a version the learner did not train (an operator's POST /v1/live) through the gate; it
         goes live only if it passes. The verdict has `waiting` True when the gate lacks evidence.
-        Runs on the learner's thread, which owns the objective's caches."""
-        return self.call_on_loop(lambda: self.promoter.vet(version, self.gate, self.simulated_accept_length))
+        Runs on the operator worker, beside training: the gate's held-out set and the objective's
+        feature cache are locked, and promotion is a compare-and-set in the store."""
+        return self._operator_calls.submit(lambda: self.promoter.vet(version, self.gate, self.simulated_accept_length))
 
     def health(self) -> dict[str, Any]:
         """For a status endpoint: is the thread running, its failures, and is the gate waiting for evidence."""

@@ -7,12 +7,14 @@ drafter network. `TokenObjective` trains the token-level `Transformer` on the re
 `FeatureObjective` trains a `FeatureDrafterModel` on the target's features: those a record
 carries, or, for records without them (a vLLM server ships ids only), features it recomputes
 with its own copy of the target (one no-grad pass per record), counted in `recomputed_*` so the cost is
-visible. Features are kept per record id for as long as the learner holds the record.
+visible. Features are kept per record id for as long as the learner holds the record; the
+cache is locked, so the learner's thread and an operator's gate evaluation may both read it.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections import OrderedDict
 from typing import Protocol
@@ -84,6 +86,7 @@ class FeatureObjective:
         self.miss_weight, self.prompt_weight, self.covered_weight = miss_weight, prompt_weight, covered_weight
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._cache_records = cache_records
+        self._cache_lock = threading.Lock()
         self.recomputed_records = 0
         self.recomputed_tokens = 0
         self.recomputed_seconds = 0.0
@@ -91,32 +94,39 @@ class FeatureObjective:
     def features(self, records: list[TrajectoryRecord]) -> list[torch.Tensor]:
         """[num_tokens - 1, feature_size] fp16 per record: carried, cached, or recomputed now."""
         # a batch samples with replacement: a record drawn twice is still computed (and counted) once
-        missing = list({r.record_id: r for r in records
-                        if r.record_id not in self._cache and not _complete(r)}.values())
-        if missing:
-            self._recompute(missing)
+        with self._cache_lock:
+            missing = list({r.record_id: r for r in records
+                            if r.record_id not in self._cache and not _complete(r)}.values())
+        # outside the lock: the other thread's reads do not wait for a target pass
+        recomputed = self._recompute(missing) if missing else {}
         found = []
-        for record in records:
-            if record.record_id not in self._cache:
-                assert record.features is not None
-                self._remember(record.record_id, torch.from_numpy(record.features.array().copy()))
-            self._cache.move_to_end(record.record_id)
-            found.append(self._cache[record.record_id])
+        with self._cache_lock:
+            for record in records:
+                features = self._cache.get(record.record_id, recomputed.get(record.record_id))
+                if features is None:
+                    assert record.features is not None
+                    features = torch.from_numpy(record.features.array().copy())
+                self._remember(record.record_id, features)
+                found.append(features)
         return found
 
     @torch.inference_mode()
-    def _recompute(self, records: list[TrajectoryRecord]) -> None:
+    def _recompute(self, records: list[TrajectoryRecord]) -> dict[str, torch.Tensor]:
         begin = time.perf_counter()
+        recomputed = {}
         for record in records:
             ids = torch.tensor((record.prompt_ids + record.output_ids)[:-1], device=self.target.embed.weight.device)
             features = self.target.train_features(ids[None], self.capture_layers)[0]
-            self._remember(record.record_id, features.to(torch.float16).cpu())
+            recomputed[record.record_id] = features.to(torch.float16).cpu()
             self.recomputed_tokens += len(ids)
         self.recomputed_records += len(records)
         self.recomputed_seconds += time.perf_counter() - begin
+        return recomputed
 
     def _remember(self, record_id: str, features: torch.Tensor) -> None:
+        """Keep (or refresh) `record_id`'s features as the newest; the oldest go past the bound."""
         self._cache[record_id] = features
+        self._cache.move_to_end(record_id)
         while len(self._cache) > self._cache_records:
             self._cache.popitem(last=False)
 

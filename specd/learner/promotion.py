@@ -16,6 +16,7 @@ publishes the untrained drafter as version 1 unless something is live already.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,6 +68,7 @@ class Promoter:
         self._hold_until = 0.0
         self._gate_waiting = False
         self._live_copy: tuple[int, DrafterModel] | None = None
+        self._live_copy_lock = threading.Lock()  # the training loop and the operator worker both ask
 
     def load(self, version: int) -> DrafterModel:
         return load_drafter(self.store.weights_path(version), self.fingerprint, target_embedding=self.target_embedding)
@@ -78,10 +80,11 @@ class Promoter:
         version = self.live_version if version is None else version
         if version is None:
             return None
-        if self._live_copy is None or self._live_copy[0] != version:
-            self._live_copy = None  # the old copy goes before the new one is read: one at a time
-            self._live_copy = (version, self.load(version))
-        return self._live_copy[1]
+        with self._live_copy_lock:
+            if self._live_copy is None or self._live_copy[0] != version:
+                self._live_copy = None  # the old copy goes before the new one is read: one at a time
+                self._live_copy = (version, self.load(version))
+            return self._live_copy[1]
 
     def publish(self, model: DrafterModel, info: dict[str, Any]) -> int:
         serving_copy = clone_drafter(model).to(self.serving_dtype)

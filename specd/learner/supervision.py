@@ -3,19 +3,14 @@
 Contract: `start` runs `tick` repeatedly on a thread of lowered priority (work beside decoding
 yields whenever both want a core); any Exception in a tick is logged with its traceback, counted
 on `stats` (`loop_failures`, `last_failure`) and followed by a pause of `backoff_s`, so a
-persistent fault is retried, not spun on. `call_on_loop(fn)` runs `fn` on the loop's thread before
-its next tick (or at once when no loop runs) and returns a future of its result, so state the
-loop owns is only ever touched from one thread. `stop` ends the loop within one tick.
+persistent fault is retried, not spun on. `stop` ends the loop within one tick.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any, Protocol, Self
 
 from specd.core.threads import lower_thread_priority
@@ -32,7 +27,6 @@ class SupervisedLoop:
     def __init__(self, name: str, stats: FailureCounts, backoff_s: float) -> None:
         self._name, self._failures, self._backoff_s = name, stats, backoff_s
         self._stop = threading.Event()
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def tick(self) -> None:
@@ -52,30 +46,10 @@ class SupervisedLoop:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def call_on_loop(self, fn: Callable[[], Any]) -> Future[Any]:
-        future: Future[Any] = Future()
-        self._calls.put((fn, future))
-        if not self.running:  # no loop to hand it to
-            self._run_calls()
-        return future
-
-    def _run_calls(self) -> None:
-        while True:
-            try:
-                fn, future = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except Exception as error:  # the caller gets it (a 4xx/5xx), the loop goes on
-                    future.set_exception(error)
-
     def _run(self) -> None:
         lower_thread_priority()
         while not self._stop.is_set():
             try:
-                self._run_calls()
                 self.tick()
             except Exception as error:  # a bug here must not take serving down with it, nor pass unseen
                 self._failures.loop_failures += 1
