@@ -46,9 +46,9 @@ def small_drafter(target: Transformer, shape: DrafterShape = FULL_HEAD, seed: in
     return new_drafter_model(target, shape, copy_from_target=False, seed=seed)
 
 
-def small_feature_drafter(target: Transformer) -> FeatureDrafter:
+def small_feature_drafter(target: Transformer, sampled_drafts: str = "sample") -> FeatureDrafter:
     return FeatureDrafter(new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight,
-                                              target.norm.weight, DRAFT_IDS, seed=2))
+                                              target.norm.weight, DRAFT_IDS, seed=2), sampled_drafts=sampled_drafts)
 
 
 def target_joint(target: Transformer, prompt: list[int], params: SamplingParams) -> torch.Tensor:
@@ -163,6 +163,11 @@ SCENARIOS = {
                        tampered_with(uniform_q_for_matched_rows)),
     # the feature drafter over a pruned, reordered draft vocabulary: q is scattered back to target ids
     "feature": Scenario([1, 2, 3], PLAIN, small_feature_drafter, tampered_with(lambda drafter: unmapped_q)),
+    # sampled rows drafted by argmax (one-hot drafts, what the learner's gate replays), both drafters
+    "feature-argmax": Scenario([1, 2, 3], PLAIN, lambda t: small_feature_drafter(t, "argmax"),
+                               patched(accept_every_draft)),
+    "learned-argmax": Scenario([1, 2, 3], PLAIN, lambda t: TokenDrafter(small_drafter(t), sampled_drafts="argmax"),
+                               patched(accept_every_draft)),
     "partial-head": Scenario([1, 2, 3], PLAIN, lambda t: TokenDrafter(small_drafter(t, PARTIAL_HEAD)),
                              tampered_with(lambda drafter: misaligned_q)),
     "top-p": Scenario([1, 2, 3], SamplingParams(temperature=0.8, top_p=0.8, max_tokens=3),

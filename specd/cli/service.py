@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from specd.core.errors import ConfigurationError
 from specd.drafter.factory import DrafterSpec
@@ -21,7 +22,7 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
                    help="feature drafter: start from a fresh drafter, not the shipped pretrained version")
 
 
-def drafter_spec(args: argparse.Namespace, **fields: bool) -> DrafterSpec:
+def drafter_spec(args: argparse.Namespace, **fields: Any) -> DrafterSpec:
     return DrafterSpec(kind=args.drafter_kind, arch=args.drafter_arch, pretrained=not args.from_scratch, **fields)
 
 

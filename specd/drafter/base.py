@@ -17,7 +17,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specd.core.errors import ConfigurationError
+
 BUILT_IN_VERSION = 0  # a drafter not read from the weight store (the day-0 drafter, a replay, a capture)
+# How a learned drafter drafts for a sampled row: its argmax, a one-hot draft (what the learner's
+# gate replays), or a draw from its own distribution q. Both are lossless under speculative sampling.
+SAMPLED_DRAFTS = ("argmax", "sample")
 
 
 @dataclass
@@ -81,6 +86,12 @@ class FeatureReader(Protocol):
 
     def observe(self, slot: int, start: int, features: torch.Tensor) -> None:
         """features [n, F]: the target's at positions start..start+n-1 of the row in `slot`."""
+
+
+def check_sampled_drafts(policy: str) -> str:
+    if policy not in SAMPLED_DRAFTS:
+        raise ConfigurationError(f"sampled_drafts {policy!r}: choose one of {', '.join(SAMPLED_DRAFTS)}")
+    return policy
 
 
 def one_hot_q(drafts: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 
 from specd.core.errors import ConfigurationError
+from specd.drafter.base import check_sampled_drafts
 from specd.drafter.checkpoint import DrafterModel
 from specd.drafter.feature_drafter import FeatureDrafter
 from specd.drafter.feature_model import FeatureDrafterModel
@@ -43,6 +44,10 @@ class DrafterSpec:
     head_vocab: int = 8192        # ids its output head covers (capped at the target's vocabulary)
     traffic_table: bool = True    # hybrid only: continuations learned across requests
     pretrained: bool = True       # feature: start from the shipped pretrained version when it fits
+    # the learned drafter's drafts for sampled rows (`base.SAMPLED_DRAFTS`); None: what its gate
+    # replays exactly (feature: a draw from q, its acceptance computed from the target's features;
+    # token: the argmax, as its records carry no distribution). benchmarks/sampled_drafts.py
+    sampled_drafts: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFTER_KINDS:
@@ -52,6 +57,8 @@ class DrafterSpec:
         if self.layers < 1 or self.head_vocab < 1:
             raise ConfigurationError(f"a drafter needs at least one layer and one head id, "
                                      f"got {self.layers} and {self.head_vocab}")
+        if self.sampled_drafts is not None:
+            check_sampled_drafts(self.sampled_drafts)
 
 
 def initial_model(target: Transformer | TargetHead, spec: DrafterSpec, seed: int = 0,
@@ -76,7 +83,9 @@ def build_drafter(spec: DrafterSpec, model: DrafterModel, version: int,
     """The drafter a server runs (a feature drafter for a `FeatureDrafterModel`, else a token
     drafter); a hybrid one gets `table`, or a fresh one when the spec wants one."""
     learned: TokenDrafter | FeatureDrafter = (
-        FeatureDrafter(model, version) if isinstance(model, FeatureDrafterModel) else TokenDrafter(model, version))
+        FeatureDrafter(model, version, sampled_drafts=spec.sampled_drafts or "sample")
+        if isinstance(model, FeatureDrafterModel)
+        else TokenDrafter(model, version, sampled_drafts=spec.sampled_drafts or "argmax"))
     if spec.kind == "learned":
         return learned
     if table is None and spec.traffic_table:

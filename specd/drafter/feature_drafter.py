@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from specd.drafter.base import BUILT_IN_VERSION, DraftBatch, Proposal
+from specd.drafter.base import BUILT_IN_VERSION, DraftBatch, Proposal, check_sampled_drafts
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.drafter.swap import HotSwapped
 from specd.model.distributions import sample_from, target_probs
@@ -30,10 +30,11 @@ class FeatureDrafter(HotSwapped[FeatureDrafterModel]):
     serves = FeatureDrafterModel
 
     def __init__(self, model: FeatureDrafterModel, version: int = BUILT_IN_VERSION,
-                 catchup_tokens_per_step: int = 256) -> None:
+                 catchup_tokens_per_step: int = 256, sampled_drafts: str = "sample") -> None:
         super().__init__(version)
         self.model = model
         self.catchup_tokens_per_step = catchup_tokens_per_step
+        self.sampled_drafts = check_sampled_drafts(sampled_drafts)
         self._cache: KVCache | None = None
         self._history: torch.Tensor | None = None  # [max_batch, max_seq, feature_size] fp16, the target's
         self._known: list[int] = []  # per slot: positions 0..known-1 have features
@@ -154,7 +155,7 @@ class FeatureDrafter(HotSwapped[FeatureDrafterModel]):
         full-vocabulary q [B, V] they were drawn from (zero outside the draft vocabulary)."""
         draft_ids = self.model.draft_ids  # [N] target id of each draft-vocabulary index
         greedy = logits[:, 0].argmax(-1)
-        if bool(batch.is_greedy.all()):
+        if self.sampled_drafts == "argmax" or bool(batch.is_greedy.all()):
             return draft_ids[greedy], None
         q_draft = target_probs(logits, batch.temperature, batch.top_p)[:, 0]  # [B, N]
         uniforms = torch.stack([torch.rand((), generator=g) for g in batch.generators])

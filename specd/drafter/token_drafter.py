@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specd.drafter.base import BUILT_IN_VERSION, DraftBatch, Proposal
+from specd.drafter.base import BUILT_IN_VERSION, DraftBatch, Proposal, check_sampled_drafts
 from specd.drafter.swap import HotSwapped
 from specd.model.distributions import sample_from, target_probs
 from specd.model.transformer import KVCache, ModelConfig, Transformer
@@ -91,10 +91,12 @@ class TokenDrafter(HotSwapped[Transformer]):
 
     serves = Transformer
 
-    def __init__(self, model: Transformer, version: int = BUILT_IN_VERSION, catchup_tokens_per_step: int = 256) -> None:
+    def __init__(self, model: Transformer, version: int = BUILT_IN_VERSION, catchup_tokens_per_step: int = 256,
+                 sampled_drafts: str = "sample") -> None:
         super().__init__(version)
         self.model = model
         self.catchup_tokens_per_step = catchup_tokens_per_step
+        self.sampled_drafts = check_sampled_drafts(sampled_drafts)
         self._cache: KVCache | None = None
         self._cached: list[int] = []          # per slot: tokens of the row held in the cache
         self._proposed_from: list[int] = []   # per row: sequence length when the drafts were made
@@ -146,7 +148,7 @@ class TokenDrafter(HotSwapped[Transformer]):
         block = batch.tokens[rows[:, None], starts[:, None] + torch.arange(width, device=starts.device)]
         logits, _ = model(block, starts, cache, logits_for="last")
         drafts, qs = [], []
-        sampling = not bool(batch.is_greedy.all())
+        sampling = self.sampled_drafts == "sample" and not bool(batch.is_greedy.all())
         missing_vocab = model.config.vocab_size - model.config.output_size
         for i in range(k):
             assert logits is not None

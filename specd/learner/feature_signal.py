@@ -8,8 +8,8 @@ norm and frozen output rows for the draft vocabulary (`label_rows`), so no distr
 stored or sent.
 Every unrolled step is trained (step j on the drafter's own states, as draft j + 1 is made when
 serving), step j weighted `step_decay ** j`. The objective is forward KL ("kl") or the
-acceptance objective −log Σ min(p, q) ("accept"). `simulated_counts` replays greedy drafting
-exactly on a greedy trajectory: draft j + 1 after row length L is step j's argmax at L − 2 + j.
+acceptance objective −log Σ min(p, q) ("accept"). Replaying a drafter on trajectories (what the
+gate measures) lives in `specd.learner.replay`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specd.core.records import AcceptanceCounts
 from specd.drafter.feature_model import FeatureDrafterModel
 
 OBJECTIVES = ("kl", "accept")
@@ -129,32 +128,3 @@ def feature_loss(model: FeatureDrafterModel, batch: FeatureBatch, rows: torch.Te
             agree = torch.eq(logits.detach().argmax(-1), target_top).float()
             stats[f"top1_{j + 1}"] = float((agree * weight).sum() / normaliser)
     return total, stats
-
-
-@torch.no_grad()
-def simulated_counts(model: FeatureDrafterModel, sequences: list[tuple[torch.Tensor, torch.Tensor, int]],
-                     k: int) -> AcceptanceCounts:
-    """Greedy drafting replayed on (tokens [T], features [T, F], prompt_length) trajectories: each
-    target pass drafts up to k and accepts the run of drafts equal to the next output tokens, as the
-    engine would. Exact where the outputs are the target's greedy choices, an unbiased estimate where
-    they were sampled (see `specd.learner.gate`)."""
-    counts = AcceptanceCounts()
-    device = model.head.weight.device
-    for tokens, features, prompt_length in sequences:
-        tokens, features = tokens.to(device), features.to(device)
-        length = len(tokens)
-        if length - prompt_length < 2 or prompt_length < 2:
-            continue
-        outputs = model.unrolled(features[None, :-1], tokens[None, 1:], k)
-        # predicted[j][t]: step j's draft at entry t, a target id (entry t predicts x_{t+2})
-        predicted = [model.draft_ids[model.logits(state[0]).argmax(-1)] for state in outputs]
-        row_length = prompt_length
-        while row_length < length:
-            left = length - row_length
-            drafts = min(k, left - 1)
-            run = 0
-            while run < drafts and int(predicted[run][row_length - 2 + run]) == int(tokens[row_length + run]):
-                run += 1
-            counts.add(AcceptanceCounts(drafts=drafts, accepted=run, passes=1, emitted=run + 1))
-            row_length += run + 1
-    return counts

@@ -8,16 +8,20 @@ than `margin`. With fewer than `min_held_out` held-out records there is no evide
 thread holds records out while an operator's candidate may be judged on another thread: the
 held-out set is copied under a lock, so a verdict judges one consistent set.
 
-Why sampled records are evidence: the serving drafter proposes its argmax x, a one-hot draft, so
-speculative sampling accepts it with probability min(1, p(x) / 1) = p(x), p the target's
-distribution after the request's temperature and top-p. Speculation is lossless, so a record's
-tokens are draws from p whichever drafter served them, and a recorded sampled token equals x with
-probability p(x) too; position after position along a run of drafts the same holds, since the run
-continues only where the recorded prefix equals the drafts. Replaying the drafter's greedy
-proposals against a sampled trajectory (`Objective.simulate`) is therefore an unbiased estimate of
-the accept length it reaches on such requests: noisier than on greedy records (one draw instead of
-the mode), but evidence. Candidate and live are replayed on the same records, so both sides of the
-comparison see the same draws.
+What the gate measures is the drafter as it serves (`Objective.simulate`), on greedy and sampled
+records alike. Speculation is lossless, so a record's tokens are draws from p (the target's
+distribution after the request's temperature and top-p) whichever drafter served them.
+- Greedy records: the replay is the engine's own walk, exact.
+- The feature drafter serves a draw from its own q on sampled rows, which speculative sampling
+  accepts with probability Σ_x min(p(x), q(x)). The replay computes that per position, with no
+  sampling noise: p from the record's last-layer features through the target's output head, q
+  from the candidate (`specd.learner.replay`). `benchmarks/sampled_drafts.py` measures the
+  estimate against served accept lengths.
+- The token drafter serves its argmax x on sampled rows (`DrafterSpec.sampled_drafts`): a one-hot
+  draft, accepted with probability p(x). A recorded sampled token equals x with probability p(x)
+  too, so the argmax replayed against the recorded draw is an unbiased estimate (one draw, not
+  the expectation: noisier than on greedy records, but evidence).
+Candidate and live are replayed on the same records, so both sides see the same traffic.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ class Learner(SupervisedLoop):
 
     def simulated_accept_length(self, model: DrafterModel, records: list[TrajectoryRecord]) -> float:
         """Tokens per target pass the drafter would reach on these records, greedy or sampled
-        (an unbiased estimate on sampled ones: see `specd.learner.gate`)."""
+        (how sampled ones are judged: see `specd.learner.gate`)."""
         return self.trainer.accept_length(model, records)
 
     def submit(self, version: int) -> Future[dict[str, Any]]:

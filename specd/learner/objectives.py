@@ -1,9 +1,9 @@
 """What the learner trains and how it measures a drafter, per drafter architecture.
 
 Contract: an objective turns sampled trajectory records into one loss (and the number of label
-tokens it covers) and replays the drafter's greedy drafting on held-out records, greedy or sampled
-alike (`simulate`; why sampled ones are fair evidence: `specd.learner.gate`), for its kind of
-drafter network. `TokenObjective` trains the token-level `Transformer` on the records' ids.
+tokens it covers) and replays the drafter as it serves on held-out records, greedy or sampled
+alike (`simulate`; how sampled ones are judged: `specd.learner.gate`), for its kind of drafter
+network. `TokenObjective` trains the token-level `Transformer` on the records' ids.
 `FeatureObjective` trains a `FeatureDrafterModel` on the target's features: those a record
 carries, or, for records without them (a vLLM server ships ids only), features it recomputes
 with its own copy of the target (one no-grad pass per record), counted in `recomputed_*` so the cost is
@@ -24,10 +24,14 @@ import torch
 from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, TrajectoryRecord
 from specd.drafter.checkpoint import DrafterModel
 from specd.drafter.feature_model import FeatureDrafterModel
-from specd.learner.feature_signal import collate, feature_loss, label_rows, simulated_counts
+from specd.learner.feature_signal import collate, feature_loss, label_rows
+from specd.learner.replay import ExpectedCounts, SampledRow, simulated_counts
 from specd.learner.signal import build_batch, drafter_loss
 from specd.learner.signal import simulated_counts as token_simulated_counts
+from specd.model.distributions import target_probs
 from specd.model.transformer import Transformer
+
+Replayed = AcceptanceCounts | ExpectedCounts  # what a replay gives: counts, or their expectations
 
 
 class Objective(Protocol):
@@ -37,7 +41,7 @@ class Objective(Protocol):
     def loss(self, model: DrafterModel, records: list[TrajectoryRecord],
              rng: random.Random) -> tuple[torch.Tensor, int]: ...
 
-    def simulate(self, model: DrafterModel, records: list[TrajectoryRecord], k: int) -> AcceptanceCounts: ...
+    def simulate(self, model: DrafterModel, records: list[TrajectoryRecord], k: int) -> Replayed: ...
 
 
 class TokenObjective:
@@ -161,13 +165,32 @@ class FeatureObjective:
                     weights[miss - 1] = self.miss_weight
         return weights
 
-    def simulate(self, model: DrafterModel, records: list[TrajectoryRecord], k: int) -> AcceptanceCounts:
+    def simulate(self, model: DrafterModel, records: list[TrajectoryRecord], k: int) -> ExpectedCounts:
+        """The accept length `model` reaches as served: greedy records replayed exactly, sampled
+        ones by each draft's exact acceptance Σ min(p, q) (`specd.learner.replay`)."""
         assert isinstance(model, FeatureDrafterModel)
-        sequences = []
+        sequences, sampled = [], []
         for record, features in zip(records, self.features(records), strict=True):
             ids = torch.tensor((record.prompt_ids + record.output_ids)[:-1])
             sequences.append((ids, features, len(record.prompt_ids)))
-        return simulated_counts(model, sequences, k)
+            sampled.append(self._sampled_row(record, features, model.draft_ids) if record.temperature > 0 else None)
+        return simulated_counts(model, sequences, k, sampled)
+
+    @torch.inference_mode()
+    def _sampled_row(self, record: TrajectoryRecord, features: torch.Tensor, draft_ids: torch.Tensor,
+                     chunk: int = 128) -> SampledRow:
+        """The target's distribution after the record's temperature and top-p at every entry (from its
+        last layer's state one position on), over the draft vocabulary; the full vocabulary's
+        logits are needed for the normaliser and the nucleus, one chunk of positions at a time."""
+        hidden = self.target.config.hidden_size
+        head_weight = self.target.lm_head.weight
+        temperature, top_p = torch.tensor([record.temperature]), torch.tensor([record.top_p])
+        parts = []
+        for begin in range(1, len(features), chunk):
+            last = features[begin:begin + chunk, -hidden:].to(head_weight)
+            logits = self.target.lm_head(self.target.norm(last))
+            parts.append(target_probs(logits[None], temperature, top_p)[0][:, draft_ids.to(logits.device)].cpu())
+        return SampledRow(record.temperature, record.top_p, torch.cat(parts))
 
     @property
     def recompute_stats(self) -> dict[str, float | None]:

@@ -1,0 +1,101 @@
+"""The feature drafter replayed on recorded trajectories: the accept length it reaches as served.
+
+Contract: `simulated_counts(model, sequences, k, sampled)` drafts along each (tokens [T],
+features [T, F], prompt_length) trajectory as the engine would, k drafts a target pass, and
+returns the expected drafts, accepted drafts, passes and tokens (`ExpectedCounts`). Draft j + 1
+after row length L is step j's output at entry L − 2 + j (entry e predicts token e + 2). Each
+draft is accepted with a probability α, and a walk over pass starts (the probability that a pass
+begins at each position, carried forward) turns the α into expectations:
+- greedy trajectories (`sampled[i]` None): α is 1 where the drafter's argmax is the recorded
+  token and 0 elsewhere, and the walk is exactly the engine's;
+- sampled ones (`SampledRow`: the request's temperature and top-p, and the target's distribution
+  at every position, over the draft vocabulary): the drafter serves a draw from its own q (the
+  request's temperature and top-p applied to its logits, as `FeatureDrafter` does), which
+  speculative sampling accepts with probability α = Σ_x min(p(x), q(x)), computed exactly per
+  position rather than read off one recorded draw. The chain after an accepted draft is
+  replayed on the recorded token, one draw of the same distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specd.drafter.feature_model import FeatureDrafterModel
+from specd.model.distributions import target_probs
+
+
+@dataclass
+class ExpectedCounts:
+    """Expected drafts, accepted drafts, target passes and tokens emitted (sums of expectations)."""
+
+    drafts: float = 0.0
+    accepted: float = 0.0
+    passes: float = 0.0
+    emitted: float = 0.0
+
+    @property
+    def accept_length(self) -> float | None:
+        """Tokens emitted per target pass, None before any pass."""
+        return self.emitted / self.passes if self.passes else None
+
+
+@dataclass(frozen=True)
+class SampledRow:
+    temperature: float
+    top_p: float
+    target_p: torch.Tensor   # [T - 1, N]: p at entry e (of token e + 2) over the draft vocabulary
+
+
+@torch.no_grad()
+def simulated_counts(model: FeatureDrafterModel, sequences: list[tuple[torch.Tensor, torch.Tensor, int]],
+                     k: int, sampled: Sequence[SampledRow | None] | None = None) -> ExpectedCounts:
+    counts = ExpectedCounts()
+    device = model.head.weight.device
+    for index, (tokens, features, prompt_length) in enumerate(sequences):
+        tokens, features = tokens.to(device), features.to(device)
+        length = len(tokens)
+        if length - prompt_length < 2 or prompt_length < 2:
+            continue
+        outputs = model.unrolled(features[None, :-1], tokens[None, 1:], k)
+        row = sampled[index] if sampled is not None else None
+        alphas = [_acceptance(model, state[0], tokens, row) for state in outputs]
+        _walk(alphas, prompt_length, length, k, counts)
+    return counts
+
+
+def _acceptance(model: FeatureDrafterModel, state: torch.Tensor, tokens: torch.Tensor,
+                row: SampledRow | None) -> list[float]:
+    """α at every entry e for one drafting step (its output states [T - 1, hidden])."""
+    logits = model.logits(state).float()  # [T - 1, N]
+    if row is None:
+        predicted = model.draft_ids[logits.argmax(-1)]
+        matches = torch.zeros(len(predicted), device=predicted.device)
+        matches[:-1] = (predicted[:-1] == tokens[2:]).float()  # the last entry predicts past the record
+        return matches.tolist()
+    q = target_probs(logits[None], torch.tensor([row.temperature]), torch.tensor([row.top_p]))[0]
+    return torch.minimum(row.target_p.to(q), q).sum(-1).tolist()
+
+
+def _walk(alphas: list[list[float]], prompt_length: int, length: int, k: int, counts: ExpectedCounts) -> None:
+    """Add one trajectory's expectations: start[L] is the probability that a pass begins at row length L."""
+    start = [0.0] * (length + 1)
+    start[prompt_length] = 1.0
+    for row_length in range(prompt_length, length):
+        reached = start[row_length]
+        if reached == 0.0:
+            continue
+        drafts = min(k, length - row_length - 1)
+        all_accepted, expected_run = 1.0, 0.0   # P(the first j drafts accepted), E[accepted drafts]
+        for j in range(drafts):
+            alpha = alphas[j][row_length - 2 + j]
+            start[row_length + 1 + j] += reached * all_accepted * (1 - alpha)  # j accepted, then a miss
+            all_accepted *= alpha
+            expected_run += all_accepted
+        start[row_length + 1 + drafts] += reached * all_accepted
+        counts.passes += reached
+        counts.drafts += reached * drafts
+        counts.accepted += reached * expected_run
+        counts.emitted += reached * (1 + expected_run)

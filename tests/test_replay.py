@@ -1,0 +1,66 @@
+"""The gate's replay of a feature drafter: sampled drafts accepted with probability Σ min(p, q).
+
+The drafter is fixed and tiny; the target's distribution at every entry is planted in a
+`SampledRow`, so the acceptance the replay must find is known exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
+from specd.learner.replay import SampledRow, simulated_counts
+from specd.model.distributions import target_probs
+from specd.testing import learnable_target
+
+VOCAB = 32
+LENGTH = 24
+PROMPT = 4
+
+
+def drafter_and_sequence() -> tuple[FeatureDrafterModel, tuple[torch.Tensor, torch.Tensor, int]]:
+    target = learnable_target(VOCAB).float()
+    model = new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight, target.norm.weight,
+                                torch.arange(VOCAB), seed=0).eval()
+    tokens = torch.randint(0, VOCAB, (LENGTH,), generator=torch.Generator().manual_seed(1))
+    features = target.train_features(tokens[None], model.config.capture_layers)[0].detach()
+    return model, (tokens, features, PROMPT)
+
+
+def first_step_q(model: FeatureDrafterModel, sequence: tuple[torch.Tensor, torch.Tensor, int], top_p: float,
+                 temperature: float = 1.0) -> torch.Tensor:
+    """The drafter's own first-draft distribution at every entry, as it serves it: [T - 1, N]."""
+    tokens, features, _ = sequence
+    with torch.no_grad():
+        [state] = model.unrolled(features[None, :-1], tokens[None, 1:], 1)
+        logits = model.logits(state)
+    return target_probs(logits, torch.tensor([temperature]), torch.tensor([top_p]))[0]
+
+
+def replay(model: FeatureDrafterModel, sequence: tuple[torch.Tensor, torch.Tensor, int], target_p: torch.Tensor,
+           top_p: float = 1.0) -> tuple[float, float]:
+    counts = simulated_counts(model, [sequence], 1, [SampledRow(1.0, top_p, target_p)])
+    return counts.accepted, counts.drafts
+
+
+def test_a_target_equal_to_the_drafters_q_accepts_every_sampled_draft() -> None:
+    model, sequence = drafter_and_sequence()
+    accepted, drafts = replay(model, sequence, first_step_q(model, sequence, top_p=1.0))
+    assert drafts > 0 and accepted == pytest.approx(drafts)
+
+
+def test_a_target_outside_the_drafters_support_accepts_none() -> None:
+    model, sequence = drafter_and_sequence()
+    q = first_step_q(model, sequence, top_p=1e-6)  # the nucleus keeps one token: q is one-hot
+    elsewhere = torch.roll(q, shifts=1, dims=-1)   # all the target's mass on another token
+    accepted, drafts = replay(model, sequence, elsewhere, top_p=1e-6)
+    assert drafts > 0 and accepted == 0.0
+
+
+def test_half_the_mass_on_the_draft_accepts_half_of_them_in_expectation() -> None:
+    model, sequence = drafter_and_sequence()
+    q = first_step_q(model, sequence, top_p=1e-6)
+    half = 0.5 * q + 0.5 * torch.roll(q, shifts=1, dims=-1)  # min(p, q) sums to 0.5 at every entry
+    accepted, drafts = replay(model, sequence, half, top_p=1e-6)
+    assert accepted == pytest.approx(0.5 * drafts)
