@@ -1,35 +1,40 @@
-"""The canary: live acceptance from reports, and automatic rollback of a regression."""
+"""Served acceptance from reports, and the canary that compares versions on the same records.
+
+The canary tests run a tiny target drafting for itself (a copy of its weights as the drafter): it
+accepts every draft on greedy traffic and far fewer on hot sampled traffic, so "chat" (greedy) and
+"code" (temperature 1.5) are an easy and a hard domain, and a shift between them is a pure traffic
+shift.
+"""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
-from conftest import tiny_target
+import torch
+from conftest import fixed_k, tiny_target
 
-from specd.control.canary import AcceptanceLog, CanaryConfig, apply_canary
-from specd.drafter.token_drafter import DrafterShape, new_drafter_model
+from specd.control.acceptance import AcceptanceLog
+from specd.core.records import TrajectoryRecord
+from specd.drafter.checkpoint import load_drafter
+from specd.drafter.token_drafter import TokenDrafter
+from specd.engine.engine import Engine
+from specd.engine.request import SamplingParams, record_from_sequence
 from specd.hotswap.store import WeightStore
+from specd.learner.objectives import TokenObjective
+from specd.learner.shadow import ShadowCanary
 from specd.model.fingerprint import TargetFingerprint
+from specd.model.transformer import Transformer
 
-SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
+FINGERPRINT = TargetFingerprint(96, "none")
+K = 3
 
 
 def report(server: str, at: float, **versions: tuple[int, int]) -> dict:
     counts = {v.lstrip("v"): {"drafts": d, "accepted": a, "passes": d // 4, "emitted": d // 4 + a}
               for v, (d, a) in versions.items()}
     return {"server_id": server, "time": at, "versions": counts}
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> WeightStore:
-    store = WeightStore(tmp_path)
-    target = tiny_target()
-    for seed in range(2):
-        version = store.publish(new_drafter_model(target, SHAPE, seed=seed), TargetFingerprint(96, "none"),
-                                store.live_version(), {})
-        store.set_live(version)
-    return store
 
 
 def test_reports_become_deltas_per_server_and_survive_a_counter_reset() -> None:
@@ -42,30 +47,6 @@ def test_reports_become_deltas_per_server_and_survive_a_counter_reset() -> None:
     assert log.acceptance(1) == ((50 + 70 + 10 + 5) / 360, 360)
     with pytest.raises(ValueError):
         log.add({"server_id": "a", "versions": {"1": {"drafts": "many"}}})
-
-
-def test_canary_rolls_back_a_regression_with_evidence(store: WeightStore) -> None:
-    log = AcceptanceLog()
-    log.add(report("a", 1, v1=(1000, 600)))
-    log.add(report("a", 2, v1=(1000, 600), v2=(200, 20)))
-    assert apply_canary(store, log, CanaryConfig(margin=0.1, min_drafts=400)) is None  # too few drafts yet
-    log.add(report("a", 3, v1=(1000, 600), v2=(800, 100)))
-    evidence = apply_canary(store, log, CanaryConfig(margin=0.1, min_drafts=400))
-    assert evidence is not None and evidence["restored"] == 1
-    assert store.live_version() == 1
-    manifest = store.manifest(2)
-    assert manifest["status"] == "rolled-back" and manifest["rollback_evidence"]["by"] == "canary"
-    assert manifest["rollback_evidence"]["acceptance"] == pytest.approx(100 / 800)
-
-
-def test_canary_leaves_a_good_version_and_a_pinned_floor_alone(store: WeightStore) -> None:
-    log = AcceptanceLog()
-    log.add(report("a", 1, v1=(1000, 600), v2=(1000, 580)))
-    assert apply_canary(store, log, CanaryConfig(margin=0.1, min_drafts=400)) is None  # within the margin
-    log.add(report("a", 2, v1=(1000, 600), v2=(2000, 600)))
-    store.pin(2)
-    assert apply_canary(store, log, CanaryConfig(margin=0.1, min_drafts=400)) is None  # pinned: the floor
-    assert store.live_version() == 2
 
 
 def test_source_counts_are_kept_apart_from_the_versions_and_survive_a_counter_reset() -> None:
@@ -95,3 +76,101 @@ def test_specd_versions_shows_served_acceptance_per_version_and_source(monkeypat
     assert main(["versions", "--url", "http://learner.invalid"]) == 0
     out = capsys.readouterr().out
     assert "150/200 = 0.75" in out and "table 10/40 = 0.25" in out and "learned 150/200 = 0.75" in out
+
+
+# ---- the canary: paired replay on the same records ----------------------------------------------
+def served_records(target: Transformer, model: Transformer, version: int, domain: str, temperature: float,
+                   count: int, seed: int) -> list[TrajectoryRecord]:
+    """Records of `count` requests served by `model` as `version`, in one domain."""
+    engine = Engine(target, TokenDrafter(model, version, sampled_drafts="argmax"), fixed_k(num_draft_tokens=K))
+    prompts = torch.randint(0, 96, (count, 4), generator=torch.Generator().manual_seed(seed)).tolist()
+    seqs = [engine.add_request(p, SamplingParams(temperature=temperature, max_tokens=24, seed=seed * 100 + i))
+            for i, p in enumerate(prompts)]
+    while engine.has_work:
+        engine.step()
+    return [record_from_sequence(s, "s", 0.0, domain) for s in seqs]
+
+
+def store_with(tmp_path: Path, *models: Transformer) -> WeightStore:
+    """Each model published and made live in turn: the last is live, the one before its predecessor."""
+    store = WeightStore(tmp_path)
+    for model in models:
+        store.set_live(store.publish(model, FINGERPRINT, store.live_version(), {}))
+    return store
+
+
+def canary_on(store: WeightStore, min_records: int = 8) -> ShadowCanary:
+    objective = TokenObjective(window=64, miss_weight=1.0, prompt_weight=0.1, negative_coef=0.0)
+    return ShadowCanary(store, lambda v: load_drafter(store.weights_path(v), FINGERPRINT).float(),
+                        lambda model, records: objective.simulate(model, records, K).accept_length or 0.0,
+                        margin=0.05, min_records=min_records, z=2.33, every=1)
+
+
+def drafter_model(target: Transformer) -> Transformer:
+    return copy.deepcopy(target).float()
+
+
+def drowned(model: Transformer) -> Transformer:
+    worse = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in worse.parameters():
+            param.add_(torch.randn_like(param) * (3 * float(param.std()) + 1e-3))
+    return worse
+
+
+def served_acceptance(records: list[TrajectoryRecord]) -> float:
+    drafts = sum(len(s.drafts) for r in records for s in r.steps)
+    return sum(s.num_accepted for r in records for s in r.steps) / drafts
+
+
+def test_a_pure_traffic_shift_never_rolls_an_unchanged_drafter_back(tmp_path: Path) -> None:
+    """False rollbacks under a shift from easy to hard traffic, version 2 a copy of version 1:
+    the paired canary makes none in 5 trials; the served-acceptance rule it replaced (roll back when
+    the live version's acceptance is over 0.10 below its predecessor's) made one in every trial."""
+    target = tiny_target()
+    canary_rollbacks = served_rule_rollbacks = 0
+    for trial in range(5):
+        model = drafter_model(target)
+        store = store_with(tmp_path / str(trial), model, model)   # version 2: the same weights
+        before = served_records(target, model, 1, "chat", 0.0, 16, seed=trial)
+        after = served_records(target, model, 2, "code", 1.5, 16, seed=50 + trial)
+        served_rule_rollbacks += served_acceptance(after) < served_acceptance(before) - 0.10
+        canary = canary_on(store)
+        for record in before + after:
+            canary.observe(record)
+        canary_rollbacks += canary.check() is not None
+        assert store.live_version() == 2
+        assert canary.differences["code"] == [0.0] * 16  # only what version 2 served, each pair exactly level
+    assert canary_rollbacks == 0
+    assert served_rule_rollbacks == 5
+
+
+def test_a_worse_version_is_rolled_back_with_paired_evidence(tmp_path: Path) -> None:
+    target = tiny_target()
+    good = drafter_model(target)
+    store = store_with(tmp_path, good, drowned(good))
+    canary = canary_on(store)
+    worse = load_drafter(store.weights_path(2), FINGERPRINT).float()
+    for record in served_records(target, worse, 2, "chat", 0.0, 6, seed=1):
+        canary.observe(record)
+    assert canary.check() is None  # 6 pairs: under the 8 it needs
+    for record in served_records(target, worse, 2, "chat", 0.0, 6, seed=2):
+        canary.observe(record)
+    evidence = canary.check()
+    assert evidence is not None and evidence["restored"] == 1 and evidence["records"] == 12
+    assert evidence["mean_difference"] < -0.05 and evidence["upper_bound"] < 0
+    assert store.live_version() == 1
+    manifest = store.manifest(2)
+    assert manifest["status"] == "rolled-back" and manifest["rollback_evidence"]["method"] == "paired replay"
+
+
+def test_a_pinned_live_version_is_the_floor_even_when_worse(tmp_path: Path) -> None:
+    target = tiny_target()
+    good = drafter_model(target)
+    store = store_with(tmp_path, good, drowned(good))
+    store.pin(2)
+    canary = canary_on(store)
+    for record in served_records(target, load_drafter(store.weights_path(2), FINGERPRINT).float(), 2, "chat",
+                                 0.0, 12, seed=1):
+        canary.observe(record)
+    assert canary.check() is None and store.live_version() == 2

@@ -15,7 +15,7 @@ import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from specd.control.canary import AcceptanceLog
+from specd.control.acceptance import AcceptanceLog
 from specd.control.plane import ControlPlane, add_control_routes
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig

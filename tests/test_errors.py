@@ -12,7 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from specd.cli.main import main
-from specd.control.canary import AcceptanceLog
+from specd.control.acceptance import AcceptanceLog
 from specd.control.plane import ControlPlane, add_control_routes
 from specd.core import errors
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model

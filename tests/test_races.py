@@ -16,9 +16,8 @@ import pytest
 import torch
 from conftest import TINY, learnable_target, tiny_target
 
-from specd.control import canary
-from specd.control.canary import AcceptanceLog, CanaryConfig, apply_canary
 from specd.core.errors import VersionNotFound
+from specd.core.records import LEARNED_SOURCE, StepRecord, TrajectoryRecord
 from specd.drafter.checkpoint import load_drafter
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
@@ -27,6 +26,7 @@ from specd.hotswap import store as store_module
 from specd.hotswap.store import WeightStore
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner
+from specd.learner.shadow import ShadowCanary
 from specd.model.fingerprint import TargetFingerprint
 from specd.transport.bus import InProcessBus
 
@@ -118,11 +118,13 @@ def test_the_canary_rolls_back_only_the_version_it_judged(tmp_path: Path, monkey
     store = WeightStore(tmp_path)
     v1, v2, v3 = (publish_live(store, seed) for seed in range(3))
     store.rollback(v2)  # history [1], v2 live: the canary compares v2 with v1
-    log = AcceptanceLog()
-    good = {"drafts": 1000, "accepted": 800, "passes": 300, "emitted": 1100}
-    regressed = {"drafts": 1000, "accepted": 100, "passes": 900, "emitted": 1000}
-    log.add({"server_id": "s", "versions": {str(v1): good, str(v2): regressed}})
-    real_verdict = canary.canary_verdict
+    replayed = {v1: 3.0, v2: 1.0}  # what each version's replay gives: v2 regressed
+    canary = ShadowCanary(store, lambda version: version, lambda version, records: replayed[version],
+                          margin=0.05, min_records=4, z=2.33, every=1)
+    for i in range(4):
+        canary.observe(TrajectoryRecord(str(i), "s", [1, 2], [3, 4], [StepRecord(2, [3], 1, v2, LEARNED_SOURCE)],
+                                        0.0, 1.0, 0.0, 0.0))
+    real_verdict = canary.verdict
 
     def operator_acts_after_the_verdict(*args, **kwargs):
         evidence = real_verdict(*args, **kwargs)
@@ -130,8 +132,8 @@ def test_the_canary_rolls_back_only_the_version_it_judged(tmp_path: Path, monkey
         store.set_live(v3, "operator")
         return evidence
 
-    monkeypatch.setattr(canary, "canary_verdict", operator_acts_after_the_verdict)
-    assert apply_canary(store, log, CanaryConfig()) is None
+    monkeypatch.setattr(canary, "verdict", operator_acts_after_the_verdict)
+    assert canary.check() is None
     assert store.live_version() == v3 and store.manifest(v3)["status"] == "live"
 
 

@@ -149,7 +149,6 @@ def test_the_sidecar_counts_records_across_restarts_and_spools_only_what_it_keep
     asyncio.run(deliver(second, range(4, 7)))
     status = second.status()
     assert status["records_in"] == 7
-    assert status["background"]["canary"]["failures"] == 0
     assert status["learner_loop_failures"] == getattr(second.learner.stats, "loop_failures", 0)
     assert second._records_of_use() >= second.learner.buffer.maxlen
 

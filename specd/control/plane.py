@@ -34,7 +34,7 @@ from typing import Any
 
 from aiohttp import web
 
-from specd.control.canary import AcceptanceLog
+from specd.control.acceptance import AcceptanceLog
 from specd.core.errors import BadRequest, SpecdError, StoreError
 from specd.hotswap.store import WeightStore
 

@@ -41,6 +41,14 @@ class LearnerConfig:
     gate_margin: float = 0.05       # a candidate may trail the live version by this much accept length
     gate_min_held_out: int = 4      # below this many held-out records the gate waits: no evidence, no pass
     hold_after_rollback_s: float = 60.0  # after someone else changes the live version, publish nothing this long
+    # the canary (`specd.learner.shadow`): the live version against its predecessor, replayed on the
+    # same records (every `canary_every`-th), per domain; a rollback needs `canary_min_records`
+    # pairs, a mean shortfall beyond `canary_margin` accept length and `canary_z` standard errors
+    canary: bool = True
+    canary_every: int = 2
+    canary_min_records: int = 8
+    canary_margin: float = 0.05
+    canary_z: float = 2.33
     k: int = 4
     min_records: int = 2
     duty_cycle: float = 0.5
@@ -62,6 +70,9 @@ class LearnerConfig:
         if self.gate_min_held_out < 1:
             raise ConfigurationError(f"gate_min_held_out must be at least 1 (the gate never passes a candidate "
                                      f"without held-out evidence), got {self.gate_min_held_out}")
+        if self.canary_every < 1 or self.canary_min_records < 2:
+            raise ConfigurationError(f"canary_every must be at least 1 and canary_min_records at least 2, "
+                                     f"got {self.canary_every} and {self.canary_min_records}")
         if self.holdout_capacity < self.gate_min_held_out:
             raise ConfigurationError(f"holdout_capacity ({self.holdout_capacity}) must be at least gate_min_held_out "
                                      f"({self.gate_min_held_out}), or no candidate could ever pass the gate")

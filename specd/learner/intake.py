@@ -5,12 +5,14 @@ target's vocabulary and the drafter's feature width, and counts a refusal under 
 `RefusalReason` (`stats.refused`) instead of raising; records shorter than the objective can use
 are refused as `too-short`. Every `holdout_every`-th accepted record, greedy or sampled, goes to
 the gate (`Gate.hold_out`); the rest join `buffer`, a bounded deque of the newest trajectories.
+Every accepted record is also shown to `observe` (the canary's shadow scoring), when given.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from specd.core.errors import RecordRefused, RefusalReason
 from specd.core.records import TrajectoryRecord, validate_record
@@ -23,8 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class Intake:
-    def __init__(self, vocab_size: int, objective: Objective, gate: Gate, capacity: int, stats: LearnerStats) -> None:
+    def __init__(self, vocab_size: int, objective: Objective, gate: Gate, capacity: int, stats: LearnerStats,
+                 observe: Callable[[TrajectoryRecord], None] | None = None) -> None:
         self.vocab_size, self.objective, self.gate, self.stats = vocab_size, objective, gate, stats
+        self.observe = observe
         self.buffer: deque[TrajectoryRecord] = deque(maxlen=capacity)
 
     def take(self, bus: Bus, timeout: float = 0.0) -> int:
@@ -42,6 +46,8 @@ class Intake:
                 continue
             self.stats.records_in += 1
             taken += 1
+            if self.observe is not None:
+                self.observe(record)
             # sampled records are held out too: they are evidence for the gate (see specd.learner.gate)
             if not self.gate.hold_out(record, self.stats.records_in):
                 self.buffer.append(record)

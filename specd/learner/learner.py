@@ -41,6 +41,7 @@ from specd.learner.config import LearnerConfig, LearnerStats
 from specd.learner.gate import Gate
 from specd.learner.intake import Intake
 from specd.learner.promotion import Promoter
+from specd.learner.shadow import ShadowCanary
 from specd.learner.supervision import SupervisedLoop
 from specd.learner.trainer import Trainer
 from specd.model.fingerprint import TargetFingerprint
@@ -85,8 +86,11 @@ class Learner(SupervisedLoop):
         self.model, self.objective, self.optimizer = self.trainer.model, self.trainer.objective, self.trainer.optimizer
         self.gate = Gate(config.holdout_every, config.holdout_capacity, config.gate_min_held_out, config.gate_margin)
         self.holdout = self.gate.held_out  # the records held out for the gate, never trained on
+        self.canary = ShadowCanary(store, self.promoter.load, lambda m, r: self.simulated_accept_length(m, r),
+                                   config.canary_margin, config.canary_min_records, config.canary_z,
+                                   config.canary_every) if config.canary else None
         self._intake = Intake(initial.config.vocab_size, self.objective, self.gate, self.trainer.buffer_capacity,
-                              self.stats)
+                              self.stats, self.canary.observe if self.canary is not None else None)
         self.buffer = self._intake.buffer
         self.promoter.begin(self.model)
         # built here, on the constructing thread: not the reniced training loop's priority
@@ -124,6 +128,8 @@ class Learner(SupervisedLoop):
     def tick(self) -> None:
         if not self.step():
             self.intake(timeout=0.2)
+        if self.canary is not None:
+            self.canary.check()
 
     def maybe_publish(self, force: bool = False) -> int | None:
         """Offer the trained drafter when due (or `force`d) and the gate has evidence; the version
@@ -157,4 +163,5 @@ class Learner(SupervisedLoop):
         return {"running": self.running,
                 "loop_failures": self.stats.loop_failures, "last_failure": self.stats.last_failure,
                 "gate_waits": self.stats.gate_waits, "held_out_records": len(self.holdout),
+                "canary_rollbacks": len(self.canary.rollbacks) if self.canary is not None else None,
                 "gate_min_held_out": self.config.gate_min_held_out}

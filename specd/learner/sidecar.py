@@ -7,8 +7,9 @@ the broker gave up; recent duplicates from QoS 1 redelivery are dropped by recor
 and publishes versions to its weight store, announces the live version as a retained MQTT
 message whenever it changes (a publish, an operator's control operation, a canary rollback),
 and serves the control plane and dashboard over HTTP (127.0.0.1 by default; POSTs need the
-bearer token when one is set). Reports feed the acceptance log; after every report the canary
-checks the live version against its predecessor and rolls a regression back with the evidence.
+bearer token when one is set). Reports feed the acceptance log that the dashboard shows; the
+learner's canary (`specd.learner.shadow`) replays the live version and its predecessor on the
+same records and rolls a regression back with the evidence.
 The spool and the duplicate filter are bounded (`SpoolConfig`); `records_in` in `/v1/status`
 counts unique records ever received, across restarts and compaction.
 The subscriber and the announcer are supervised: a failure is logged, counted under
@@ -32,7 +33,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
-from specd.control.canary import AcceptanceLog, CanaryConfig, apply_canary
+from specd.control.acceptance import AcceptanceLog
 from specd.control.plane import ControlPlane, add_control_routes
 from specd.core.background_metrics import BackgroundCollector
 from specd.core.threads import BackgroundHealth, supervise
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 
 SUBSCRIBER_LOOP = "subscriber-loop"   # subscribe_forever counts its own failures as "mqtt-subscriber"
 ANNOUNCER_TASK = "announcer"
-CANARY_TASK = "canary"
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,6 @@ class SidecarOptions:
     public_url: str = "http://127.0.0.1:8100"
     token: str | None = None
     learner: LearnerConfig = field(default_factory=LearnerConfig)
-    canary: CanaryConfig = field(default_factory=CanaryConfig)
     client_id: str = "specd-learner"
     drafter: DrafterSpec = field(default_factory=DrafterSpec)   # the day-0 drafter's shape
     spool: SpoolConfig = field(default_factory=SpoolConfig)
@@ -73,7 +72,6 @@ class Sidecar:
         self.bus = InProcessBus(capacity=100_000)
         self.acceptance = AcceptanceLog()
         self.health = BackgroundHealth()
-        self.health.register(CANARY_TASK)
         self.refused_messages = 0
         embedding = loaded.model.embed.weight
         initial = initial_model(loaded.model, options.drafter, fingerprint=loaded.fingerprint)
@@ -129,12 +127,6 @@ class Sidecar:
             except ValueError as error:
                 self.refused_messages += 1
                 log.warning("refused a malformed report: %s", error)
-                return
-            try:
-                self.check_canary()
-            except Exception as error:  # the report is taken; a failing canary must not hold records up
-                log.exception("the canary check failed")
-                self.health.failed(CANARY_TASK, error)
             return
         if message.get("record_id") is None:
             self.bus.publish(message)  # nothing to spool or deduplicate: the learner refuses and counts it
@@ -145,12 +137,6 @@ class Sidecar:
         if self.spool.needs_compaction():
             # off the event loop; the subscriber awaits it, so nothing appends meanwhile
             await asyncio.to_thread(self.spool.compact)
-
-    def check_canary(self) -> None:
-        evidence = apply_canary(self.store, self.acceptance, self.options.canary)
-        if evidence is not None:
-            log.warning("canary rolled back to version %s: %s", evidence["restored"], evidence)
-            self._changed.set()
 
     async def announcer(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

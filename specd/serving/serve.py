@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from specd.control.canary import AcceptanceLog, CanaryConfig, apply_canary
+from specd.control.acceptance import AcceptanceLog
 from specd.control.plane import ControlPlane, add_control_routes
 from specd.core.errors import ConfigurationError
 from specd.core.threads import BackgroundHealth, supervise
@@ -79,7 +79,7 @@ class ServeOptions:
     token: str | None = None           # bearer token for the embedded control plane
     report_seconds: float = 2.0
     publish_records: bool = True       # off only to measure what the loop costs
-    canary: bool = True                # embedded: roll a regression back by itself (off to measure without it)
+    canary: bool = True                # the embedded learner rolls a regression back by itself (`learner.shadow`)
     max_queued: int | None = 64        # requests waiting for a batch slot before new ones get a 429 (None: no bound)
     api_key: str | None = None         # the OpenAI routes need `Authorization: Bearer <api_key>` (as vLLM's)
 
@@ -130,14 +130,16 @@ def _embedded_wiring(options: ServeOptions, loaded: LoadedTarget, store_dir: Pat
             live = store.publish(clone_drafter(model).to(embedding.dtype), loaded.fingerprint, None,
                                  {"evaluation": None, "reason": "initial"}, embedding)
             store.set_live(live, "initial", if_live=None)
-        process = LearnerProcess(config_for_process(LearnerConfig(k=options.k)), store_dir, loaded.model,
+        process = LearnerProcess(config_for_process(LearnerConfig(k=options.k, canary=options.canary)), store_dir,
+                                 loaded.model,
                                  loaded.fingerprint, embedding.dtype, learner_cores)
         return Wiring(process.sink, process.sink.counters, LocalStore(store), model, live, store, process,
                       serving_cores=serving_cores)
     bus = InProcessBus()
     learner = None
     if options.learner:
-        learner = Learner(LearnerConfig(duty_cycle=options.duty_cycle, k=options.k), bus, store, model,
+        learner = Learner(LearnerConfig(duty_cycle=options.duty_cycle, k=options.k, canary=options.canary), bus,
+                          store, model,
                           loaded.fingerprint, embedding.dtype, embedding, target=loaded.model)
     return Wiring(bus, bus.counters, LocalStore(store), model, store.live_version() or BUILT_IN_VERSION, store, learner)
 
@@ -225,8 +227,6 @@ def _lifecycle(options: ServeOptions, wiring: Wiring, worker: EngineWorker, swap
                     wiring.publisher.report(report.to_dict())
                 elif wiring.store is not None:
                     acceptance.add(report)
-            if wiring.publisher is None and wiring.store is not None and options.canary:
-                apply_canary(wiring.store, acceptance, CanaryConfig())
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         stop = asyncio.Event()

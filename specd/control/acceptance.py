@@ -1,38 +1,28 @@
-"""Live acceptance from the servers' reports, and the canary that rolls a regression back.
+"""Live acceptance from the servers' reports: what the dashboard, `/v1/acceptance` and operators see.
 
 Contract: servers report cumulative counters per traffic domain (drafts proposed and accepted,
 target passes, tokens emitted), per drafter version of the learned drafter's own drafts and per
 drafting source kind. `AcceptanceLog.add` turns them into per-interval deltas per server and
 version or source (a restarted server's counters start again at zero: a drop is a reset, not a
 negative delta), keeps bounded time series for the dashboard, and totals per version and source.
-`canary_verdict` compares the live version with the one before it: once the live version has
-at least `min_drafts` drafted tokens, an acceptance rate below its predecessor's by more than
-`margin` is a regression. A pinned live version is the floor and is never rolled back
-automatically. `apply_canary` rolls back only the version it judged: if the live version changed
-while it looked, the rollback is not made (the store's compare-and-set).
+These figures are what was served, on whatever traffic each version met; rollback decisions do not
+read them (two versions that served different traffic are not comparable), the learner's canary
+compares versions on the same records instead (`specd.learner.shadow`).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from specd.core.records import AcceptanceCounts, AcceptanceReport, validate_report
-from specd.hotswap.store import LiveVersionChanged, WeightStore
 
 Name = TypeVar("Name", int, str)   # a version number or a source name
 
 
-@dataclass(frozen=True)
-class CanaryConfig:
-    margin: float = 0.10       # acceptance-rate points
-    min_drafts: int = 400
-
-
 class AcceptanceLog:
-    """Per-version acceptance (the learned drafter's own drafts: what the canary judges) and
+    """Per-version acceptance (the learned drafter's own drafts) and
     per-source acceptance (what operators see beside it), as deltas and totals."""
 
     def __init__(self, max_points: int = 5000) -> None:
@@ -76,36 +66,3 @@ class AcceptanceLog:
 
     def source_totals_as_dict(self) -> dict[str, dict[str, int]]:
         return {source: counts.as_dict() for source, counts in self.source_totals.items()}
-
-
-def canary_verdict(log: AcceptanceLog, live: int, predecessor: int | None, live_pinned: bool,
-                   config: CanaryConfig) -> dict[str, Any] | None:
-    """Evidence for a rollback of `live`, or None when it stands."""
-    if predecessor is None or live_pinned:
-        return None
-    ours, drafted = log.acceptance(live)
-    theirs, their_drafts = log.acceptance(predecessor)
-    if ours is None or theirs is None or drafted < config.min_drafts:
-        return None
-    if ours < theirs - config.margin:
-        return {"by": "canary", "acceptance": ours, "drafts": drafted, "predecessor": predecessor,
-                "predecessor_acceptance": theirs, "predecessor_drafts": their_drafts, "margin": config.margin,
-                "time": time.time()}
-    return None
-
-
-def apply_canary(store: WeightStore, log: AcceptanceLog, config: CanaryConfig) -> dict[str, Any] | None:
-    """Roll the live version back if the canary finds a regression; returns the evidence if it did."""
-    live = store.live_version()
-    if live is None:
-        return None
-    history = store.live_state()["history"]
-    evidence = canary_verdict(log, live, history[-1] if history else None,
-                              bool(store.manifest(live).get("pinned")), config)
-    if evidence is None:
-        return None
-    try:
-        evidence["restored"] = store.rollback(None, evidence, if_live=live)
-    except LiveVersionChanged:  # someone else changed the live version meanwhile: the evidence is about the old one
-        return None
-    return evidence
