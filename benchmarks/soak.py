@@ -127,8 +127,33 @@ def report(result: dict[str, Any]) -> str:
                  m["samples"]] for name, m in memory.items()]
     mem_table = markdown_table(["process", "RSS after warm-up (MB)", "RSS at end (MB)", "max (MB)",
                                 "growth after warm-up", "samples"], mem_rows)
+    latency_table = markdown_table(["operator action", "count", "median (s)", "p99 (s)", "max (s)", "goal"],
+                                   [[kind, s["count"], f"{s['median_s']:.2f}", f"{s['p99_s']:.2f}", f"{s['max_s']:.2f}",
+                                     "p99 <= 5 s" if kind == "verdict" else "<= 1 s"]
+                                    for kind, s in result["operator_latency"].items()])
     faults = "\n".join(f"- {e['at']:.0f} s: {e['event']}" for e in result["fault_log"])
-    return f"{table}\n\n{mem_table}\n\nFault schedule as it ran:\n{faults}\n"
+    return (f"{table}\n\n{mem_table}\n\n{parts_table(result)}\n\n{latency_table}\n\n"
+            f"Fault schedule as it ran:\n{faults}\n")
+
+
+def parts_table(result: dict[str, Any]) -> str:
+    """The learner's memory by part (MB): after warm-up (the first sample past a quarter of the run,
+    of the learner's last instance), at the end, and the largest seen."""
+    samples = result["learner_parts"]
+    if not samples:
+        return "(no memory breakdown was sampled from the learner)"
+    restarts = [e["at"] for e in result["fault_log"] if e["event"] == "learner back"]
+    last_instance = [s for s in samples if s["at"] >= max(restarts, default=0.0)] or samples
+    warm_at = last_instance[0]["at"] + 0.25 * (samples[-1]["at"] - last_instance[0]["at"])
+    warm = next(s for s in last_instance if s["at"] >= warm_at)
+    rows = []
+    for part in [k for k in samples[-1] if k not in ("at", "backlog_records")]:
+        values = [s.get(part) or 0 for s in last_instance]
+        rows.append([part, f"{(warm.get(part) or 0) / 1e6:.1f}", f"{(samples[-1].get(part) or 0) / 1e6:.1f}",
+                     f"{max(values) / 1e6:.1f}"])
+    rows.append(["records waiting on the bus", warm.get("backlog_records"), samples[-1].get("backlog_records"),
+                 max(s.get("backlog_records") or 0 for s in last_instance)])
+    return markdown_table(["learner part", "after warm-up (MB)", "at end (MB)", "max (MB)"], rows)
 
 
 def goals_met(result: dict[str, Any]) -> dict[str, bool]:
@@ -185,11 +210,17 @@ def main() -> int:
         broker.stop()
     result = {"minutes": args.minutes, "traffic_seconds": time.monotonic() - begin, "requests": tally.summary(),
               "records": records, "versions": versions, "memory": memory.summary(warmup_share=0.25),
-              "memory_growth_limit_pct": args.memory_growth_limit, "fault_log": faults.log, "work": str(work)}
+              "memory_growth_limit_pct": args.memory_growth_limit, "fault_log": faults.log, "work": str(work),
+              "operator_actions": faults.operator, "operator_latency": faults.operator_latency(),
+              "learner_parts": faults.learner_parts}
     result["goals"] = goals_met(result)
+    # issue 22's latency goals, reported beside the correctness goals (they do not set the exit status)
+    latency = result["operator_latency"]
+    result["latency_goals"] = {"verdict_p99_within_5_s": latency.get("verdict", {}).get("p99_s", 1e9) <= 5.0,
+                               "rollback_within_1_s": latency.get("rollback", {}).get("max_s", 1e9) <= 1.0}
     text = report(result)
     print(text)
-    print("goals:", json.dumps(result["goals"]))
+    print("goals:", json.dumps(result["goals"]), "latency goals:", json.dumps(result["latency_goals"]))
     write_result(args.out, args, result)
     Path(args.out).with_suffix(".md").write_text(text)
     return 0 if all(result["goals"].values()) else 1

@@ -6,7 +6,12 @@ version every server serves (twice a second) and which version is live at the le
 The corrupt version is a copy of the live one whose weights no longer match their sha256; the
 worse version is a copy with its weights drowned in noise; an operator tries to make each live
 (`POST /v1/live`), which must refuse both (the corrupt one by its checksum, the worse one by
-the gate). `version_outcomes()` says whether either went live or was served anyway.
+the gate). After the first worse version, another worse one is planted and submitted every
+`probe_every_s` (each must be refused), so that the operator's verdict latency is sampled all
+through the run. Every operator action (each POST, its answer and its seconds) is in `operator`;
+`operator_latency()` summarises them. The learner's memory breakdown (`/v1/status`) is sampled
+every `parts_every_s` into `learner_parts`. `version_outcomes()` says whether a planted version went
+live or was served anyway.
 `MemoryWatch` samples each process's resident memory every two seconds; its summary compares
 the last instance of each process, once it has run for the warm-up share of the soak since its
 own start (a learner restarted mid-run is judged after its ramp), with its end.
@@ -62,6 +67,11 @@ class Faults:
         self._begin = time.monotonic()
         self._stop = threading.Event()
         self._pending: list[threading.Thread] = []
+        self.operator: list[dict[str, Any]] = []
+        self.probes: list[int] = []        # the worse versions planted after the first
+        self.probe_every_s = 30.0
+        self.learner_parts: list[dict[str, Any]] = []   # the learner's /v1/status memory over time
+        self.parts_every_s = 15.0
 
     def note(self, event: str) -> None:
         print(f"[soak {time.monotonic() - self._begin:6.1f} s] {event}", flush=True)
@@ -106,7 +116,7 @@ class Faults:
             thread.start()
             self._pending.append(thread)
         elif event == "roll back by hand":
-            status, answer = post(self.learner.url + "/v1/rollback", {}, self.token)
+            status, answer = self.operator_post("rollback", "/v1/rollback", {})
             self.note(f"rollback answered {status}: {answer}")
 
     def _plant(self, kind: str) -> None:
@@ -129,9 +139,36 @@ class Faults:
             for offset in range(len(data) - 64, len(data) - 32):
                 data[offset] ^= 0xFF
             path.write_bytes(bytes(data))
-        self.planted[kind] = version
-        status, answer = post(self.learner.url + "/v1/live", {"version": version}, self.token)
+        if kind == "worse" and "worse" in self.planted:
+            self.probes.append(version)
+        else:
+            self.planted[kind] = version
+        status, answer = self.operator_post(f"verdict on a {kind} version", "/v1/live", {"version": version})
         self.note(f"{kind} version {version}: POST /v1/live answered {status}: {answer}")
+        if kind == "worse" and len(self.probes) == 0:  # the first: probes follow until the run ends
+            while not self._stop.wait(self.probe_every_s):
+                with contextlib.suppress(OSError, ValueError, KeyError, AssertionError):  # the learner may restart
+                    self._plant("worse")
+
+    def operator_post(self, action: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        begin = time.monotonic()
+        try:
+            status, answer = post(self.learner.url + path, body, self.token)
+        except OSError as error:  # no answer at all: counted, with the time it took to fail
+            status, answer = 0, {"error": str(error)}
+        self.operator.append({"action": action, "status": status, "seconds": time.monotonic() - begin,
+                              "at": begin - self._begin})
+        return status, answer
+
+    def operator_latency(self) -> dict[str, Any]:
+        """Per kind of action (a verdict, a rollback): count, median, p99 and max seconds."""
+        kinds: dict[str, list[float]] = {}
+        for action in self.operator:
+            kind = "rollback" if action["action"] == "rollback" else "verdict"
+            kinds.setdefault(kind, []).append(action["seconds"])
+        return {kind: {"count": len(xs), "median_s": statistics.median(xs),
+                       "p99_s": sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))], "max_s": max(xs)}
+                for kind, xs in kinds.items()}
 
     @staticmethod
     def _drain_queue(server: SpecdProcess, timeout: float = 60.0) -> bool:
@@ -145,7 +182,13 @@ class Faults:
 
     # ---- what went live and what was served -------------------------------------------------
     def _watch_versions(self) -> None:
+        last_parts = 0.0
         while not self._stop.wait(0.5):
+            if time.monotonic() - last_parts >= self.parts_every_s:  # the learner's memory, part by part
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    parts = get_json(self.learner.url + "/v1/status")["memory"]
+                    self.learner_parts.append({"at": time.monotonic() - self._begin, **parts})
+                    last_parts = time.monotonic()
             for server in self.servers:
                 with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # a busy server answers next time
                     self.served.add(int(server.health()["drafter_version"]))
@@ -171,6 +214,11 @@ class Faults:
                 ever_live = False
             outcome[f"{kind}_live"] = int(version in self.live_seen or ever_live)
             outcome[f"{kind}_served"] = int(version in self.served)
+        for version in self.probes:  # later worse versions: each must have been refused too
+            with contextlib.suppress(VersionNotFound):
+                outcome["worse_live"] += int(version in self.live_seen or "live_since" in store.manifest(version))
+            outcome["worse_served"] += int(version in self.served)
+        outcome["probes"] = list(self.probes)
         return outcome
 
 

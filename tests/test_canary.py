@@ -174,3 +174,22 @@ def test_a_pinned_live_version_is_the_floor_even_when_worse(tmp_path: Path) -> N
                                  0.0, 12, seed=1):
         canary.observe(record)
     assert canary.check() is None and store.live_version() == 2
+
+
+def test_the_learner_runs_the_canary_on_the_records_it_takes(tmp_path: Path) -> None:
+    from specd.learner.config import LearnerConfig
+    from specd.learner.learner import Learner
+    from specd.transport.bus import InProcessBus
+
+    target = tiny_target()
+    good = drafter_model(target)
+    bus, store = InProcessBus(), WeightStore(tmp_path)
+    config = LearnerConfig(duty_cycle=1.0, k=K, canary_every=1, canary_min_records=4, publish_every_steps=10**6,
+                           publish_every_seconds=10**6)
+    learner = Learner(config, bus, store, good, FINGERPRINT)   # day 0: version 1, live
+    store.set_live(store.publish(drowned(good), FINGERPRINT, 1, {}))
+    for record in served_records(target, load_drafter(store.weights_path(2), FINGERPRINT).float(), 2, "chat",
+                                 0.0, 6, seed=3):
+        bus.publish(record.to_dict())
+    learner.tick()
+    assert store.live_version() == 1 and learner.health()["canary_rollbacks"] == 1

@@ -289,3 +289,24 @@ def test_the_written_out_soft_cross_entropy_has_autograds_value_and_gradient() -
     (reference_grad,) = torch.autograd.grad((reference * upstream).sum(), logits)
     torch.testing.assert_close(written, reference)
     torch.testing.assert_close(written_grad, reference_grad)
+
+
+def test_the_memory_breakdown_counts_carried_features_once_and_recomputed_ones_in_the_cache(tmp_path: Path,
+                                                                                           target) -> None:
+    from specd.learner.memory import memory_breakdown
+
+    capture = fresh_feature_drafter(target).config.capture_layers
+    ids_only = greedy_records(target, 24, seed=0)
+    carrying = new_learner(tmp_path / "carried", target, fresh_feature_drafter(target),
+                           [with_features(target, r, capture) for r in ids_only])
+    recomputing = new_learner(tmp_path / "ids", target, fresh_feature_drafter(target), ids_only)
+    for learner in (carrying, recomputing):
+        for _ in range(3):
+            learner.train_step()
+    carried = memory_breakdown(carrying)
+    feature_bytes = sum(len(r.features.data) for r in carrying.buffer)
+    assert carried["feature_cache"] == 0  # the records' own bytes are read in place: no second copy
+    assert carried["buffer"] == feature_bytes + 36 * sum(r.num_tokens for r in carrying.buffer)
+    recomputed = memory_breakdown(recomputing)
+    assert 0 < recomputed["feature_cache"] <= feature_bytes + sum(len(r.features.data) for r in carrying.holdout)
+    assert recomputed["models"] > 0 and recomputed["rss"] > recomputed["models"]

@@ -7,8 +7,9 @@ network. `TokenObjective` trains the token-level `Transformer` on the records' i
 `FeatureObjective` trains a `FeatureDrafterModel` on the target's features: those a record
 carries, or, for records without them (a vLLM server ships ids only), features it recomputes
 with its own copy of the target (one no-grad pass per record), counted in `recomputed_*` so the cost is
-visible. Features are kept per record id for as long as the learner holds the record; the
-cache is locked, so the learner's thread and an operator's gate evaluation may both read it.
+visible. Recomputed features are kept per record id for as long as the learner holds the
+record; features a record carries are read in place (never copied). The cache is locked, so the
+learner's thread and an operator's gate evaluation may both read it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from typing import Protocol
 
@@ -108,11 +110,16 @@ class FeatureObjective:
             for record in records:
                 features = self._cache.get(record.record_id, recomputed.get(record.record_id))
                 if features is None:
-                    assert record.features is not None
-                    features = torch.from_numpy(record.features.array().copy())
+                    found.append(_carried(record))
+                    continue
                 self._remember(record.record_id, features)
                 found.append(features)
         return found
+
+    @property
+    def cache_bytes(self) -> int:
+        with self._cache_lock:
+            return sum(t.numel() * t.element_size() for t in self._cache.values())
 
     @torch.inference_mode()
     def _recompute(self, records: list[TrajectoryRecord]) -> dict[str, torch.Tensor]:
@@ -197,6 +204,17 @@ class FeatureObjective:
         seconds = self.recomputed_seconds
         return {"records": self.recomputed_records, "tokens": self.recomputed_tokens, "seconds": round(seconds, 2),
                 "tokens_per_s": round(self.recomputed_tokens / seconds, 1) if seconds else None}
+
+
+def _carried(record: TrajectoryRecord) -> torch.Tensor:
+    """The features a record carries, as a tensor over the record's own bytes (read-only, never
+    written: batches and replays copy what they change)."""
+    block = record.features
+    assert block is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the bytes are not writable
+        flat = torch.frombuffer(block.data, dtype=torch.float16)
+    return flat.view(block.num_positions, block.feature_size)
 
 
 def _complete(record: TrajectoryRecord) -> bool:

@@ -40,6 +40,7 @@ from specd.drafter.checkpoint import load_drafter
 from specd.hotswap.store import WeightStore
 from specd.learner.config import LearnerConfig, LearnerStats
 from specd.learner.learner import Learner
+from specd.learner.memory import memory_breakdown
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
 from specd.transport.bus import BusCounters
@@ -129,7 +130,8 @@ def learner_report(learner: Learner, began_cpu: float, began: float, alive: bool
             "cpu_seconds": round(time.process_time() - began_cpu, 2),
             "wall_seconds": round(time.monotonic() - began, 2), "torch_threads": torch.get_num_threads(),
             "recomputed_features": getattr(learner.objective, "recompute_stats", None),
-            "stats": {**asdict(stats), "losses": list(stats.losses)}, "staleness": learner.staleness}
+            "stats": {**asdict(stats), "losses": list(stats.losses)}, "staleness": learner.staleness,
+            "memory": memory_breakdown(learner)}
 
 
 def _answer_submissions(learner: Learner, submissions: Any, verdicts: Any) -> None:

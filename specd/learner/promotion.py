@@ -86,6 +86,12 @@ class Promoter:
                 self._live_copy = (version, self.load(version))
             return self._live_copy[1]
 
+    @property
+    def live_copy(self) -> DrafterModel | None:
+        """The live model held for the gate, if one is (for the learner's memory breakdown)."""
+        held = self._live_copy
+        return held[1] if held is not None else None
+
     def publish(self, model: DrafterModel, info: dict[str, Any]) -> int:
         serving_copy = clone_drafter(model).to(self.serving_dtype)
         return self.store.publish(serving_copy, self.fingerprint, self.live_version, info, self.target_embedding)

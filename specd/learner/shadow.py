@@ -40,28 +40,28 @@ class ShadowCanary:
                  margin: float, min_records: int, z: float, every: int = 2, capacity: int = 64) -> None:
         self.store, self.load, self.accept_length = store, load, accept_length
         self.margin, self.min_records, self.z, self.every = margin, min_records, z, every
-        self._waiting: deque[TrajectoryRecord] = deque(maxlen=capacity)
+        self.waiting: deque[TrajectoryRecord] = deque(maxlen=capacity)
         self._seen = 0
         self._pair: tuple[int, int] | None = None
-        self._models: dict[int, DrafterModel] = {}
+        self.models: dict[int, DrafterModel] = {}
         self.differences: dict[str, list[float]] = defaultdict(list)
         self.rollbacks: list[dict[str, Any]] = []
 
     def observe(self, record: TrajectoryRecord) -> None:
         self._seen += 1
         if self._seen % self.every == 0:
-            self._waiting.append(record)
+            self.waiting.append(record)
 
     def check(self) -> dict[str, Any] | None:
         """Score what waits and roll a regression back; the evidence when it did."""
         pair = self._live_pair()
         if pair is None:
-            self._waiting.clear()
+            self.waiting.clear()
             return None
         live, predecessor = pair
         scored = False
-        while self._waiting:
-            record = self._waiting.popleft()
+        while self.waiting:
+            record = self.waiting.popleft()
             if any(s.version == live and s.source == LEARNED_SOURCE for s in record.steps):
                 ours = self.accept_length(self._model(live), [record])
                 theirs = self.accept_length(self._model(predecessor), [record])
@@ -103,11 +103,11 @@ class ShadowCanary:
         pinned = live is not None and bool(self.store.manifest(live).get("pinned"))
         pair = (live, history[-1]) if live is not None and history and not pinned else None
         if pair != self._pair:
-            self._pair, self._models = pair, {}
+            self._pair, self.models = pair, {}
             self.differences.clear()
         return pair
 
     def _model(self, version: int) -> DrafterModel:
-        if version not in self._models:
-            self._models[version] = self.load(version)
-        return self._models[version]
+        if version not in self.models:
+            self.models[version] = self.load(version)
+        return self.models[version]

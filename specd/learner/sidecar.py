@@ -10,13 +10,15 @@ and serves the control plane and dashboard over HTTP (127.0.0.1 by default; POST
 bearer token when one is set). Reports feed the acceptance log that the dashboard shows; the
 learner's canary (`specd.learner.shadow`) replays the live version and its predecessor on the
 same records and rolls a regression back with the evidence.
-The spool and the duplicate filter are bounded (`SpoolConfig`); `records_in` in `/v1/status`
-counts unique records ever received, across restarts and compaction.
+The spool (SQLite) and the duplicate filter are bounded (`SpoolConfig`) and streamed back at a
+restart; `records_in` in `/v1/status` counts unique records ever received, across restarts and
+compaction.
 The subscriber and the announcer are supervised: a failure is logged, counted under
 `background` in `/v1/status` (with the learner loop's own failure count) and the loop restarts.
-`/metrics` exposes the learner's counters and lag, the store's live version and rollbacks
-(`collector.py`) and the background failures. `POST /v1/live` of a candidate version goes
-through the learner's gate first (`Learner.submit`).
+`/v1/status` breaks the learner's memory down by part (`memory.py`). `/metrics` exposes the
+learner's counters and lag, the store's live version and rollbacks (`collector.py`) and the
+background failures. `POST /v1/live` of a candidate version goes through the learner's gate first
+(`Learner.submit`), judged on a worker of its own.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from specd.hotswap.store import WeightStore
 from specd.learner.collector import LearnerCollector
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner
+from specd.learner.memory import memory_breakdown
 from specd.learner.spool import RecordSpool, SpoolConfig
 from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus
@@ -110,6 +113,7 @@ class Sidecar:
                 "learner_loop_failures": stats.loop_failures,
                 "learner_last_failure": _plain(stats.last_failure),
                 "learner": self.learner.health(),
+                "memory": memory_breakdown(self.learner, self.bus.backlog),
                 "background": self.health.snapshot()}
 
     async def handle(self, topic: str, payload: bytes) -> None:
