@@ -156,16 +156,22 @@ class Faults:
             status, answer = post(self.learner.url + path, body, self.token)
         except OSError as error:  # no answer at all: counted, with the time it took to fail
             status, answer = 0, {"error": str(error)}
-        self.operator.append({"action": action, "status": status, "seconds": time.monotonic() - begin,
-                              "at": begin - self._begin})
+        if action == "rollback":
+            kind = "rollback"
+        elif isinstance(answer.get("evaluation"), dict):  # the gate replayed it: a verdict
+            kind = "gate verdict"
+        else:  # refused before any replay: a bad checksum, or the gate still waiting for evidence
+            kind = "answered without a verdict"
+        self.operator.append({"action": action, "kind": kind, "status": status,
+                              "seconds": time.monotonic() - begin, "at": begin - self._begin})
         return status, answer
 
     def operator_latency(self) -> dict[str, Any]:
-        """Per kind of action (a verdict, a rollback): count, median, p99 and max seconds."""
+        """Per kind of answer (a gate verdict, a rollback, an answer without a verdict): count,
+        median, p99 and max seconds."""
         kinds: dict[str, list[float]] = {}
         for action in self.operator:
-            kind = "rollback" if action["action"] == "rollback" else "verdict"
-            kinds.setdefault(kind, []).append(action["seconds"])
+            kinds.setdefault(action["kind"], []).append(action["seconds"])
         return {kind: {"count": len(xs), "median_s": statistics.median(xs),
                        "p99_s": sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))], "max_s": max(xs)}
                 for kind, xs in kinds.items()}

@@ -159,7 +159,7 @@ async def set_live(request: web.Request) -> web.Response:
     status = plane.store.manifest(version).get("status")
     if plane.submit is None or status != "candidate":  # a version that has been live before is trusted
         return await _operate(request, lambda p, b: p.store.set_live(version, "operator"), body)
-    try:  # a file that fails its checksum needs no evaluation (which may wait for the learner's thread)
+    try:  # a file that fails its checksum needs no evaluation (a replay of the held-out records)
         await asyncio.to_thread(plane.store.check_weights, version)
     except (StoreError, OSError) as error:
         return _error(409, f"version {version} cannot go live: {error}")
