@@ -2,7 +2,7 @@
 
 Contract:
 - `provenance(args)`: where a figure came from: git commit and whether the tree was dirty (and
-  which files), the versions of Python, torch, transformers and vLLM (None when not installed),
+  which files) when the benchmark started (read at import, as is the load), the versions of Python, torch, transformers and vLLM (None when not installed),
   the CPU model and core count, thread settings (torch's pools and the OMP/MKL/vLLM/specd
   environment), the load average at the start, the command line and every setting of the run
   (the argparse namespace).
@@ -76,8 +76,18 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+def _state_at_start() -> dict[str, Any]:
+    """The commit, the working tree's changes and the load when the benchmark started (read at
+    import: the tree and the load may have changed by the time the result is written)."""
+    return {"commit": _git("rev-parse", "HEAD"), "status": _git("status", "--porcelain"),
+            "load": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+AT_START = _state_at_start()
+
+
 def provenance(args: argparse.Namespace | Mapping[str, Any] | None = None) -> dict[str, Any]:
-    status = _git("status", "--porcelain")
+    status = AT_START["status"]
     # "XY path" per line; _git strips the output, which takes the first line's blank X with it
     dirty_files = [line[2:].lstrip() for line in status.splitlines()] if status else []
     threads: dict[str, Any] = {k: v for k, v in sorted(os.environ.items())
@@ -89,7 +99,7 @@ def provenance(args: argparse.Namespace | Mapping[str, Any] | None = None) -> di
         threads["torch.get_num_interop_threads"] = torch.get_num_interop_threads()
     settings = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
     return {
-        "git_commit": _git("rev-parse", "HEAD"),
+        "git_commit": AT_START["commit"],
         "git_dirty": bool(dirty_files) if status is not None else None,
         "git_dirty_files": dirty_files[:50],
         "python": sys.version.split()[0],
@@ -98,7 +108,7 @@ def provenance(args: argparse.Namespace | Mapping[str, Any] | None = None) -> di
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_average_at_start": AT_START["load"],
         "threads": threads,
         "platform": platform.platform(),
         "argv": sys.argv,
