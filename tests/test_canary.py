@@ -140,7 +140,7 @@ def test_a_pure_traffic_shift_never_rolls_an_unchanged_drafter_back(tmp_path: Pa
             canary.observe(record)
         canary_rollbacks += canary.check() is not None
         assert store.live_version() == 2
-        assert canary.differences["code"] == [0.0] * 16  # only what version 2 served, each pair exactly level
+        assert list(canary.differences["code"]) == [0.0] * 16  # only what version 2 served, each pair exactly level
     assert canary_rollbacks == 0
     assert served_rule_rollbacks == 5
 

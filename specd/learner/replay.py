@@ -12,8 +12,9 @@ begins at each position, carried forward) turns the α into expectations:
   at every position, over the draft vocabulary): the drafter serves a draw from its own q (the
   request's temperature and top-p applied to its logits, as `FeatureDrafter` does), which
   speculative sampling accepts with probability α = Σ_x min(p(x), q(x)), computed exactly per
-  position rather than read off one recorded draw. The chain after an accepted draft is
-  replayed on the recorded token, one draw of the same distribution.
+  position rather than read off one recorded draw (the draft vocabulary's ids are distinct, as
+  every drafter builds them). The chain after an accepted draft is replayed on the recorded
+  token, one draw of the same distribution.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 Contract: `observe(record)` keeps every `every`-th record the learner takes (at most `capacity`
 wait). `check()` scores the waiting records that the live version served (its learned drafts
 are in them) by replaying both the live version and its predecessor (the last entry of the
-store's live history) on each: one paired difference of accept length per record, per domain.
-It judges every domain, and all domains pooled, that has `min_records` pairs: the live version
-regressed when the mean difference is below −`margin` and the mean plus `z` standard errors is
-still below 0. Then it rolls back, with the evidence, by compare-and-set on the live version it
-judged (`WeightStore.rollback(if_live=...)`); someone else's change meanwhile stands. A pinned
-live version is the floor and is never rolled back. When the live version (or its predecessor)
-changes, the pairs start again.
+store's live history) on each: one paired difference of accept length per record, per domain
+(each keeps its newest `history`). It judges every domain, and all domains pooled, that has
+`min_records` pairs: the live version regressed when the mean difference is below −`margin` and
+the mean plus `z` standard errors is still below 0. Then it rolls back, with the evidence, by
+compare-and-set on the live version it judged (`WeightStore.rollback(if_live=...)`); someone
+else's change meanwhile stands. A pinned live version is the floor and is never rolled back.
+When the live version (or its predecessor) changes, the pairs start again.
 Why paired: both versions are replayed on identical positions, so a change of traffic (a harder
 domain, longer prompts) moves both sides of every pair alike. With an unchanged drafter every
 difference is exactly 0, and no traffic shift can roll it back; the served acceptance of two
@@ -37,14 +37,16 @@ AcceptLength = Callable[[DrafterModel, list[TrajectoryRecord]], float]
 
 class ShadowCanary:
     def __init__(self, store: WeightStore, load: Callable[[int], DrafterModel], accept_length: AcceptLength,
-                 margin: float, min_records: int, z: float, every: int = 2, capacity: int = 64) -> None:
+                 margin: float, min_records: int, z: float, every: int = 2, capacity: int = 64,
+                 history: int = 1000) -> None:
         self.store, self.load, self.accept_length = store, load, accept_length
         self.margin, self.min_records, self.z, self.every = margin, min_records, z, every
         self.waiting: deque[TrajectoryRecord] = deque(maxlen=capacity)
         self._seen = 0
         self._pair: tuple[int, int] | None = None
         self.models: dict[int, DrafterModel] = {}
-        self.differences: dict[str, list[float]] = defaultdict(list)
+        # the newest `history` pairs per domain: a version live for days is judged on recent traffic
+        self.differences: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=history))
         self.rollbacks: list[dict[str, Any]] = []
 
     def observe(self, record: TrajectoryRecord) -> None:
@@ -80,7 +82,7 @@ class ShadowCanary:
 
     def verdict(self, live: int, predecessor: int) -> dict[str, Any] | None:
         """Rollback evidence for `live` from the pairs so far, or None when it stands."""
-        groups = dict(self.differences)
+        groups: dict[str, list[float]] = {domain: list(values) for domain, values in self.differences.items()}
         if len(groups) > 1:
             groups[POOLED] = [d for values in self.differences.values() for d in values]
         for domain, values in groups.items():
