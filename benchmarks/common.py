@@ -2,10 +2,10 @@
 
 Contract:
 - `provenance(args)`: where a figure came from: git commit and whether the tree was dirty (and
-  which files) when the benchmark started (read at import, as is the load), the versions of Python, torch, transformers and vLLM (None when not installed),
-  the CPU model and core count, thread settings (torch's pools and the OMP/MKL/vLLM/specd
-  environment), the load average at the start, the command line and every setting of the run
-  (the argparse namespace).
+  which files) when the benchmark started (read at import, as is the load average), the
+  versions of Python, torch, transformers and vLLM (None when not installed), the CPU model and
+  core count, thread settings (torch's pools and the OMP/MKL/vLLM/specd environment), the
+  command line and every setting of the run (the argparse namespace).
 - `parser(doc, out, repeats)`: an ArgumentParser with `--repeats` and `--out` already on it.
 - `interleaved(configs, repeats)`: runs configurations in rounds, each once per round (A B C,
   B C A, C A B, ...: the starting one rotates so that no configuration always runs first), and

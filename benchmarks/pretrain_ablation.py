@@ -73,7 +73,7 @@ def accept_by_k(drafter: Path, work: Path, ks: list[int]) -> dict[str, dict[str,
 
     from specd.drafter.checkpoint import load_drafter
     from specd.drafter.feature_model import FeatureDrafterModel
-    from specd.learner.replay import simulated_counts
+    from specd.learner.simulation import simulated_counts
     from specd.model.target import LoadedTarget
 
     loaded = LoadedTarget.load()

@@ -29,7 +29,7 @@ from specd.drafter.pretrained import SHIPPED_DRAFTER, load_pretrained
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
 from specd.learner.objectives import FeatureObjective
-from specd.learner.replay import simulated_counts
+from specd.learner.simulation import simulated_counts
 from specd.model.target import LoadedTarget
 
 SETTINGS = ((0.7, 1.0), (1.0, 1.0), (0.7, 0.9))   # (temperature, top_p)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
-from specd.learner.replay import SampledRow, simulated_counts
+from specd.learner.simulation import SampledRow, simulated_counts
 from specd.model.distributions import target_probs
 from specd.testing import learnable_target
 

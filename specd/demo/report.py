@@ -23,7 +23,7 @@ from specd.core.traffic import TrafficItem
 from specd.drafter.checkpoint import load_drafter
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.hotswap.store import WeightStore
-from specd.learner.replay import simulated_counts
+from specd.learner.simulation import simulated_counts
 from specd.model.target import LoadedTarget
 from specd.offline.corpus import greedy_continuations
 

@@ -9,7 +9,7 @@ stored or sent.
 Every unrolled step is trained (step j on the drafter's own states, as draft j + 1 is made when
 serving), step j weighted `step_decay ** j`. The objective is forward KL ("kl") or the
 acceptance objective −log Σ min(p, q) ("accept"). Replaying a drafter on trajectories (what the
-gate measures) lives in `specd.learner.replay`.
+gate measures) lives in `specd.learner.simulation`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ distribution after the request's temperature and top-p) whichever drafter served
 - The feature drafter serves a draw from its own q on sampled rows, which speculative sampling
   accepts with probability Σ_x min(p(x), q(x)). The replay computes that per position, with no
   sampling noise: p from the record's last-layer features through the target's output head, q
-  from the candidate (`specd.learner.replay`). `benchmarks/sampled_drafts.py` measures the
+  from the candidate (`specd.learner.simulation`). `benchmarks/sampled_drafts.py` measures the
   estimate against served accept lengths.
 - The token drafter serves its argmax x on sampled rows (`DrafterSpec.sampled_drafts`): a one-hot
   draft, accepted with probability p(x). A recorded sampled token equals x with probability p(x)

@@ -27,9 +27,9 @@ from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, TrajectoryRecor
 from specd.drafter.checkpoint import DrafterModel
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.learner.feature_signal import collate, feature_loss, label_rows
-from specd.learner.replay import ExpectedCounts, SampledRow, simulated_counts
 from specd.learner.signal import build_batch, drafter_loss
 from specd.learner.signal import simulated_counts as token_simulated_counts
+from specd.learner.simulation import ExpectedCounts, SampledRow, simulated_counts
 from specd.model.distributions import target_probs
 from specd.model.transformer import Transformer
 
@@ -174,7 +174,7 @@ class FeatureObjective:
 
     def simulate(self, model: DrafterModel, records: list[TrajectoryRecord], k: int) -> ExpectedCounts:
         """The accept length `model` reaches as served: greedy records replayed exactly, sampled
-        ones by each draft's exact acceptance Σ min(p, q) (`specd.learner.replay`)."""
+        ones by each draft's exact acceptance Σ min(p, q) (`specd.learner.simulation`)."""
         assert isinstance(model, FeatureDrafterModel)
         sequences, sampled = [], []
         for record, features in zip(records, self.features(records), strict=True):

@@ -38,7 +38,7 @@ from specd.core.traffic import EVALUATION_START, TRAINING_RANGE, VALIDATION_RANG
 from specd.drafter.checkpoint import save_drafter
 from specd.drafter.feature_model import FeatureDrafterConfig, FeatureDrafterModel, new_feature_drafter
 from specd.learner.feature_signal import collate, feature_loss, label_rows
-from specd.learner.replay import simulated_counts
+from specd.learner.simulation import simulated_counts
 from specd.model.target import DTYPES, LoadedTarget
 from specd.offline.corpus import (
     SOURCES,
