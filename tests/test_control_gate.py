@@ -140,3 +140,21 @@ async def test_an_operators_verdict_does_not_wait_for_the_training_step_in_progr
     finally:
         release.set()
         learner.stop()
+
+
+def test_the_live_side_is_replayed_once_per_live_model_and_held_out_set(tmp_path) -> None:
+    learner = learner_on(tmp_path, records=6)
+    replayed: list[float] = []
+
+    def counted(model, records) -> float:
+        replayed.append(float(model.norm.weight.detach().float().mean()))
+        return replayed[-1]
+
+    live = learner.promoter.live_model()
+    candidates = [plant(learner, 0.5), plant(learner, 0.7)]
+    for version in candidates:
+        learner.gate.verdict(learner.promoter.load(version), live, counted)
+    assert replayed == pytest.approx([0.5, 1.0, 0.7])  # the live side (1.0) once for both
+    learner.gate.hold_out(learner.gate.held_out[0], learner.config.holdout_every)  # the held-out set changes
+    learner.gate.verdict(learner.promoter.load(candidates[0]), live, counted)
+    assert replayed[-2:] == pytest.approx([0.5, 1.0])

@@ -6,7 +6,9 @@ its simulated accept length on the held-out records is not worse than the live v
 than `margin`. With fewer than `min_held_out` held-out records there is no evidence and no pass:
 `has_evidence` is False (the learner then waits and trains on) and `verdict` fails. The learner's
 thread holds records out while an operator's candidate may be judged on another thread: the
-held-out set is copied under a lock, so a verdict judges one consistent set.
+held-out set is copied under a lock, so a verdict judges one consistent set. The live side of a
+verdict is replayed once per live model and held-out set, and reused while neither changes (the
+live model the learner holds for the gate is one object per version, never trained).
 
 What the gate measures is the drafter as it serves (`Objective.simulate`), on greedy and sampled
 records alike. Speculation is lossless, so a record's tokens are draws from p (the target's
@@ -44,6 +46,9 @@ class Gate:
         self.every, self.min_held_out, self.margin = every, min_held_out, margin
         self.held_out: deque[TrajectoryRecord] = deque(maxlen=capacity)
         self._lock = threading.Lock()
+        # the live side of the last verdict: (live model, held-out record ids, its accept length);
+        # the same live version on the same held-out set needs no second replay
+        self._live_memo: tuple[DrafterModel, tuple[str, ...], float] | None = None
 
     def hold_out(self, record: TrajectoryRecord, index: int) -> bool:
         """Keep the `index`-th record taken (counting from 1) if it is its turn; True if it was kept."""
@@ -68,9 +73,21 @@ class Gate:
             return {"passed": False, "reason": f"{len(records)} held-out records, the gate needs {self.min_held_out}",
                     "held_out_records": len(records)}
         ours = accept_length(candidate, records)
-        theirs = accept_length(live, records) if live is not None else 1.0
+        theirs = self._live_accept_length(live, records, accept_length)
         passed = ours >= theirs - self.margin
         reason = "ok" if passed else f"accept length {ours:.3f} is worse than live {theirs:.3f} beyond the margin"
         return {"passed": passed, "reason": reason, "candidate": ours, "live": theirs,
                 "held_out_records": len(records),
                 "sampled_records": sum(1 for r in records if r.temperature > 0)}
+
+    def _live_accept_length(self, live: DrafterModel | None, records: list[TrajectoryRecord],
+                            accept_length: AcceptLength) -> float:
+        if live is None:
+            return 1.0
+        ids = tuple(r.record_id for r in records)
+        memo = self._live_memo
+        if memo is not None and memo[0] is live and memo[1] == ids:
+            return memo[2]
+        value = accept_length(live, records)
+        self._live_memo = (live, ids, value)  # holds `live`, so `is` cannot match a recycled object
+        return value

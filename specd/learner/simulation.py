@@ -62,20 +62,38 @@ def simulated_counts(model: FeatureDrafterModel, sequences: list[tuple[torch.Ten
             continue
         outputs = model.unrolled(features[None, :-1], tokens[None, 1:], k)
         row = sampled[index] if sampled is not None else None
-        alphas = [_acceptance(model, state[0], tokens, row) for state in outputs]
+        states = [state[0] for state in outputs]
+        alphas = _greedy_acceptance(model, states, tokens) if row is None else [
+            _sampled_acceptance(model, state, row) for state in states]
         _walk(alphas, prompt_length, length, k, counts)
     return counts
 
 
-def _acceptance(model: FeatureDrafterModel, state: torch.Tensor, tokens: torch.Tensor,
-                row: SampledRow | None) -> list[float]:
-    """α at every entry e for one drafting step (its output states [T - 1, hidden])."""
+def _greedy_acceptance(model: FeatureDrafterModel, states: list[torch.Tensor],
+                       tokens: torch.Tensor) -> list[list[float]]:
+    """α per step and entry on a greedy trajectory: 1 where the argmax is the recorded token. Step
+    j's output head (the costly part: the whole draft vocabulary) runs only at the entries a pass
+    can reach, those where step j − 1 matched one entry before; elsewhere α stays 0, which the
+    walk never reads (no pass gets that far)."""
+    entries = len(tokens) - 1
+    reachable = torch.zeros(entries, dtype=torch.bool, device=tokens.device)
+    reachable[:-1] = True  # the last entry predicts past the record
+    alphas = []
+    for state in states:
+        where = reachable.nonzero().squeeze(-1)
+        matched = torch.zeros(entries, dtype=torch.bool, device=tokens.device)
+        if len(where):
+            predicted = model.draft_ids[model.logits(state[where]).argmax(-1)]
+            matched[where] = predicted == tokens[where + 2]
+        alphas.append(matched.float().tolist())
+        reachable = torch.zeros_like(matched)
+        reachable[1:-1] = matched[:-2]
+    return alphas
+
+
+def _sampled_acceptance(model: FeatureDrafterModel, state: torch.Tensor, row: SampledRow) -> list[float]:
+    """α at every entry for one drafting step (output states [T - 1, hidden]) on a sampled trajectory."""
     logits = model.logits(state).float()  # [T - 1, N]
-    if row is None:
-        predicted = model.draft_ids[logits.argmax(-1)]
-        matches = torch.zeros(len(predicted), device=predicted.device)
-        matches[:-1] = (predicted[:-1] == tokens[2:]).float()  # the last entry predicts past the record
-        return matches.tolist()
     q = target_probs(logits[None], torch.tensor([row.temperature]), torch.tensor([row.top_p]))[0]
     return torch.minimum(row.target_p.to(q), q).sum(-1).tolist()
 
