@@ -56,6 +56,8 @@ class ShadowCanary:
 
     def check(self) -> dict[str, Any] | None:
         """Score what waits and roll a regression back; the evidence when it did."""
+        if not self.waiting:  # the learner ticks many times a second: no store reads for nothing
+            return None
         pair = self._live_pair()
         if pair is None:
             self.waiting.clear()
