@@ -6,6 +6,7 @@ as an outside publisher (or a careless operator) would. Previously live versions
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -158,3 +159,28 @@ def test_the_live_side_is_replayed_once_per_live_model_and_held_out_set(tmp_path
     learner.gate.hold_out(learner.gate.held_out[0], learner.config.holdout_every)  # the held-out set changes
     learner.gate.verdict(learner.promoter.load(candidates[0]), live, counted)
     assert replayed[-2:] == pytest.approx([0.5, 1.0])
+
+
+async def test_training_steps_aside_until_an_operators_verdict_is_answered(tmp_path, monkeypatch) -> None:
+    learner = learner_on(tmp_path, records=6)
+    monkeypatch.setattr(learner, "config", dataclasses.replace(learner.config, min_records=0))
+    judging, release = threading.Event(), threading.Event()
+    trained: list[bool] = []
+
+    def slow_vet(version: int, gate: Any, accept_length: Any) -> dict[str, Any]:
+        judging.set()
+        release.wait(timeout=60)
+        return {"passed": False, "reason": "judged"}
+
+    monkeypatch.setattr(learner.promoter, "vet", slow_vet)
+    monkeypatch.setattr(learner, "train_step", lambda: trained.append(True) or 0.0)
+    monkeypatch.setattr(learner, "maybe_publish", lambda force=False: None)
+    verdict = learner.submit(1)
+    assert judging.wait(timeout=30)
+    stepper = threading.Thread(target=learner.step)
+    stepper.start()
+    stepper.join(timeout=0.5)
+    assert stepper.is_alive() and not trained   # waiting for the verdict, not training beside it
+    release.set()
+    stepper.join(timeout=30)
+    assert trained == [True] and verdict.result(timeout=5)["reason"] == "judged"

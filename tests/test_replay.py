@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
-from specd.learner.simulation import SampledRow, simulated_counts
+from specd.learner.simulation import SampledRow, replay_start, simulated_counts
 from specd.model.distributions import target_probs
 from specd.testing import learnable_target
 
@@ -64,3 +64,27 @@ def test_half_the_mass_on_the_draft_accepts_half_of_them_in_expectation() -> Non
     half = 0.5 * q + 0.5 * torch.roll(q, shifts=1, dims=-1)  # min(p, q) sums to 0.5 at every entry
     accepted, drafts = replay(model, sequence, half, top_p=1e-6)
     assert accepted == pytest.approx(0.5 * drafts)
+
+
+def test_unrolled_from_a_later_start_equals_the_whole_sequences_outputs() -> None:
+    model, (tokens, features, _) = drafter_and_sequence()
+    with torch.no_grad():
+        whole = model.unrolled(features[None, :-1], tokens[None, 1:], 4)
+        for start in (1, 5, 11):
+            later = model.unrolled(features[None, :-1], tokens[None, 1:], 4, start=start)
+            for j, (full_step, late_step) in enumerate(zip(whole, later, strict=True)):
+                assert late_step.shape[1] == LENGTH - 1 - start
+                # step j at t reads step j - 1 at t - 1: equal wherever the chain began at or after start
+                torch.testing.assert_close(late_step[0, j:], full_step[0, start + j:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prompt", [2, 9])
+def test_a_sampled_row_from_the_first_read_entry_replays_as_the_whole_row(prompt: int) -> None:
+    model, (tokens, features, _) = drafter_and_sequence()
+    sequence = (tokens, features, prompt)
+    half = 0.5 * first_step_q(model, sequence, top_p=1.0) + 0.5 / VOCAB
+    first = replay_start(prompt)
+    whole = simulated_counts(model, [sequence], 3, [SampledRow(1.0, 1.0, half)])
+    cut = simulated_counts(model, [sequence], 3, [SampledRow(1.0, 1.0, half[first:], first)])
+    assert whole.drafts > 0 and cut.accepted == pytest.approx(whole.accepted)
+    assert cut.passes == pytest.approx(whole.passes)

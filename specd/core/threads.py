@@ -13,7 +13,8 @@ Contract:
   running or visibly failing. A body that returns normally is not restarted.
 - `CallWorker` runs submitted calls one at a time on a daemon thread of its own, at the
   priority of the thread that built it, and answers each with a future: rare, short requests
-  (an operator's) that must not queue behind a long-running loop.
+  (an operator's) that must not queue behind a long-running loop. `wait_idle` lets that loop
+  step aside while calls are pending, so that they also get the cores to themselves.
 Imports nothing of specd.
 """
 
@@ -145,18 +146,35 @@ class CallWorker:
 
     def __init__(self, name: str) -> None:
         self._calls: SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = SimpleQueue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
         future: Future[Any] = Future()
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
         self._calls.put((fn, future))
         return future
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block while calls are queued or running (at most `timeout` s); True if none is."""
+        return self._idle.wait(timeout)
 
     def _run(self) -> None:
         while True:
             fn, future = self._calls.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except Exception as error:  # the caller gets it; the worker goes on
-                    future.set_exception(error)
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as error:  # the caller gets it; the worker goes on
+                        future.set_exception(error)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    if not self._pending:
+                        self._idle.set()

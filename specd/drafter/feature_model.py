@@ -192,7 +192,8 @@ class FeatureDrafterModel(nn.Module):
         return self._finish(state, attended)
 
     # ---- training -------------------------------------------------------------------------
-    def unrolled(self, features: torch.Tensor, next_tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def unrolled(self, features: torch.Tensor, next_tokens: torch.Tensor, steps: int,
+                 start: int = 0) -> list[torch.Tensor]:
         """Output states of `steps` chained drafting steps over whole sequences.
 
         features [B, T, feature_size] are the target's at positions 0..T-1; next_tokens[:, t] is
@@ -201,14 +202,22 @@ class FeatureDrafterModel(nn.Module):
         target-fed entries at positions <= t - j plus its own chain (one entry per earlier step).
         Its output predicts token t + 2 for every j. Positions t < j have no such chain; their
         outputs are meaningless and must be masked out of any loss.
+
+        Each output is [B, T - start, hidden], positions start..T-1: step 0's keys cover every
+        position (a query attends to all target-fed entries before it), but queries, chains and the
+        MLP run from `start` on only, so a replay that reads no prompt position skips their cost.
+        Step j's output at position t is the same for any start <= t - j.
         """
         cfg = self.config
         batch, length, _ = features.shape
+        width = length - start
         positions = torch.arange(length, device=features.device)
         cos_table, sin_table = self.rope(length)
         cos, sin = cos_table[positions][None, None], sin_table[positions][None, None]
         attn = self.attn
         groups = cfg.num_heads // cfg.num_kv_heads
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        tokens = next_tokens[:, start:]
         state = self.fuse_features(features)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -216,32 +225,44 @@ class FeatureDrafterModel(nn.Module):
         for j in range(steps):
             if j > 0:  # this step's state at t is the previous step's output at t - 1
                 state = F.pad(outputs[-1][:, :-1], (0, 0, 1, 0))
-            q, k, v = attn.qkv(self._layer_input(state, next_tokens)).split(attn.split, dim=-1)
-            q = apply_rope(q.view(batch, length, cfg.num_heads, cfg.head_dim).transpose(1, 2), cos, sin)
-            k = apply_rope(k.view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), cos, sin)
-            v = v.view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, H, T, D]
-            keys.append(k)
-            values.append(v)
-            scale = 1.0 / math.sqrt(cfg.head_dim)
+            wide = j == 0  # step 0's keys and values span every position; its queries only the window
+            q, k, v = attn.qkv(self._layer_input(state, next_tokens if wide else tokens)).split(attn.split, dim=-1)
+            span = length if wide else width
+            k_cos, k_sin = (cos, sin) if wide else (cos[..., start:, :], sin[..., start:, :])
+            k = apply_rope(k.view(batch, span, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), k_cos, k_sin)
+            v = v.view(batch, span, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+            keys.append(k.repeat_interleave(groups, dim=1))  # [B, H, span, D]
+            values.append(v.repeat_interleave(groups, dim=1))
+            if wide:
+                q, state = q[:, start:], state[:, start:]
+            q = apply_rope(q.reshape(batch, width, cfg.num_heads, cfg.head_dim).transpose(1, 2),
+                           cos[..., start:, :], sin[..., start:, :])
             # target-fed entries (step 0's keys) at positions <= t - j
-            visible = positions[None, :] <= positions[:, None] - j  # [T(query), T(key)]
-            scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))]
-            # the chain: step i's entry at position t - (j - i), one score per query
-            chain_values = []
-            for i in range(1, j + 1):
-                shift = j - i
-                k_i = F.pad(keys[i][:, :, :length - shift], (0, 0, shift, 0)) if shift else keys[i]
-                v_i = F.pad(values[i][:, :, :length - shift], (0, 0, shift, 0)) if shift else values[i]
-                scores.append((q * k_i).sum(-1, keepdim=True) * scale)
-                chain_values.append(v_i)
-            weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
-            out = weights[..., :length] @ values[0]
-            for i, v_i in enumerate(chain_values):
-                out = out + weights[..., length + i:length + i + 1] * v_i
-            outputs.append(self._finish(state, attn.o(out.transpose(1, 2).reshape(batch, length, -1))))
+            visible = positions[None, :] <= positions[start:, None] - j  # [width (query), T (key)]
+            out = _chained_attention(q, keys, values, visible, scale)
+            outputs.append(self._finish(state, attn.o(out.transpose(1, 2).reshape(batch, width, -1))))
         return outputs
 
+
+def _chained_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                       visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """Step j = len(keys) - 1 of `unrolled`: queries [B, H, W, D] attend to the target-fed entries
+    (keys[0] over every position, where `visible`) and to the chain, step i's entry at position
+    t - (j - i) (keys[i] over the window), one score per query."""
+    j, width, length = len(keys) - 1, q.shape[2], keys[0].shape[2]
+    scores = [(q @ keys[0].transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))]
+    chain_values = []
+    for i in range(1, j + 1):
+        shift = j - i
+        k_i = F.pad(keys[i][:, :, :width - shift], (0, 0, shift, 0)) if shift else keys[i]
+        v_i = F.pad(values[i][:, :, :width - shift], (0, 0, shift, 0)) if shift else values[i]
+        scores.append((q * k_i).sum(-1, keepdim=True) * scale)
+        chain_values.append(v_i)
+    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+    out = weights[..., :length] @ values[0]
+    for i, v_i in enumerate(chain_values):
+        out = out + weights[..., length + i:length + i + 1] * v_i
+    return out
 
 def new_feature_drafter(target_config: ModelConfig, embedding: torch.Tensor, lm_head: torch.Tensor,
                         final_norm: torch.Tensor, draft_ids: torch.Tensor,

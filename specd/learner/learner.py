@@ -15,7 +15,8 @@ learner publishes nothing, counts the wait (`stats.gate_waits`) and trains on. A
 published and made live if its simulated accept length on the held-out records is not worse than
 the live version's by more than `gate_margin` and its weights are finite, rejected (with the
 reason in its manifest) otherwise. An operator's candidate (`submit`) is judged by the same gate
-on a worker thread of its own at serving priority, so its verdict never queues behind training.
+on a worker thread of its own at serving priority, so its verdict never queues behind training,
+and training steps aside (between steps) until it is answered.
 Promotion is a compare-and-set against the live version the learner last saw: if an operator or
 the canary changed it meanwhile, theirs stands, the learner trains on from it and publishes
 nothing for `hold_after_rollback_s`. `duty_cycle` caps the share of wall time spent training, so a
@@ -49,6 +50,7 @@ from specd.model.transformer import Transformer
 from specd.transport.bus import Bus
 
 FAILURE_BACKOFF_S = 1.0  # after a failed step: a persistent fault is retried once a second, not in a hot loop
+OPERATOR_PRIORITY_WAIT_S = 60.0  # the longest training steps aside for an operator's pending verdict
 
 
 class LearnerHandle(Protocol):
@@ -116,6 +118,9 @@ class Learner(SupervisedLoop):
         self.intake()
         if len(self.buffer) < self.config.min_records:
             return False
+        # an operator's verdict has priority: training steps aside until it is answered (bounded,
+        # so a verdict that hangs cannot stop learning)
+        self._operator_calls.wait_idle(timeout=OPERATOR_PRIORITY_WAIT_S)
         begin = time.perf_counter()
         self.train_step()
         self.maybe_publish()

@@ -29,7 +29,7 @@ from specd.drafter.feature_model import FeatureDrafterModel
 from specd.learner.feature_signal import collate, feature_loss, label_rows
 from specd.learner.signal import build_batch, drafter_loss
 from specd.learner.signal import simulated_counts as token_simulated_counts
-from specd.learner.simulation import ExpectedCounts, SampledRow, simulated_counts
+from specd.learner.simulation import ExpectedCounts, SampledRow, replay_start, simulated_counts
 from specd.model.distributions import target_probs
 from specd.model.transformer import Transformer
 
@@ -186,18 +186,22 @@ class FeatureObjective:
     @torch.inference_mode()
     def _sampled_row(self, record: TrajectoryRecord, features: torch.Tensor, draft_ids: torch.Tensor,
                      chunk: int = 128) -> SampledRow:
-        """The target's distribution after the record's temperature and top-p at every entry (from its
-        last layer's state one position on), over the draft vocabulary; the full vocabulary's
-        logits are needed for the normaliser and the nucleus, one chunk of positions at a time."""
+        """The target's distribution after the record's temperature and top-p at every entry the
+        replay reads (from its last layer's state one position on), over the draft vocabulary; the
+        full vocabulary's logits are needed for the normaliser and the nucleus, one chunk of
+        positions at a time, and the prompt's entries are skipped (the costly part: the whole
+        vocabulary's head)."""
+        first_entry = replay_start(len(record.prompt_ids))
         hidden = self.target.config.hidden_size
         head_weight = self.target.lm_head.weight
         temperature, top_p = torch.tensor([record.temperature]), torch.tensor([record.top_p])
         parts = []
-        for begin in range(1, len(features), chunk):
+        for begin in range(first_entry + 1, len(features), chunk):
             last = features[begin:begin + chunk, -hidden:].to(head_weight)
             logits = self.target.lm_head(self.target.norm(last))
             parts.append(target_probs(logits[None], temperature, top_p)[0][:, draft_ids.to(logits.device)].cpu())
-        return SampledRow(record.temperature, record.top_p, torch.cat(parts))
+        target_p = torch.cat(parts) if parts else torch.zeros(0, len(draft_ids))
+        return SampledRow(record.temperature, record.top_p, target_p, first_entry)
 
     @property
     def recompute_stats(self) -> dict[str, float | None]:

@@ -47,7 +47,14 @@ class ExpectedCounts:
 class SampledRow:
     temperature: float
     top_p: float
-    target_p: torch.Tensor   # [T - 1, N]: p at entry e (of token e + 2) over the draft vocabulary
+    target_p: torch.Tensor   # [T - 1 - first_entry, N]: p at entries e >= first_entry (of token e + 2)
+    first_entry: int = 0     # over the draft vocabulary; at most replay_start(prompt length)
+
+
+def replay_start(prompt_length: int) -> int:
+    """The first entry a replay reads: a pass begins at row length L >= prompt_length, and its
+    first draft is entry L - 2's output; entries before it are prompt the walk never reaches."""
+    return max(prompt_length - 2, 0)
 
 
 @torch.no_grad()
@@ -60,30 +67,31 @@ def simulated_counts(model: FeatureDrafterModel, sequences: list[tuple[torch.Ten
         length = len(tokens)
         if length - prompt_length < 2 or prompt_length < 2:
             continue
-        outputs = model.unrolled(features[None, :-1], tokens[None, 1:], k)
+        start = replay_start(prompt_length)
+        outputs = model.unrolled(features[None, :-1], tokens[None, 1:], k, start=start)
         row = sampled[index] if sampled is not None else None
-        states = [state[0] for state in outputs]
-        alphas = _greedy_acceptance(model, states, tokens) if row is None else [
-            _sampled_acceptance(model, state, row) for state in states]
+        states = [state[0] for state in outputs]   # [T - 1 - start, hidden]: entries start..
+        alphas = _greedy_acceptance(model, states, tokens, start) if row is None else [
+            _sampled_acceptance(model, state, row, start) for state in states]
         _walk(alphas, prompt_length, length, k, counts)
     return counts
 
 
 def _greedy_acceptance(model: FeatureDrafterModel, states: list[torch.Tensor],
-                       tokens: torch.Tensor) -> list[list[float]]:
+                       tokens: torch.Tensor, start: int) -> list[list[float]]:
     """α per step and entry on a greedy trajectory: 1 where the argmax is the recorded token. Step
     j's output head (the costly part: the whole draft vocabulary) runs only at the entries a pass
     can reach, those where step j − 1 matched one entry before; elsewhere α stays 0, which the
-    walk never reads (no pass gets that far)."""
+    walk never reads (no pass gets that far). `states` begin at entry `start`."""
     entries = len(tokens) - 1
     reachable = torch.zeros(entries, dtype=torch.bool, device=tokens.device)
-    reachable[:-1] = True  # the last entry predicts past the record
+    reachable[start:-1] = True  # the last entry predicts past the record
     alphas = []
     for state in states:
         where = reachable.nonzero().squeeze(-1)
         matched = torch.zeros(entries, dtype=torch.bool, device=tokens.device)
         if len(where):
-            predicted = model.draft_ids[model.logits(state[where]).argmax(-1)]
+            predicted = model.draft_ids[model.logits(state[where - start]).argmax(-1)]
             matched[where] = predicted == tokens[where + 2]
         alphas.append(matched.float().tolist())
         reachable = torch.zeros_like(matched)
@@ -91,11 +99,14 @@ def _greedy_acceptance(model: FeatureDrafterModel, states: list[torch.Tensor],
     return alphas
 
 
-def _sampled_acceptance(model: FeatureDrafterModel, state: torch.Tensor, row: SampledRow) -> list[float]:
-    """α at every entry for one drafting step (output states [T - 1, hidden]) on a sampled trajectory."""
-    logits = model.logits(state).float()  # [T - 1, N]
+def _sampled_acceptance(model: FeatureDrafterModel, state: torch.Tensor, row: SampledRow,
+                        start: int) -> list[float]:
+    """α at every entry for one drafting step (output states [T - 1 - start, hidden], entries
+    start..) on a sampled trajectory; entries before `start` are never read and stay 0."""
+    logits = model.logits(state).float()
     q = target_probs(logits[None], torch.tensor([row.temperature]), torch.tensor([row.top_p]))[0]
-    return torch.minimum(row.target_p.to(q), q).sum(-1).tolist()
+    target_p = row.target_p[start - row.first_entry:].to(q)
+    return [0.0] * start + torch.minimum(target_p, q).sum(-1).tolist()
 
 
 def _walk(alphas: list[list[float]], prompt_length: int, length: int, k: int, counts: ExpectedCounts) -> None:
