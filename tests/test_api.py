@@ -198,6 +198,19 @@ async def test_cancellations_waiting_in_the_inbox_do_not_count_as_queued_request
     assert worker.queued == 1
 
 
+async def test_a_request_cancelled_before_it_left_the_inbox_holds_no_place_in_line(client) -> None:
+    from specd.engine.worker import EngineWorker, Submission
+
+    worker = EngineWorker(api_state(client).worker.engine)  # not started: everything stays in its inbox
+    for i in range(3):
+        worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print, request_id=f"r{i}"))
+    assert worker.queued == 3
+    worker.cancel("r1")   # its client went away before a step boundary
+    assert worker.queued == 2
+    worker.cancel("r1")   # a second cancellation of the same request changes nothing
+    assert worker.queued == 2
+
+
 async def test_client_chosen_domain_labels_are_bounded(client) -> None:
     from specd.serving.http.api import MAX_DOMAINS, OTHER_DOMAIN
 

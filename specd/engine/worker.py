@@ -7,7 +7,8 @@ Callbacks run on the worker thread and must only hand data over (e.g. `call_soon
 Finished requests are turned into trajectory records and published on the bus, which never
 blocks, and added to the traffic table when there is one. `cancel` ends a request at the next
 step boundary, decoding or still queued (a client that went away, a stop string), and its slot
-or place in line is free from then on. `queued` counts requests only, not cancellations. Nothing
+or place in line is free from then on. `queued` counts the requests waiting for a slot, not
+cancellations nor requests whose client has gone (they never take a slot). Nothing
 here waits on disk or network inside a step. The decoding thread is supervised: a fault in a
 step or in what follows it fails the requests in flight with a 500, is counted in the server's
 `BackgroundHealth` under "engine" (`/health`, `specd_background_failures_total`), and the
@@ -74,6 +75,8 @@ class EngineWorker:
         self.server_id = server_id
         self._inbox: queue.Queue[Submission | str] = queue.Queue()  # requests and the ids of cancelled ones
         self._num_inbox_requests = 0  # the Submissions in the inbox (cancellations wait there too)
+        self._inbox_ids: set[str] = set()      # their request ids
+        self._withdrawn: set[str] = set()      # of those, the ones cancelled before they left the inbox
         self._count_lock = threading.Lock()
         self._active: dict[str, Submission] = {}
         self._stop = threading.Event()
@@ -83,14 +86,22 @@ class EngineWorker:
     def submit(self, submission: Submission) -> None:
         with self._count_lock:
             self._num_inbox_requests += 1
+            if submission.request_id is not None:
+                self._inbox_ids.add(submission.request_id)
         self._inbox.put(submission)
 
     @property
     def queued(self) -> int:
-        """Requests submitted but not decoding yet (in the inbox or the engine's waiting line)."""
-        return self._num_inbox_requests + len(self.engine.waiting)
+        """Requests submitted but not decoding yet (in the inbox or the engine's waiting line),
+        those already cancelled left out: a client that went away holds no place in line."""
+        with self._count_lock:
+            in_inbox = self._num_inbox_requests - len(self._withdrawn)
+        return in_inbox + sum(1 for seq in list(self.engine.waiting) if not seq.is_finished)
 
     def cancel(self, request_id: str) -> None:
+        with self._count_lock:
+            if request_id in self._inbox_ids:
+                self._withdrawn.add(request_id)
         self._inbox.put(request_id)
 
     def start(self) -> EngineWorker:
@@ -117,6 +128,9 @@ class EngineWorker:
                 continue
             with self._count_lock:
                 self._num_inbox_requests -= 1
+                if item.request_id is not None:
+                    self._inbox_ids.discard(item.request_id)
+                    self._withdrawn.discard(item.request_id)  # its cancellation follows it in the inbox
             try:
                 item.seq = self.engine.add_request(item.prompt_ids, item.params, item.request_id)
             except RequestRefused as error:
