@@ -8,6 +8,7 @@ from typing import Any
 
 from specd.core.errors import ConfigurationError
 from specd.drafter.factory import DrafterSpec
+from specd.engine.engine import EngineConfig
 from specd.learner.config import LearnerConfig
 from specd.model.target import LoadedTarget
 
@@ -38,9 +39,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-context", type=int, default=4096,
                    help="prompt + output tokens per request; KV caches are sized for it (default 4096, "
                         "capped at the target's own limit)")
-    p.add_argument("--prefill-chunk", type=int, default=64,
+    p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
                    help="prompt tokens prefilled per decoding step, so that a long prompt never stalls the "
-                        "running streams for its whole prefill (0: each prompt whole; default 64)")
+                        f"running streams for its whole prefill (0: each prompt whole; default "
+                        f"{EngineConfig.prefill_chunk})")
     p.add_argument("--max-queued", type=int, default=64,
                    help="requests waiting for a batch slot beyond which new ones get a 429 with Retry-After "
                         "(default 64; 0: no bound)")

@@ -54,7 +54,7 @@ class EngineConfig:
     record_features: bool = False      # keep each request's captured features for its record
     # prompt tokens prefilled per step (chunked prefill, `specd.engine.prefill`): a long prompt
     # then delays the running streams by one chunk a step, not by its whole prefill. None: whole
-    prefill_chunk: int | None = 64   # chosen by benchmarks/prefill_stall.py on this machine
+    prefill_chunk: int | None = 48   # chosen by benchmarks/prefill_stall.py on this machine
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
