@@ -28,11 +28,24 @@ pytestmark = [pytest.mark.mqtt, pytest.mark.slow]
 DEPLOYMENT = "ranks"
 
 
-@pytest.fixture
-def broker(tmp_path):
-    broker = Broker(tmp_path / "broker").start()
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ranks")
+
+
+@pytest.fixture(scope="module")
+def broker(folder):
+    broker = Broker(folder / "broker").start()
     yield broker
     broker.stop()
+
+
+@pytest.fixture(scope="module")
+def learner(folder, broker):
+    """One group for the module: the kill test runs last, on the group the first test saw."""
+    learner = start_ranks(folder, broker)
+    yield learner
+    learner.stop()
 
 
 def record(i: int) -> dict:
@@ -80,43 +93,34 @@ def same_weights_after_the_same_step(store: Path) -> bool:
     return bool(first["syncs"] and first["syncs"] == second["syncs"] and first["digest"] == second["digest"])
 
 
-def test_two_ranks_share_the_records_and_hold_the_same_weights(tmp_path, broker) -> None:
-    learner = start_ranks(tmp_path, broker)
-    store = tmp_path / "store"
-    try:
-        publish_records(broker, range(40))
-        wait_for(lambda: sum(len(ids) for ids in spooled_ids(store).values()) >= 40, 120, what="records spooled")
-        taken = spooled_ids(store)
-        assert taken[0].isdisjoint(taken[1]) and taken[0] | taken[1] == {record(i)["record_id"] for i in range(40)}
-        assert taken[0] and taken[1]  # the shared subscription dealt to both
-        wait_for(lambda: same_weights_after_the_same_step(store), 180, what="both ranks at one step")
-        status = get_json(learner.url + "/v1/status")
-        assert [r["rank"] for r in status["ranks"]] == [0, 1]
-    finally:
-        learner.stop()
+def test_two_ranks_share_the_records_and_hold_the_same_weights(folder, learner, broker) -> None:
+    store = folder / "store"
+    publish_records(broker, range(40))
+    wait_for(lambda: sum(len(ids) for ids in spooled_ids(store).values()) >= 40, 120, what="records spooled")
+    taken = spooled_ids(store)
+    assert taken[0].isdisjoint(taken[1]) and taken[0] | taken[1] == {record(i)["record_id"] for i in range(40)}
+    assert taken[0] and taken[1]  # the shared subscription dealt to both
+    wait_for(lambda: same_weights_after_the_same_step(store), 180, what="both ranks at one step")
+    status = get_json(learner.url + "/v1/status")
+    assert [r["rank"] for r in status["ranks"]] == [0, 1]
 
 
-def test_a_killed_rank_loses_no_acknowledged_record_and_the_group_resumes(tmp_path, broker) -> None:
-    learner = start_ranks(tmp_path, broker)
-    store = tmp_path / "store"
-    try:
-        publish_records(broker, range(20))
-        live = wait_for(lambda: (v := get_json(learner.url + "/v1/versions")["live"]) and v >= 2 and v, 180,
-                        what="a published version")
-        victim = next(s for s in read_statuses(store) if s["rank"] == 1)
-        os.kill(victim["pid"], signal.SIGKILL)
-        publish_records(broker, range(20, 40))  # acknowledged by the broker while the group restarts
-        wait_for(lambda: all(s["restart"] >= 1 for s in read_statuses(store)) and len(read_statuses(store)) == 2,
-                 240, what="the group restarted")
-        wait_for(lambda: sum(len(ids) for ids in spooled_ids(store).values()) >= 40, 180, what="records spooled")
-        taken = spooled_ids(store)
-        assert taken[0] | taken[1] == {record(i)["record_id"] for i in range(40)}
-        assert taken[0].isdisjoint(taken[1])
-        resumed = {s["rank"]: s["started_from"] for s in read_statuses(store)}
-        assert resumed[0] >= live and resumed[0] == resumed[1]
-        versions = get_json(learner.url + "/v1/versions")["versions"]
-        numbers = [v["version"] for v in versions]
-        assert len(numbers) == len(set(numbers))
-        assert all(v.get("rank", 0) == 0 for v in versions)
-    finally:
-        learner.stop()
+def test_a_killed_rank_loses_no_acknowledged_record_and_the_group_resumes(folder, learner, broker) -> None:
+    store = folder / "store"
+    live = wait_for(lambda: (v := get_json(learner.url + "/v1/versions")["live"]) and v >= 2 and v, 180,
+                    what="a published version")
+    victim = next(s for s in read_statuses(store) if s["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    publish_records(broker, range(40, 80))  # acknowledged by the broker while the group restarts
+    wait_for(lambda: len(read_statuses(store)) == 2 and all(s["restart"] >= 1 for s in read_statuses(store)),
+             240, what="the group restarted")
+    wait_for(lambda: sum(len(ids) for ids in spooled_ids(store).values()) >= 80, 180, what="records spooled")
+    taken = spooled_ids(store)
+    assert taken[0] | taken[1] == {record(i)["record_id"] for i in range(80)}
+    assert taken[0].isdisjoint(taken[1])
+    resumed = {s["rank"]: s["started_from"] for s in read_statuses(store)}
+    assert resumed[0] >= live and resumed[0] == resumed[1]
+    versions = get_json(learner.url + "/v1/versions")["versions"]
+    numbers = [v["version"] for v in versions]
+    assert len(numbers) == len(set(numbers))
+    assert all(v["rank"] == 0 for v in versions)  # every manifest names its publisher: rank 0
