@@ -108,6 +108,13 @@ def add_learner_parser(sub: argparse._SubParsersAction) -> None:
                    help="hold every N-th record out of training, for the gate (default 8)")
     p.add_argument("--gate-min-held-out", type=int, default=4,
                    help="held-out records the gate needs before any candidate may pass (default 4)")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="data-parallel learner ranks on this machine, started by torchrun; records are shared "
+                        "among them through an MQTT shared subscription (default 1: one learner process)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="with --ranks: times torchrun restarts the group after a rank dies (default 3)")
+    p.add_argument("--rank-status-every", type=int, default=50,
+                   help="with --ranks: steps between each rank's status file (with its weights' digest)")
     add_drafter_flags(p)
     _add_broker(p)
     p.set_defaults(run=run_learner)
@@ -123,15 +130,22 @@ def _spool_config(max_mb: float, dedup_window: int):
 
 
 def run_learner(args: argparse.Namespace) -> int:
+    import asyncio
     import os
 
     from aiohttp import web
 
-    from specd.learner.sidecar import SidecarOptions, build_sidecar
+    from specd.learner.ranks import RankGroup, RankInfo, launch_ranks
+    from specd.learner.sidecar import SidecarOptions, build_sidecar, run_rank
 
     settings = _mqtt_settings(args)
     if settings is None:
         raise ConfigurationError("specd learner needs --broker mqtt://host:port")
+    if args.ranks < 1 or args.max_restarts < 0 or args.rank_status_every < 1:
+        raise ConfigurationError("--ranks and --rank-status-every must be at least 1, --max-restarts at least 0")
+    info = RankInfo.from_env()
+    if info is None and args.ranks > 1:
+        return launch_ranks(args.ranks, args.max_restarts)  # torchrun runs this same command once per rank
     options = SidecarOptions(store=args.store, mqtt=settings, client_id=args.client_id,
                              public_url=args.public_url or f"http://{args.host}:{args.port}",
                              token=args.token or os.environ.get("SPECD_TOKEN"), drafter=drafter_spec(args),
@@ -140,7 +154,12 @@ def run_learner(args: argparse.Namespace) -> int:
                                                    holdout_every=args.holdout_every,
                                                    gate_min_held_out=args.gate_min_held_out),
                              spool=_spool_config(args.spool_max_mb, args.dedup_window))
-    app = build_sidecar(options, LoadedTarget.load(args.target))
+    group = RankGroup(info, status_folder=args.store, status_every=args.rank_status_every) if info else None
+    loaded = LoadedTarget.load(args.target)
+    if group is not None and not group.is_root:
+        asyncio.run(run_rank(options, loaded, group))
+        return 0
+    app = build_sidecar(options, loaded, group)
     web.run_app(app, host=args.host, port=args.port, print=lambda line: print(line, flush=True))
     return 0
 

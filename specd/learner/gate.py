@@ -58,6 +58,18 @@ class Gate:
             self.held_out.append(record)
         return True
 
+    def drain(self) -> list[TrajectoryRecord]:
+        """Take every held-out record out (a rank other than 0 hands them to rank 0's gate)."""
+        with self._lock:
+            records = list(self.held_out)
+            self.held_out.clear()
+        return records
+
+    def keep(self, records: list[TrajectoryRecord]) -> None:
+        """Hold out records another rank held out (the newest `capacity` are kept, as ever)."""
+        with self._lock:
+            self.held_out.extend(records)
+
     @property
     def has_evidence(self) -> bool:
         return len(self.held_out) >= self.min_held_out

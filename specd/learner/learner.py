@@ -42,6 +42,7 @@ from specd.learner.config import LearnerConfig, LearnerStats
 from specd.learner.gate import Gate
 from specd.learner.intake import Intake
 from specd.learner.promotion import Promoter
+from specd.learner.ranks import RankGroup, leave_group_on_failure
 from specd.learner.shadow import ShadowCanary
 from specd.learner.supervision import SupervisedLoop
 from specd.learner.trainer import Trainer
@@ -75,8 +76,11 @@ class LearnerHandle(Protocol):
 class Learner(SupervisedLoop):
     def __init__(self, config: LearnerConfig, bus: Bus, store: WeightStore, initial: DrafterModel,
                  fingerprint: TargetFingerprint, serving_dtype: torch.dtype = torch.float32,
-                 target_embedding: torch.Tensor | None = None, target: Transformer | None = None) -> None:
+                 target_embedding: torch.Tensor | None = None, target: Transformer | None = None,
+                 group: RankGroup | None = None) -> None:
         self.stats = LearnerStats()
+        self.group = group
+        self.is_root = group is None or group.is_root  # the one that judges, publishes and answers operators
         super().__init__("specd-learner", self.stats, FAILURE_BACKOFF_S)
         self.config, self.bus, self.store = config, bus, store
         # the trainer is built from what the promoter finds live; it then trains on from what the promoter adopts
@@ -84,17 +88,23 @@ class Learner(SupervisedLoop):
                                  take_weights=lambda restored: self.trainer.take_weights(restored))
         if self.promoter.live_version is not None:  # a restarted learner resumes from what is serving
             initial = self.promoter.load(self.promoter.live_version)
-        self.trainer = Trainer(clone_drafter(initial).float().train(), config, target)
+        self.started_from = self.promoter.live_version
+        if group is not None:
+            self.promoter.origin = {"rank": group.info.rank}
+            group.figures["started_from"] = self.started_from
+            group.report()
+        self.trainer = Trainer(clone_drafter(initial).float().train(), config, target, group)
         self.model, self.objective, self.optimizer = self.trainer.model, self.trainer.objective, self.trainer.optimizer
         self.gate = Gate(config.holdout_every, config.holdout_capacity, config.gate_min_held_out, config.gate_margin)
         self.holdout = self.gate.held_out  # the records held out for the gate, never trained on
         self.canary = ShadowCanary(store, self.promoter.load, lambda m, r: self.simulated_accept_length(m, r),
                                    config.canary_margin, config.canary_min_records, config.canary_z,
-                                   config.canary_every) if config.canary else None
+                                   config.canary_every) if config.canary and self.is_root else None
         self._intake = Intake(initial.config.vocab_size, self.objective, self.gate, self.trainer.buffer_capacity,
                               self.stats, self.canary.observe if self.canary is not None else None)
         self.buffer = self._intake.buffer
-        self.promoter.begin(self.model)
+        if self.is_root:
+            self.promoter.begin(self.model)
         # built here, on the constructing thread: not the reniced training loop's priority
         self._operator_calls = CallWorker("specd-operator-gate")
 
@@ -114,16 +124,25 @@ class Learner(SupervisedLoop):
         return self.trainer.step(self.trainer.batch(self.buffer), self.stats, self.live_version)
 
     def step(self) -> bool:
-        """Take records, train one step if there is data, publish when due; True if it trained."""
+        """Take records, train one step if there is data, publish when due; True if it trained.
+        With ranks, every rank steps together (all have data, or none trains) and syncs after
+        the step: held-out records to rank 0, which alone publishes (`specd.learner.ranks`)."""
         self.intake()
-        if len(self.buffer) < self.config.min_records:
+        ready = len(self.buffer) >= self.config.min_records
+        if self.group is not None:
+            ready = self.group.all_ready(ready)
+        if not ready:
             return False
         # an operator's verdict has priority: training steps aside until it is answered (bounded,
         # so a verdict that hangs cannot stop learning)
         self._operator_calls.wait_idle(timeout=OPERATOR_PRIORITY_WAIT_S)
         begin = time.perf_counter()
         self.train_step()
-        self.maybe_publish()
+        if self.group is not None:
+            handed = [] if self.is_root else self.gate.drain()
+            self.gate.keep(self.group.sync(handed, self.trainer.weights_epoch, self.model, self.stats))
+        if self.is_root:
+            self.maybe_publish()
         spent = time.perf_counter() - begin
         self.stats.training_seconds += spent
         if self.config.duty_cycle < 1:
@@ -131,8 +150,9 @@ class Learner(SupervisedLoop):
         return True
 
     def tick(self) -> None:
-        if not self.step():
-            self.intake(timeout=0.2)
+        with leave_group_on_failure(self.group):  # a rank that fails a step cannot rejoin the collectives
+            if not self.step():
+                self.intake(timeout=0.2)
         if self.canary is not None:
             self.canary.check()
 

@@ -35,6 +35,10 @@ from specd.model.transformer import Transformer
 
 Replayed = AcceptanceCounts | ExpectedCounts  # what a replay gives: counts, or their expectations
 
+# padded tokens (rows x the longest) a recomputation batch may hold: large enough that the
+# target's matmuls run on many rows at once, small enough that a batch's activations stay small
+RECOMPUTE_BATCH_TOKENS = 2048
+
 
 class Objective(Protocol):
     feature_size: int | None   # width of the features records must carry, None: ids only
@@ -123,13 +127,21 @@ class FeatureObjective:
 
     @torch.inference_mode()
     def _recompute(self, records: list[TrajectoryRecord]) -> dict[str, torch.Tensor]:
+        """The target's features of records that carry none, in padded batches of similar lengths
+        (right padding: with causal attention a row's real positions never see its pads)."""
         begin = time.perf_counter()
+        device = self.target.embed.weight.device
         recomputed = {}
-        for record in records:
-            ids = torch.tensor((record.prompt_ids + record.output_ids)[:-1], device=self.target.embed.weight.device)
-            features = self.target.train_features(ids[None], self.capture_layers)[0]
-            recomputed[record.record_id] = features.to(torch.float16).cpu()
-            self.recomputed_tokens += len(ids)
+        sequences = sorted(((r.record_id, (r.prompt_ids + r.output_ids)[:-1]) for r in records),
+                           key=lambda item: len(item[1]))
+        for batch in length_batches(sequences, RECOMPUTE_BATCH_TOKENS):
+            ids = torch.zeros(len(batch), len(batch[-1][1]), dtype=torch.long)
+            for row, (_, sequence) in enumerate(batch):
+                ids[row, :len(sequence)] = torch.tensor(sequence)
+            features = self.target.train_features(ids.to(device), self.capture_layers)
+            for row, (record_id, sequence) in enumerate(batch):
+                recomputed[record_id] = features[row, :len(sequence)].to(torch.float16).cpu()
+                self.recomputed_tokens += len(sequence)
         self.recomputed_records += len(records)
         self.recomputed_seconds += time.perf_counter() - begin
         return recomputed
@@ -219,6 +231,18 @@ def _carried(record: TrajectoryRecord) -> torch.Tensor:
         warnings.simplefilter("ignore", UserWarning)  # torch warns that the bytes are not writable
         flat = torch.frombuffer(block.data, dtype=torch.float16)
     return flat.view(block.num_positions, block.feature_size)
+
+
+def length_batches(sequences: list[tuple[str, list[int]]], budget: int) -> list[list[tuple[str, list[int]]]]:
+    """Consecutive runs of `sequences` (sorted by length) whose padded size, rows times the
+    longest, stays within `budget` tokens (a longer sequence goes alone)."""
+    batches: list[list[tuple[str, list[int]]]] = []
+    for item in sequences:
+        if batches and (len(batches[-1]) + 1) * len(item[1]) <= budget:
+            batches[-1].append(item)
+        else:
+            batches.append([item])
+    return batches
 
 
 def _complete(record: TrajectoryRecord) -> bool:

@@ -68,6 +68,7 @@ class Promoter:
         self._hold_until = 0.0
         self._gate_waiting = False
         self._live_copy: tuple[int, DrafterModel] | None = None
+        self.origin: dict[str, Any] = {}  # added to every manifest it publishes (e.g. the publishing rank)
         self._live_copy_lock = threading.Lock()  # the training loop and the operator worker both ask
 
     def load(self, version: int) -> DrafterModel:
@@ -94,7 +95,8 @@ class Promoter:
 
     def publish(self, model: DrafterModel, info: dict[str, Any]) -> int:
         serving_copy = clone_drafter(model).to(self.serving_dtype)
-        return self.store.publish(serving_copy, self.fingerprint, self.live_version, info, self.target_embedding)
+        return self.store.publish(serving_copy, self.fingerprint, self.live_version, {**info, **self.origin},
+                                  self.target_embedding)
 
     def begin(self, model: DrafterModel) -> None:
         """Day 0: the untrained drafter is version 1, live while nothing else is."""

@@ -15,7 +15,11 @@ restart; `records_in` in `/v1/status` counts unique records ever received, acros
 compaction.
 The subscriber and the announcer are supervised: a failure is logged, counted under
 `background` in `/v1/status` (with the learner loop's own failure count) and the loop restarts.
-`/v1/status` breaks the learner's memory down by part (`memory.py`). `/metrics` exposes the
+`/v1/status` breaks the learner's memory down by part (`memory.py`).
+With data-parallel ranks (`specd learner --ranks N`, under torchrun; `specd.learner.ranks`) every
+rank is a sidecar of its own: its spool under `<store>/rank-N/`, its own MQTT session
+(`<client id>-rankN`) in the shared subscription `$share/<client id>/...` for records. Rank 0
+alone takes the reports, announces, and serves HTTP; its `/v1/status` lists every rank's status. `/metrics` exposes the
 learner's counters and lag, the store's live version and rollbacks (`collector.py`) and the
 background failures. `POST /v1/live` of a candidate version goes through the learner's gate first
 (`Learner.submit`), judged on a worker of its own.
@@ -28,7 +32,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +49,7 @@ from specd.learner.collector import LearnerCollector
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner
 from specd.learner.memory import memory_breakdown
+from specd.learner.ranks import RankGroup, read_statuses
 from specd.learner.spool import RecordSpool, SpoolConfig
 from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus
@@ -69,8 +74,9 @@ class SidecarOptions:
 
 
 class Sidecar:
-    def __init__(self, options: SidecarOptions, loaded: LoadedTarget) -> None:
+    def __init__(self, options: SidecarOptions, loaded: LoadedTarget, group: RankGroup | None = None) -> None:
         self.options = options
+        self.group = group
         self.store = WeightStore(options.store)
         self.bus = InProcessBus(capacity=100_000)
         self.acceptance = AcceptanceLog()
@@ -79,8 +85,9 @@ class Sidecar:
         embedding = loaded.model.embed.weight
         initial = initial_model(loaded.model, options.drafter, fingerprint=loaded.fingerprint)
         self.learner = Learner(options.learner, self.bus, self.store, initial, loaded.fingerprint, embedding.dtype,
-                               embedding, target=loaded.model)
-        self.spool = RecordSpool(Path(options.store), options.spool, self._records_of_use)
+                               embedding, target=loaded.model, group=group)
+        spool_folder = Path(options.store) / (f"rank-{group.info.rank}" if group is not None else "")
+        self.spool = RecordSpool(spool_folder, options.spool, self._records_of_use)
         for record in self.spool.load():  # what the learner had received, for its buffers again
             self.bus.publish(record)
         self._announced: int | None = None
@@ -114,7 +121,16 @@ class Sidecar:
                 "learner_last_failure": _plain(stats.last_failure),
                 "learner": self.learner.health(),
                 "memory": memory_breakdown(self.learner, self.bus.backlog),
-                "background": self.health.snapshot()}
+                "background": self.health.snapshot(),
+                **({"ranks": read_statuses(self.options.store)} if self.group is not None else {})}
+
+    def subscriber(self, stop: asyncio.Event) -> Awaitable[None]:
+        """The records (and, alone or on rank 0, the reports) subscription, supervised by the caller."""
+        options, group = self.options, self.group
+        if group is None:
+            return subscribe_forever(options.mqtt, options.client_id, self.handle, stop, self.health)
+        return subscribe_forever(options.mqtt, f"{options.client_id}-rank{group.info.rank}", self.handle, stop,
+                                 self.health, share_group=options.client_id, reports=group.is_root)
 
     async def handle(self, topic: str, payload: bytes) -> None:
         try:
@@ -163,8 +179,8 @@ def _plain(value: object) -> object:
     return value if value is None or isinstance(value, str | int | float | dict | list) else str(value)
 
 
-def build_sidecar(options: SidecarOptions, loaded: LoadedTarget) -> web.Application:
-    sidecar = Sidecar(options, loaded)
+def build_sidecar(options: SidecarOptions, loaded: LoadedTarget, group: RankGroup | None = None) -> web.Application:
+    sidecar = Sidecar(options, loaded, group)
     app = web.Application()
     add_control_routes(app, sidecar.plane)
 
@@ -181,9 +197,8 @@ def build_sidecar(options: SidecarOptions, loaded: LoadedTarget) -> web.Applicat
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         stop = asyncio.Event()
         health = sidecar.health
-        tasks = [asyncio.create_task(supervise(SUBSCRIBER_LOOP, lambda: subscribe_forever(
-                     options.mqtt, options.client_id, sidecar.handle, stop, health), health, stop),
-                     name="specd-subscriber"),
+        tasks = [asyncio.create_task(supervise(SUBSCRIBER_LOOP, lambda: sidecar.subscriber(stop), health, stop),
+                                     name="specd-subscriber"),
                  asyncio.create_task(supervise(ANNOUNCER_TASK, lambda: sidecar.announcer(stop), health, stop),
                                      name="specd-announcer")]
         sidecar.learner.start()
@@ -197,3 +212,22 @@ def build_sidecar(options: SidecarOptions, loaded: LoadedTarget) -> web.Applicat
 
     app.cleanup_ctx.append(lifecycle)
     return app
+
+
+async def run_rank(options: SidecarOptions, loaded: LoadedTarget, group: RankGroup) -> None:
+    """A rank other than 0: its records, its spool and its share of training, no HTTP, until SIGTERM."""
+    import signal
+
+    sidecar = Sidecar(options, loaded, group)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    subscriber = asyncio.create_task(supervise(SUBSCRIBER_LOOP, lambda: sidecar.subscriber(stop), sidecar.health,
+                                               stop), name="specd-subscriber")
+    sidecar.learner.start()
+    await stop.wait()
+    subscriber.cancel()
+    await asyncio.gather(subscriber, return_exceptions=True)
+    sidecar.learner.stop()
+    sidecar.spool.close()

@@ -6,7 +6,11 @@ target)` owns the float32 training copy, its optimiser and the seeded batch samp
 `recent_share` of its records from the newest `recent_records` and the rest from the whole buffer,
 so that a shift in traffic is learned within steps. `step` counts into the learner's stats and
 notes how stale the batch was (record age and versions behind the live one). `take_weights` loads
-another version's weights when they fit this architecture and shape (an adopted live version).
+another version's weights when they fit this architecture and shape (an adopted live version)
+and counts the adoption (`weights_epoch`). With a `RankGroup` (data-parallel ranks), the loss
+runs under DistributedDataParallel: its construction starts every rank from rank 0's weights and
+each backward pass averages the gradients of all ranks' batches, so every rank takes the same
+optimiser step.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from specd.core.errors import ConfigurationError
 from specd.core.records import TrajectoryRecord
@@ -25,6 +30,7 @@ from specd.drafter.checkpoint import DrafterModel
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.learner.config import LearnerConfig, LearnerStats
 from specd.learner.objectives import FeatureObjective, Objective, TokenObjective
+from specd.learner.ranks import RankGroup
 from specd.model.transformer import Transformer
 
 
@@ -57,8 +63,21 @@ PlanMaker = Callable[[DrafterModel, LearnerConfig, "Transformer | None"], Traini
 TRAINING: dict[type, PlanMaker] = {FeatureDrafterModel: _feature_plan, Transformer: _token_plan}
 
 
+class ObjectiveLoss(torch.nn.Module):
+    """The objective's loss on a batch as a module's forward, which DistributedDataParallel wraps
+    (the drafter's own forward is its serving step, not its training loss)."""
+
+    def __init__(self, model: DrafterModel, objective: Objective) -> None:
+        super().__init__()
+        self.model, self.objective = model, objective
+
+    def forward(self, records: list[TrajectoryRecord], rng: random.Random) -> tuple[torch.Tensor, int]:
+        return self.objective.loss(self.model, records, rng)
+
+
 class Trainer:
-    def __init__(self, model: DrafterModel, config: LearnerConfig, target: Transformer | None) -> None:
+    def __init__(self, model: DrafterModel, config: LearnerConfig, target: Transformer | None,
+                 group: RankGroup | None = None) -> None:
         if type(model) not in TRAINING:
             raise ConfigurationError(f"no online training is defined for a {type(model).__name__}")
         self.model, self.config = model, config
@@ -68,6 +87,11 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=plan.learning_rate, weight_decay=0.0)
         self.rng = random.Random(config.seed)
         self._staleness: dict[str, Any] | None = None
+        self.weights_epoch = 0   # adoptions of other weights: rank 0's count tells the others to follow
+        loss = ObjectiveLoss(model, self.objective)
+        # buffers (the target's embedding) never change: no broadcast of them at every step
+        self._loss: torch.nn.Module = loss if group is None else DistributedDataParallel(
+            loss, forward_sync_buffers=False)
 
     def batch(self, buffered: Sequence[TrajectoryRecord]) -> list[TrajectoryRecord]:
         cfg = self.config
@@ -80,7 +104,7 @@ class Trainer:
         """One optimiser step on `records`; the loss."""
         device = next(self.model.parameters()).device.type
         with torch.autocast(device, dtype=torch.bfloat16, enabled=self.config.precision == "bfloat16"):
-            loss, num_tokens = self.objective.loss(self.model, records, self.rng)
+            loss, num_tokens = self._loss(records, self.rng)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -114,4 +138,5 @@ class Trainer:
         if type(restored) is not type(self.model) or restored.config != self.model.config:
             return False
         self.model.load_state_dict(restored.float().state_dict())
+        self.weights_epoch += 1
         return True

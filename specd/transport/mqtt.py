@@ -21,7 +21,11 @@ Contract:
   otherwise acknowledge on receipt, before the learner has stored it, and a learner killed in
   between would lose a message the broker no longer holds. When `handle` raises, the message is
   not acknowledged: the failure is counted under `mqtt-subscriber`, the session reconnects and
-  the broker delivers the message again.
+  the broker delivers the message again. With `share_group` (data-parallel learner ranks) it
+  speaks MQTT v5 with a session that never expires and takes records through the shared
+  subscription `$share/<group>/specd/D/records/+`: the broker gives each record to one member
+  of the group, and a member's unacknowledged records wait in its session for its return.
+  `reports=False` leaves the acceptance reports to another subscriber (rank 0).
 - Username/password and TLS (a CA file, optional client certificate) pass straight through.
 """
 
@@ -40,6 +44,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 import aiomqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from specd.core.errors import ConfigurationError
 from specd.core.threads import BackgroundHealth, backoff_delay, supervised_thread
@@ -78,12 +84,21 @@ class MqttSettings:
     def topic(self, kind: str, server: str | None = None) -> str:
         return f"specd/{self.deployment}/{kind}" + (f"/{server}" if server else "")
 
-    def client(self, identifier: str | None = None, clean_session: bool | None = None) -> aiomqtt.Client:
+    def client(self, identifier: str | None = None, clean_session: bool | None = None,
+               persistent_v5: bool = False) -> aiomqtt.Client:
+        """A client; `persistent_v5`: MQTT v5, resuming a session that never expires (what a
+        shared subscription's member needs to find its unacknowledged messages again)."""
         context = None
         if self.tls_ca is not None:
             context = ssl.create_default_context(cafile=None if self.tls_ca == "system" else self.tls_ca)
             if self.tls_cert:
                 context.load_cert_chain(self.tls_cert, self.tls_key)
+        if persistent_v5:
+            properties = Properties(PacketTypes.CONNECT)
+            properties.SessionExpiryInterval = 0xFFFFFFFF
+            return aiomqtt.Client(self.host, self.port, username=self.username, password=self.password,
+                                  identifier=identifier, protocol=aiomqtt.ProtocolVersion.V5, clean_start=False,
+                                  properties=properties, tls_context=context, timeout=5)
         return aiomqtt.Client(self.host, self.port, username=self.username, password=self.password,
                               identifier=identifier, clean_session=clean_session, tls_context=context,
                               timeout=5)
@@ -219,21 +234,26 @@ async def _first_of(*bodies: Awaitable[None]) -> None:
 
 async def subscribe_forever(settings: MqttSettings, client_id: str,
                             handle: Callable[[str, bytes], Awaitable[None]], stop: asyncio.Event,
-                            health: BackgroundHealth | None = None) -> None:
+                            health: BackgroundHealth | None = None, share_group: str | None = None,
+                            reports: bool = True) -> None:
     """The learner's side: a persistent QoS 1 session on records and reports, reconnecting forever;
-    a message is acknowledged only once `handle` has returned."""
+    a message is acknowledged only once `handle` has returned. `share_group`: records through
+    that shared subscription (one member of the group gets each)."""
     health = health or BackgroundHealth()
     health.register(SUBSCRIBER_TASK)
     attempt = 0
     while not stop.is_set():
         try:
-            client = settings.client(identifier=client_id, clean_session=False)
+            client = settings.client(identifier=client_id, clean_session=False,
+                                     persistent_v5=share_group is not None)
             # aiomqtt has no ack API; its paho client does (paho >= 2.0): PUBACK only after `handle`
             client._client.manual_ack_set(True)
+            records = settings.topic("records") + "/+"
             async with client:
                 attempt = 0
-                await client.subscribe(settings.topic("records") + "/+", qos=1)
-                await client.subscribe(settings.topic("reports") + "/+", qos=1)
+                await client.subscribe(records if share_group is None else f"$share/{share_group}/{records}", qos=1)
+                if reports:
+                    await client.subscribe(settings.topic("reports") + "/+", qos=1)
                 async for message in client.messages:
                     await handle(str(message.topic), bytes(message.payload))
                     client._client.ack(message.mid, message.qos)
