@@ -203,3 +203,16 @@ def test_the_sidecar_counts_failed_announcements_and_carries_the_learner_loop_fa
     stats.last_failure = RuntimeError("nan loss")
     status = sidecar.status()
     assert status["learner_loop_failures"] == 3 and status["learner_last_failure"] == "nan loss"
+
+
+def test_a_stopped_publisher_keeps_what_is_published_after_it_and_never_raises() -> None:
+    from specd.transport.mqtt import MqttPublisher, MqttSettings
+
+    # no broker on this port: the loop runs, retries, and is stopped; the decoding thread's
+    # publish after that (a request finishing during shutdown) must not raise
+    publisher = MqttPublisher(MqttSettings(port=1), "server-a").start()
+    time.sleep(0.3)
+    publisher.stop(drain_seconds=0)
+    publisher.publish({"record_id": "late"})
+    publisher.report({"late": True})
+    assert publisher.backlog == 2 and publisher.counters.published == 1

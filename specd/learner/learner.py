@@ -154,6 +154,8 @@ class Learner(SupervisedLoop):
             if not self.step():
                 self.intake(timeout=0.2)
         if self.canary is not None:
+            # the canary's replays, like training, wait while an operator's verdict is pending
+            self._operator_calls.wait_idle(timeout=OPERATOR_PRIORITY_WAIT_S)
             self.canary.check()
 
     def maybe_publish(self, force: bool = False) -> int | None:

@@ -32,6 +32,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import ssl
@@ -147,8 +148,16 @@ class MqttPublisher:
                     self.reports_shed += 1
             self._pending.append((topic, json.dumps(payload).encode(), is_record))
             self.counters.published += is_record
-        if self._loop is not None and self._wake is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+        self._wake_loop()
+
+    def _wake_loop(self) -> None:
+        """Wake the sending loop. Its loop may have just closed (stopped, or between two runs of
+        the supervised thread): the record waits in the buffer for the next loop, and the caller
+        (the decoding thread) never sees an error."""
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(wake.set)
 
     @property
     def backlog(self) -> int:
@@ -167,8 +176,7 @@ class MqttPublisher:
         while self.connected.is_set() and self._pending and time.monotonic() < deadline:
             time.sleep(0.05)
         self._stop.set()
-        if self._loop is not None and self._wake is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+        self._wake_loop()
         if self._thread is not None:
             self._thread.join(timeout=10)
 
