@@ -417,3 +417,19 @@ async def test_acceptance_series_is_labelled_by_domain(client) -> None:
         return {"code", "chat"} <= {point["domain"] for point in series}
 
     await eventually(both_domains_reported)
+
+
+async def test_a_waiting_request_whose_client_left_leaves_the_count_before_the_next_step(client) -> None:
+    from specd.engine.worker import EngineWorker, Submission
+
+    engine = api_state(client).worker.engine
+    worker = EngineWorker(engine)  # not started: as if the decoding thread were inside a long step
+    seq = engine.add_request([1, 2], SamplingParams(max_tokens=2), "waiting-1")
+    worker._active["waiting-1"] = Submission([1, 2], SamplingParams(max_tokens=2), print, print, print,
+                                             request_id="waiting-1", seq=seq)
+    try:
+        assert worker.queued == 1
+        worker.cancel("waiting-1")
+        assert worker.queued == 0
+    finally:
+        engine.waiting.clear()

@@ -76,7 +76,7 @@ class EngineWorker:
         self._inbox: queue.Queue[Submission | str] = queue.Queue()  # requests and the ids of cancelled ones
         self._num_inbox_requests = 0  # the Submissions in the inbox (cancellations wait there too)
         self._inbox_ids: set[str] = set()      # their request ids
-        self._withdrawn: set[str] = set()      # of those, the ones cancelled before they left the inbox
+        self._withdrawn: set[str] = set()      # ids cancelled whose cancellation waits in the inbox
         self._count_lock = threading.Lock()
         self._active: dict[str, Submission] = {}
         self._stop = threading.Event()
@@ -93,15 +93,17 @@ class EngineWorker:
     @property
     def queued(self) -> int:
         """Requests submitted but not decoding yet (in the inbox or the engine's waiting line),
-        those already cancelled left out: a client that went away holds no place in line."""
+        those already cancelled left out: a client that went away holds no place in line, even
+        before the decoding thread reaches its cancellation (a long step, a swap)."""
         with self._count_lock:
-            in_inbox = self._num_inbox_requests - len(self._withdrawn)
-        return in_inbox + sum(1 for seq in list(self.engine.waiting) if not seq.is_finished)
+            withdrawn = set(self._withdrawn)
+            in_inbox = self._num_inbox_requests - len(withdrawn & self._inbox_ids)
+        return in_inbox + sum(1 for seq in list(self.engine.waiting)
+                              if not seq.is_finished and seq.request_id not in withdrawn)
 
     def cancel(self, request_id: str) -> None:
         with self._count_lock:
-            if request_id in self._inbox_ids:
-                self._withdrawn.add(request_id)
+            self._withdrawn.add(request_id)
         self._inbox.put(request_id)
 
     def start(self) -> EngineWorker:
@@ -125,12 +127,13 @@ class EngineWorker:
             if isinstance(item, str):
                 if item and item in self._active:
                     self.engine.cancel(item)
+                with self._count_lock:
+                    self._withdrawn.discard(item)  # applied: the request is finished, if it was there
                 continue
             with self._count_lock:
                 self._num_inbox_requests -= 1
                 if item.request_id is not None:
-                    self._inbox_ids.discard(item.request_id)
-                    self._withdrawn.discard(item.request_id)  # its cancellation follows it in the inbox
+                    self._inbox_ids.discard(item.request_id)  # its cancellation, if any, follows it
             try:
                 item.seq = self.engine.add_request(item.prompt_ids, item.params, item.request_id)
             except RequestRefused as error:
