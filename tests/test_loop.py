@@ -363,6 +363,8 @@ def test_catch_up_after_a_swap_is_spread_over_steps_and_stays_lossless() -> None
     engine = Engine(target, drafter, fixed_k(max_batch=3, num_draft_tokens=4))
     seqs = [engine.add_request(p, SamplingParams(max_tokens=60)) for p in prompts]
     engine.step()
+    while len(engine.running) < len(prompts):  # chunked prefill: every row decodes before the swap
+        engine.step()
     drafter.offer(target, "self-again")  # a swap: every row must rebuild 40+ cached tokens
     to_rebuild = sum(s.num_tokens - 2 for s in seqs)  # the last two tokens are fed with the proposal itself
     proposed_per_step = []
