@@ -138,7 +138,7 @@ def on_paper(one_core: dict[str, Any], two_ranks: dict[str, Any]) -> list[list[A
     reduce_2 = two_ranks["reduce_s"]["median"]
     rows = []
     for n in (1, 2, 4, 8, 16):
-        reduce_n = reduce_2 * (2 * (n - 1) / n) / 1.0 if n > 1 else 0.0  # 2 ranks: 2 (2 - 1) / 2 = 1
+        reduce_n = reduce_2 * 2 * (n - 1) / n  # the ring's factor is 1 at the measured 2 ranks, 0 alone
         efficiency = step / (step + reduce_n)
         rows.append([n, round(per_rank * n), round(reduce_n * 1000, 1), round(efficiency, 3)])
     return rows
