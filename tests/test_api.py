@@ -187,10 +187,24 @@ async def test_requests_beyond_the_queue_bound_get_429_with_retry_after(client) 
     assert (await client.post("/v1/completions", json=body)).status == 200
 
 
+def idle_engine(client: TestClient) -> Engine:
+    """An engine of the client's target that no decoding thread steps: its line stays as a test sets it."""
+    return Engine(api_state(client).loaded.model, None, EngineConfig(max_batch=2))
+
+
+def occupy_every_slot(engine: Engine) -> list[Sequence]:
+    """Running rows in every batch slot, as if the decoding thread were inside a long step."""
+    rows = [Sequence(f"busy-{i}", [1, 2], SamplingParams(max_tokens=8)) for i in range(engine.config.max_batch)]
+    engine.running.extend(rows)
+    return rows
+
+
 async def test_cancellations_waiting_in_the_inbox_do_not_count_as_queued_requests(client) -> None:
     from specd.engine.worker import EngineWorker, Submission
 
-    worker = EngineWorker(api_state(client).worker.engine)  # not started: everything stays in its inbox
+    engine = idle_engine(client)
+    worker = EngineWorker(engine)  # not started: everything stays in its inbox
+    occupy_every_slot(engine)
     for i in range(5):
         worker.cancel(f"gone-{i}")
     assert worker.queued == 0
@@ -201,7 +215,9 @@ async def test_cancellations_waiting_in_the_inbox_do_not_count_as_queued_request
 async def test_a_request_cancelled_before_it_left_the_inbox_holds_no_place_in_line(client) -> None:
     from specd.engine.worker import EngineWorker, Submission
 
-    worker = EngineWorker(api_state(client).worker.engine)  # not started: everything stays in its inbox
+    engine = idle_engine(client)
+    worker = EngineWorker(engine)  # not started: everything stays in its inbox
+    occupy_every_slot(engine)
     for i in range(3):
         worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print, request_id=f"r{i}"))
     assert worker.queued == 3
@@ -209,6 +225,48 @@ async def test_a_request_cancelled_before_it_left_the_inbox_holds_no_place_in_li
     assert worker.queued == 2
     worker.cancel("r1")   # a second cancellation of the same request changes nothing
     assert worker.queued == 2
+
+
+async def test_requests_that_free_slots_will_take_at_the_next_step_are_not_queued(client) -> None:
+    from specd.engine.worker import EngineWorker, Submission
+
+    engine = idle_engine(client)
+    worker = EngineWorker(engine)  # not started: as if the decoding thread were inside a long step
+    slots = engine.config.max_batch
+    for i in range(slots):  # an idle engine: each of these gets a slot at the next step boundary
+        worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print, request_id=f"r{i}"))
+    assert worker.queued == 0
+    worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print, request_id="one-more"))
+    assert worker.queued == 1
+
+
+async def test_a_running_row_whose_client_left_counts_as_a_free_slot_at_once(client) -> None:
+    from specd.engine.worker import EngineWorker, Submission
+
+    engine = idle_engine(client)
+    worker = EngineWorker(engine)  # not started: the cancelled row stays in its slot until a step boundary
+    rows = occupy_every_slot(engine)
+    worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print, request_id="waits"))
+    assert worker.queued == 1
+    worker.cancel(rows[0].request_id)   # its client went away
+    assert worker.queued == 0
+    rows[1].finish_reason = "length"    # finished: retired at the next step boundary
+    worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print, request_id="takes-it"))
+    assert worker.queued == 0
+
+
+async def test_a_waiting_request_whose_client_left_leaves_the_count_before_the_next_step(client) -> None:
+    from specd.engine.worker import EngineWorker, Submission
+
+    engine = idle_engine(client)
+    worker = EngineWorker(engine)  # not started: as if the decoding thread were inside a long step
+    occupy_every_slot(engine)
+    seq = engine.add_request([1, 2], SamplingParams(max_tokens=2), "waiting-1")
+    worker._active["waiting-1"] = Submission([1, 2], SamplingParams(max_tokens=2), print, print, print,
+                                             request_id="waiting-1", seq=seq)
+    assert worker.queued == 1
+    worker.cancel("waiting-1")
+    assert worker.queued == 0
 
 
 async def test_client_chosen_domain_labels_are_bounded(client) -> None:
@@ -419,17 +477,3 @@ async def test_acceptance_series_is_labelled_by_domain(client) -> None:
     await eventually(both_domains_reported)
 
 
-async def test_a_waiting_request_whose_client_left_leaves_the_count_before_the_next_step(client) -> None:
-    from specd.engine.worker import EngineWorker, Submission
-
-    engine = api_state(client).worker.engine
-    worker = EngineWorker(engine)  # not started: as if the decoding thread were inside a long step
-    seq = engine.add_request([1, 2], SamplingParams(max_tokens=2), "waiting-1")
-    worker._active["waiting-1"] = Submission([1, 2], SamplingParams(max_tokens=2), print, print, print,
-                                             request_id="waiting-1", seq=seq)
-    try:
-        assert worker.queued == 1
-        worker.cancel("waiting-1")
-        assert worker.queued == 0
-    finally:
-        engine.waiting.clear()

@@ -7,8 +7,8 @@ Callbacks run on the worker thread and must only hand data over (e.g. `call_soon
 Finished requests are turned into trajectory records and published on the bus, which never
 blocks, and added to the traffic table when there is one. `cancel` ends a request at the next
 step boundary, decoding or still queued (a client that went away, a stop string), and its slot
-or place in line is free from then on. `queued` counts the requests waiting for a slot, not
-cancellations nor requests whose client has gone (they never take a slot). Nothing
+or place in line is free from then on. `queued` counts the requests that wait for a slot beyond
+the free ones, not cancellations nor requests whose client has gone (they never take a slot). Nothing
 here waits on disk or network inside a step. The decoding thread is supervised: a fault in a
 step or in what follows it fails the requests in flight with a 500, is counted in the server's
 `BackgroundHealth` under "engine" (`/health`, `specd_background_failures_total`), and the
@@ -92,14 +92,27 @@ class EngineWorker:
 
     @property
     def queued(self) -> int:
-        """Requests submitted but not decoding yet (in the inbox or the engine's waiting line),
-        those already cancelled left out: a client that went away holds no place in line, even
-        before the decoding thread reaches its cancellation (a long step, a swap)."""
+        """Requests that wait for a batch slot: those submitted and not decoding yet (in the inbox
+        or the engine's waiting line) beyond the slots that the next step boundary gives them.
+
+        Cancelled requests are left out, and a running row that has finished or whose client went
+        away counts as a free slot, both at once: a long step (a swap, a prefill chunk, a loaded
+        core) would otherwise let requests that are about to be admitted, or abandoned ones, fill
+        the line and turn new clients away while slots stand free."""
         with self._count_lock:
             withdrawn = set(self._withdrawn)
             in_inbox = self._num_inbox_requests - len(withdrawn & self._inbox_ids)
-        return in_inbox + sum(1 for seq in list(self.engine.waiting)
-                              if not seq.is_finished and seq.request_id not in withdrawn)
+        engine = self.engine
+
+        def live(seq: Sequence) -> bool:
+            return not seq.is_finished and seq.request_id not in withdrawn
+
+        waiting = sum(1 for seq in list(engine.waiting) if live(seq))
+        prefilling = engine.prefilling  # read once: the decoding thread may clear it meanwhile
+        busy = sum(1 for seq in list(engine.running) if live(seq))
+        busy += int(prefilling is not None and live(prefilling.seq))
+        free = max(engine.config.max_batch - busy, 0)
+        return max(in_inbox + waiting - free, 0)
 
     def cancel(self, request_id: str) -> None:
         with self._count_lock:
