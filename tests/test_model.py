@@ -109,3 +109,22 @@ def test_folder_without_config_is_refused(tmp_path: Path) -> None:
 def test_parameter_count_matches_module() -> None:
     model = tiny_target()
     assert TINY.num_parameters == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [True, False])
+def test_attention_of_a_few_queries_equals_torchs_grouped_query_attention(dtype: torch.dtype, masked: bool) -> None:
+    from specd.model.transformer import attend_few
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, keys, dim = 3, 6, 2, 4, 11, 8
+    q = torch.randn(batch, heads, length, dim, dtype=dtype)
+    k = torch.randn(batch, kv_heads, keys, dim, dtype=dtype)
+    v = torch.randn(batch, kv_heads, keys, dim, dtype=dtype)
+    mask = None
+    if masked:  # rows at their own positions, as a decoding step with rows of different lengths
+        positions = torch.tensor([[3], [7], [10]]) - (length - 1) + torch.arange(length)
+        mask = (torch.arange(keys) <= positions[:, :, None])[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(attend_few(q, k, v, mask), expected, atol=tolerance, rtol=tolerance)
