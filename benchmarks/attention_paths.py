@@ -65,7 +65,6 @@ def generation(loaded: LoadedTarget, prompts: list, few_queries: int) -> dict[st
     return {"new_tokens": new, "seconds": seconds, "tokens_per_s": new / seconds}
 
 
-
 def main() -> int:
     p = parser(__doc__, "out/attention_paths.json", repeats=3)
     p.add_argument("--prompts", type=int, default=64)

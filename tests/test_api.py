@@ -475,5 +475,3 @@ async def test_acceptance_series_is_labelled_by_domain(client) -> None:
         return {"code", "chat"} <= {point["domain"] for point in series}
 
     await eventually(both_domains_reported)
-
-

@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 LogitsFor = Literal["all", "last", "none"]
-# queries per row up to which attention over the cache is two plain matmuls instead of torch's
-# CPU flash kernel: decoding and verification. The kernel took 14 ms a layer for one query per row
-# at batch 64 in bfloat16 against 2.7 ms for the matmuls (71% of bulk generation's time); for
-# a 48-token prefill chunk it is level or ahead, and it never builds the whole score matrix
+# queries per row up to which attention over the cache is two plain matmuls (`attend_few`) instead
+# of torch's CPU flash kernel: decoding and verification. For one query per row at batch 64 in
+# bfloat16 the kernel takes 10.1 ms a layer against 2.9 ms (it was 71% of bulk generation's time);
+# for a 48-token prefill chunk the kernel is ahead (0.96 against 1.45 ms) and never builds the whole
+# score matrix. benchmarks/attention_paths.py
 FEW_QUERIES = 16
 
 
