@@ -93,6 +93,15 @@ def test_the_demo_prints_its_table_from_a_real_result(tmp_path: Path, capsys: py
     assert f"versions serving after the shift: {result['static_version']}" in out and "lossless" in out
 
 
+def test_prompts_longer_than_a_prefill_chunk_are_served_in_every_mode(tmp_path: Path) -> None:
+    # the first steps of a round only prefill (48 prompt tokens a step): they run no decoding pass
+    long_prompt = "tell me about this: " + "a long question, " * 12
+    traffic = [TrafficItem(prompt=f"{i} {long_prompt}", domain="chat") for i in range(2)]
+    result = run_demo(tiny_loaded_target(), traffic, demo_config(learning=False), tmp_path / "store")
+    assert all(row["tokens"] == 12 for rows in result["requests"].values() for row in rows)
+    assert result["lossless"] == {"adaptive": True, "static": True}
+
+
 @TWO_CORES
 def test_a_version_trained_after_the_shift_goes_live_within_the_records_the_gate_promises(tmp_path: Path) -> None:
     target = learnable_target(vocab_size=ByteTokenizer.vocab_size)

@@ -129,6 +129,7 @@ def serve_round(run: ModeRun, number: int, domain: str, indices: list[int], item
         params = SamplingParams(max_tokens=items[i].max_tokens or config.max_tokens)
         waiting[engine.add_request(prompts[i], params).request_id] = i
     while engine.has_work:
+        before = engine.step_stats[-1] if engine.step_stats else None
         for seq in engine.step():
             run.results[waiting[seq.request_id]] = seq
             if table is not None:
@@ -138,6 +139,8 @@ def serve_round(run: ModeRun, number: int, domain: str, indices: list[int], item
                 run.sent.append((time.time(), domain))
             bar.update(1)
             bar.set_postfix(mode=run.mode, accept_len=f"{seq.accept_length:.2f}", drafter=engine.drafter_version)
+        if not engine.step_stats or engine.step_stats[-1] is before:
+            continue  # a step that only prefilled (a prompt longer than a chunk): no decoding pass to count
         last = engine.step_stats[-1]
         run.step_seconds.append(last.seconds)
         run.step_versions.append(last.drafter_version)
