@@ -100,6 +100,8 @@ def test_prompts_longer_than_a_prefill_chunk_are_served_in_every_mode(tmp_path: 
     result = run_demo(tiny_loaded_target(), traffic, demo_config(learning=False), tmp_path / "store")
     assert all(row["tokens"] == 12 for rows in result["requests"].values() for row in rows)
     assert result["lossless"] == {"adaptive": True, "static": True}
+    for row in result["rounds"]["per_round"]:  # prefill steps take time outside the decoding passes
+        assert all(0 < mode["decoding_seconds"] < mode["seconds"] for mode in row["modes"].values())
 
 
 @TWO_CORES

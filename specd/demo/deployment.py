@@ -124,7 +124,7 @@ def serve_round(run: ModeRun, number: int, domain: str, indices: list[int], item
     engine = run.engine
     table = getattr(engine.drafter, "table", None)  # each mode's traffic table learns from its own requests
     waiting = {}
-    begin = time.perf_counter()
+    begin, decoding = time.perf_counter(), 0.0
     for i in indices:
         params = SamplingParams(max_tokens=items[i].max_tokens or config.max_tokens)
         waiting[engine.add_request(prompts[i], params).request_id] = i
@@ -142,6 +142,7 @@ def serve_round(run: ModeRun, number: int, domain: str, indices: list[int], item
         if not engine.step_stats or engine.step_stats[-1] is before:
             continue  # a step that only prefilled (a prompt longer than a chunk): no decoding pass to count
         last = engine.step_stats[-1]
+        decoding += last.seconds
         run.step_seconds.append(last.seconds)
         run.step_versions.append(last.drafter_version)
         run.step_k.append(last.k)
@@ -149,7 +150,9 @@ def serve_round(run: ModeRun, number: int, domain: str, indices: list[int], item
     done = [run.results[i] for i in indices]
     run.rounds.append({"round": number, "domain": domain, "first_request": indices[0], "requests": len(indices),
                        "tokens": sum(s.num_output_tokens for s in done),
-                       "target_passes": sum(s.num_target_passes for s in done), "seconds": seconds})
+                       "target_passes": sum(s.num_target_passes for s in done), "seconds": seconds,
+                       # the decoding passes' own time (drafting and verifying); the rest is prefill and bookkeeping
+                       "decoding_seconds": decoding})
     bar.set_postfix(mode=run.mode, tok_s=f"{run.rounds[-1]['tokens'] / max(seconds, 1e-9):.1f}",
                     drafter=engine.drafter_version)
 
