@@ -22,7 +22,7 @@ from specd.drafter.factory import DrafterSpec
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.lookahead import LookaheadConfig, LookaheadController
 from specd.engine.request import SamplingParams, Sequence
-from specd.engine.worker import Submission
+from specd.engine.worker import EngineWorker, Submission
 from specd.serving.http.api import STATE, ApiState
 from specd.serving.serve import ServeOptions, build_server
 from specd.testing import ByteTokenizer, tiny_loaded_target
@@ -187,6 +187,11 @@ async def test_requests_beyond_the_queue_bound_get_429_with_retry_after(client) 
     assert (await client.post("/v1/completions", json=body)).status == 200
 
 
+def queued_submission(request_id: str | None = None) -> Submission:
+    """A two-token request that a test puts in a worker's inbox; its callbacks are never reached."""
+    return Submission([1, 2], SamplingParams(max_tokens=2), print, print, print, request_id=request_id)
+
+
 def idle_engine(client: TestClient) -> Engine:
     """An engine of the client's target that no decoding thread steps: its line stays as a test sets it."""
     return Engine(api_state(client).loaded.model, None, EngineConfig(max_batch=2))
@@ -200,26 +205,22 @@ def occupy_every_slot(engine: Engine) -> list[Sequence]:
 
 
 async def test_cancellations_waiting_in_the_inbox_do_not_count_as_queued_requests(client) -> None:
-    from specd.engine.worker import EngineWorker, Submission
-
     engine = idle_engine(client)
     worker = EngineWorker(engine)  # not started: everything stays in its inbox
     occupy_every_slot(engine)
     for i in range(5):
         worker.cancel(f"gone-{i}")
     assert worker.queued == 0
-    worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print))
+    worker.submit(queued_submission())
     assert worker.queued == 1
 
 
 async def test_a_request_cancelled_before_it_left_the_inbox_holds_no_place_in_line(client) -> None:
-    from specd.engine.worker import EngineWorker, Submission
-
     engine = idle_engine(client)
     worker = EngineWorker(engine)  # not started: everything stays in its inbox
     occupy_every_slot(engine)
     for i in range(3):
-        worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print, request_id=f"r{i}"))
+        worker.submit(queued_submission(f"r{i}"))
     assert worker.queued == 3
     worker.cancel("r1")   # its client went away before a step boundary
     assert worker.queued == 2
@@ -228,36 +229,30 @@ async def test_a_request_cancelled_before_it_left_the_inbox_holds_no_place_in_li
 
 
 async def test_requests_that_free_slots_will_take_at_the_next_step_are_not_queued(client) -> None:
-    from specd.engine.worker import EngineWorker, Submission
-
     engine = idle_engine(client)
     worker = EngineWorker(engine)  # not started: as if the decoding thread were inside a long step
     slots = engine.config.max_batch
     for i in range(slots):  # an idle engine: each of these gets a slot at the next step boundary
-        worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print, request_id=f"r{i}"))
+        worker.submit(queued_submission(f"r{i}"))
     assert worker.queued == 0
-    worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print, request_id="one-more"))
+    worker.submit(queued_submission("one-more"))
     assert worker.queued == 1
 
 
 async def test_a_running_row_whose_client_left_counts_as_a_free_slot_at_once(client) -> None:
-    from specd.engine.worker import EngineWorker, Submission
-
     engine = idle_engine(client)
     worker = EngineWorker(engine)  # not started: the cancelled row stays in its slot until a step boundary
     rows = occupy_every_slot(engine)
-    worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print, request_id="waits"))
+    worker.submit(queued_submission("waits"))
     assert worker.queued == 1
     worker.cancel(rows[0].request_id)   # its client went away
     assert worker.queued == 0
     rows[1].finish_reason = "length"    # finished: retired at the next step boundary
-    worker.submit(Submission([1, 2], SamplingParams(max_tokens=2), print, print, print, request_id="takes-it"))
+    worker.submit(queued_submission("takes-it"))
     assert worker.queued == 0
 
 
 async def test_a_waiting_request_whose_client_left_leaves_the_count_before_the_next_step(client) -> None:
-    from specd.engine.worker import EngineWorker, Submission
-
     engine = idle_engine(client)
     worker = EngineWorker(engine)  # not started: as if the decoding thread were inside a long step
     occupy_every_slot(engine)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from specd.core.errors import CheckpointError
 from specd.model.loading import load_target
+from specd.model.transformer import attend_few
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -114,8 +115,6 @@ def test_parameter_count_matches_module() -> None:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", [True, False])
 def test_attention_of_a_few_queries_equals_torchs_grouped_query_attention(dtype: torch.dtype, masked: bool) -> None:
-    from specd.model.transformer import attend_few
-
     torch.manual_seed(0)
     batch, heads, kv_heads, length, keys, dim = 3, 6, 2, 4, 11, 8
     q = torch.randn(batch, heads, length, dim, dtype=dtype)

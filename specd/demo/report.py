@@ -63,7 +63,7 @@ def round_figures(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             done = rounds[mode][number]
             row["modes"][mode] = {"tokens_per_s": done["tokens"] / max(done["seconds"], 1e-9),
                                   "accept_length": done["tokens"] / max(done["target_passes"], 1),
-                                  "seconds": done["seconds"], "decoding_seconds": done.get("decoding_seconds")}
+                                  "seconds": done["seconds"], "decoding_seconds": done["decoding_seconds"]}
         row["ratios"] = {f"{a}/{b}": row["modes"][a]["tokens_per_s"] / row["modes"][b]["tokens_per_s"]
                          for a, b in RATIOS}
         row["ratios"]["adaptive/static accept_length"] = (row["modes"]["adaptive"]["accept_length"]
