@@ -5,9 +5,10 @@ its own KV cache, its output head over the N-token draft vocabulary, argmax) ove
 target decode step (one token, all layers, full output head), both at context 128, batch 1 and
 batch 8, timed alternately in `--repeats` rounds (median and min–max of the per-round ratios).
 It is measured for every N in `--vocab` (the full vocabulary included, to show why the head must
-be pruned). Coverage: the share of the target's own greedy output tokens, on held-out ShareGPT
-prompts, that fall inside the N most frequent ids of the pretraining data (the shipped drafter's
-ranking); a token outside can never be drafted. Writes out/feature_cost.json and prints a table.
+be pruned) and every decoder-layer count in `--layers` (EAGLE-3's one, or more). Coverage: the
+share of the target's own greedy output tokens, on held-out ShareGPT prompts, that fall inside
+the N most frequent ids of the pretraining data (the shipped drafter's ranking); a token outside
+can never be drafted. Writes out/feature_cost.json and prints a table.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def coverage(loaded: LoadedTarget, ranked: torch.Tensor, sizes: list[int], promp
 def main() -> None:
     p = parser(__doc__, "out/feature_cost.json", repeats=5)
     p.add_argument("--vocab", default="4096,8192,16384,49152", help="draft vocabulary sizes to time")
+    p.add_argument("--layers", default="1", help="drafter decoder-layer counts to time")
     p.add_argument("--prompts", type=int, default=24, help="held-out prompts for the coverage")
     p.add_argument("--tokens", type=int, default=64)
     args = p.parse_args()
@@ -95,9 +97,10 @@ def main() -> None:
     sizes = [min(int(n), target.config.vocab_size) for n in args.vocab.split(",")]
     result: dict[str, Any] = {"context": CONTEXT, "torch_threads": 1, "c": {}}
     with torch.inference_mode():
-        for n in sizes:
+        for n, layers in [(n, int(layers)) for n in sizes for layers in args.layers.split(",")]:
             model = new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight, target.norm.weight,
-                                        torch.arange(n)).eval()
+                                        torch.arange(n), num_layers=layers).eval()
+            shape = f"N={n}" if layers == 1 else f"N={n} layers={layers}"
             for batch in (1, 8):
                 ratios, target_ms, draft_ms = [], [], []
                 for _ in range(args.repeats):
@@ -105,7 +108,7 @@ def main() -> None:
                     ratios.append(d / t)
                     target_ms.append(t * 1e3)
                     draft_ms.append(d * 1e3)
-                result["c"][f"N={n} batch={batch}"] = {"c": spread(ratios), "target_ms": statistics.median(target_ms),
+                result["c"][f"{shape} batch={batch}"] = {"c": spread(ratios), "target_ms": statistics.median(target_ms),
                                                        "draft_ms": statistics.median(draft_ms)}
     ranked, source = ranking(loaded)
     result["ranking"] = source

@@ -32,17 +32,18 @@ GREEDY = SamplingParams(max_tokens=30)
 
 
 def feature_model(target: Transformer, vocab: int | None = None, seed: int = 1,
-                  capture_layers: tuple[int, ...] | None = None) -> FeatureDrafterModel:
+                  capture_layers: tuple[int, ...] | None = None, num_layers: int = 1) -> FeatureDrafterModel:
     """A day-0 feature drafter over the first `vocab` ids (all of them by default)."""
     ids = torch.arange(vocab or target.config.vocab_size)
     return new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight, target.norm.weight, ids,
-                               capture_layers, seed=seed)
+                               capture_layers, seed=seed, num_layers=num_layers)
 
 
-def random_feature_model(target: Transformer, vocab: int | None = None, seed: int = 1) -> FeatureDrafterModel:
+def random_feature_model(target: Transformer, vocab: int | None = None, seed: int = 1,
+                         num_layers: int = 1) -> FeatureDrafterModel:
     """A float64 feature drafter with loud random weights: every input (attention over its cache
     included) moves its argmax, so drafts compared exactly catch a wrong cache entry."""
-    model = feature_model(target, vocab, seed).double()
+    model = feature_model(target, vocab, seed, num_layers=num_layers).double()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
@@ -235,13 +236,13 @@ def unsure(trained: FeatureDrafterModel) -> FeatureDrafterModel:
 
 
 @pytest.mark.parametrize("chunk", [None, 3])   # 3: prompts prefilled over several steps, features chunk by chunk
-@pytest.mark.parametrize("name", ["random", "unsure"])
+@pytest.mark.parametrize("name", ["random", "unsure", "random, two layers"])
 def test_drafting_computes_what_training_unrolls(name: str, chunk: int | None, learnable: Transformer,
                                                  trained: FeatureDrafterModel, monkeypatch: pytest.MonkeyPatch) -> None:
     # a random drafter is rarely accepted (rows feed one entry a step); a trained one often is (several)
-    if name == "random":
+    if name.startswith("random"):
         target = tiny_target()
-        model = random_feature_model(target, vocab=60)
+        model = random_feature_model(target, vocab=60, num_layers=2 if "two" in name else 1)
     else:
         target, model = learnable, unsure(trained)
     params = [SamplingParams(max_tokens=n) for n in (9, 30, 12, 4, 25, 18)]

@@ -19,10 +19,10 @@ LENGTH = 24
 PROMPT = 4
 
 
-def drafter_and_sequence() -> tuple[FeatureDrafterModel, tuple[torch.Tensor, torch.Tensor, int]]:
+def drafter_and_sequence(num_layers: int = 1) -> tuple[FeatureDrafterModel, tuple[torch.Tensor, torch.Tensor, int]]:
     target = learnable_target(VOCAB).float()
     model = new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight, target.norm.weight,
-                                torch.arange(VOCAB), seed=0).eval()
+                                torch.arange(VOCAB), seed=0, num_layers=num_layers).eval()
     tokens = torch.randint(0, VOCAB, (LENGTH,), generator=torch.Generator().manual_seed(1))
     features = target.train_features(tokens[None], model.config.capture_layers)[0].detach()
     return model, (tokens, features, PROMPT)
@@ -66,8 +66,9 @@ def test_half_the_mass_on_the_draft_accepts_half_of_them_in_expectation() -> Non
     assert accepted == pytest.approx(0.5 * drafts)
 
 
-def test_unrolled_from_a_later_start_equals_the_whole_sequences_outputs() -> None:
-    model, (tokens, features, _) = drafter_and_sequence()
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_unrolled_from_a_later_start_equals_the_whole_sequences_outputs(num_layers: int) -> None:
+    model, (tokens, features, _) = drafter_and_sequence(num_layers)
     with torch.no_grad():
         whole = model.unrolled(features[None, :-1], tokens[None, 1:], 4)
         for start in (1, 5, 11):

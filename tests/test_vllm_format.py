@@ -31,10 +31,10 @@ VLLM_NAMES = {"model.fc_norm.0.weight", "model.fc_norm.1.weight", "model.fc.weig
               "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight", "draft_id_to_target_id"}
 
 
-def drafter(target: Transformer, seed: int = 0) -> FeatureDrafterModel:
+def drafter(target: Transformer, seed: int = 0, num_layers: int = 1) -> FeatureDrafterModel:
     draft_ids = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:40]
     model = new_feature_drafter(target.config, target.embed.weight.float(), target.lm_head.weight.float(),
-                                target.norm.weight.float(), draft_ids, seed=seed)
+                                target.norm.weight.float(), draft_ids, seed=seed, num_layers=num_layers)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
@@ -81,6 +81,27 @@ def test_vllm_parameters_use_vllms_loaded_names_and_stacking() -> None:
     checkpoint = checkpoint_tensors(model)
     gate, up = checkpoint["midlayer.mlp.gate_proj.weight"], checkpoint["midlayer.mlp.up_proj.weight"]
     assert torch.equal(parameters["model.layers.0.mlp.gate_up_proj.weight"], torch.cat([gate, up]))
+
+
+def test_a_two_layer_drafter_exports_its_second_layer_as_vllm_stacks_llama_layers(tmp_path: Path) -> None:
+    target = tiny_target().float()
+    model = drafter(target, num_layers=2)
+    parameters = vllm_parameters(model)
+    second = {name for name in parameters if name.startswith("model.layers.1.")}
+    assert second == {"model.layers.1." + name for name in (
+        "input_layernorm.weight", "self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
+        "post_attention_layernorm.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight")}
+    assert set(parameters) - second == VLLM_NAMES  # the first layer is EAGLE-3's, as before
+    fingerprint = TargetFingerprint.of(target.config)
+    folder = export_eagle3(model, tmp_path / "export", target_folder(tmp_path), fingerprint, "3")
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 2
+    tensors = load_file(str(folder / "model.safetensors"))
+    q, k, v = (tensors[f"layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert torch.equal(torch.cat([q, k, v]), model.deeper_layers[0].attn.qkv.weight.detach())
+    copy = load_drafter(folder / SPECD_CHECKPOINT, fingerprint, target_embedding=target.embed.weight.float())
+    assert copy.config.num_layers == 2
+    assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), model.state_dict().values(),
+                                                 strict=True))
 
 
 class PackedLinear(nn.Module):

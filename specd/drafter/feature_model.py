@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.model.transformer import MLP, Attention, KVCache, ModelConfig, apply_rope, rope_tables
+from specd.model.transformer import MLP, Attention, Block, KVCache, ModelConfig, apply_rope, rope_tables
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,15 @@ class FeatureDrafterConfig:
     rope_theta: float = 10000.0
     max_position: int = 2048
     rope_llama3: tuple[float, float, float, int] | None = None
+    num_layers: int = 1          # decoder layers: EAGLE-3 has one; vLLM's eagle3 loads more
 
     def __post_init__(self) -> None:
         sizes = ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                 "draft_vocab_size", "max_position")
+                 "draft_vocab_size", "max_position", "num_layers")
         if not all(type(getattr(self, name)) is int for name in sizes):  # a config read from a file
             raise ValueError(f"{', '.join(sizes)} must be integers")
+        if self.num_layers < 1:
+            raise ValueError(f"a feature drafter has at least one decoder layer, got num_layers {self.num_layers}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in (0, {self.vocab_size}], got {self.draft_vocab_size}")
         if not self.capture_layers:
@@ -65,7 +69,7 @@ class FeatureDrafterConfig:
 
     @classmethod
     def for_target(cls, target: ModelConfig, draft_vocab_size: int,
-                   capture_layers: tuple[int, ...] | None = None) -> FeatureDrafterConfig:
+                   capture_layers: tuple[int, ...] | None = None, num_layers: int = 1) -> FeatureDrafterConfig:
         """Low, middle and high layers as in EAGLE-3 plus the last one, and a decoder layer shaped like
         the target's. The last layer must be among them: it carries the target's own next-token
         distribution, which is the learner's label and the day-0 drafter's starting point."""
@@ -77,11 +81,13 @@ class FeatureDrafterConfig:
                              f"got capture_layers {tuple(capture_layers)}")
         return cls(target.vocab_size, target.hidden_size, target.num_heads, target.num_kv_heads, target.head_dim,
                    target.intermediate_size, tuple(capture_layers), min(draft_vocab_size, target.vocab_size),
-                   target.rms_norm_eps, target.rope_theta, target.max_position, target.rope_llama3)
+                   target.rms_norm_eps, target.rope_theta, target.max_position, target.rope_llama3, num_layers)
 
     def layer_config(self) -> ModelConfig:
+        """The decoder layers' shape (and the KV cache's: one entry per layer)."""
         return ModelConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+                           intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                           num_heads=self.num_heads,
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
                            max_position=self.max_position, rope_llama3=self.rope_llama3)
@@ -104,6 +110,8 @@ class FeatureDrafterModel(nn.Module):
     state s = fc([fc_norm_i(feature chunk i)]); one step reads s and the next token's embedding e:
     a = attention over qkv([input_norm(e), hidden_norm(s)]) (twice the width), r = s + a,
     out = r + mlp(post_norm(r)); logits = head(norm(out)); `out` is the next step's state.
+    With `num_layers` > 1, each further layer is a plain pre-norm Llama layer on `out`
+    (`deeper_layers`), as vLLM stacks them after the first.
     """
 
     draft_ids: torch.Tensor   # [draft_vocab_size] target ids, a buffer stored with the weights
@@ -128,6 +136,7 @@ class FeatureDrafterModel(nn.Module):
         self.attn = Attention(layer, input_size=2 * hidden)
         self.post_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
         self.mlp = MLP(layer)
+        self.deeper_layers = nn.ModuleList(Block(layer) for _ in range(config.num_layers - 1))
         self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
         self.head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         if draft_ids is None:
@@ -136,6 +145,11 @@ class FeatureDrafterModel(nn.Module):
         # borrowed from the target and frozen: not a parameter, not in the state dict
         self.register_buffer("embedding", embedding.detach(), persistent=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def deeper(self) -> list[Block]:
+        """The layers after EAGLE-3's first (none by default)."""
+        return cast(list[Block], self.deeper_layers)
 
     def clone(self) -> FeatureDrafterModel:
         """A copy of the weights that shares the (frozen, large) target embedding."""
@@ -189,7 +203,12 @@ class FeatureDrafterModel(nn.Module):
         slots = slice(first_slot, first_slot + batch)
         attended = self.attn(self._layer_input(state, next_tokens), cos, sin, write_index, positions,
                              cache.k[0, slots], cache.v[0, slots], mask)
-        return self._finish(state, attended)
+        out = self._finish(state, attended)
+        for index, block in enumerate(self.deeper, start=1):
+            out = out + block.attn(block.attn_norm(out), cos, sin, write_index, positions,
+                                   cache.k[index, slots], cache.v[index, slots], mask)
+            out = out + block.mlp(block.mlp_norm(out))
+        return out
 
     # ---- training -------------------------------------------------------------------------
     def unrolled(self, features: torch.Tensor, next_tokens: torch.Tensor, steps: int,
@@ -206,41 +225,56 @@ class FeatureDrafterModel(nn.Module):
         Each output is [B, T - start, hidden], positions start..T-1: step 0's keys cover every
         position (a query attends to all target-fed entries before it), but queries, chains and the
         MLP run from `start` on only, so a replay that reads no prompt position skips their cost.
-        Step j's output at position t is the same for any start <= t - j.
+        Step j's output at position t is the same for any start <= t - j. With deeper layers every
+        step runs over all positions (their step-0 keys are the first layer's outputs everywhere),
+        and the outputs are cut to the window at the end.
         """
+        if self.deeper_layers and start:
+            return [out[:, start:] for out in self.unrolled(features, next_tokens, steps)]
         cfg = self.config
         batch, length, _ = features.shape
         width = length - start
         positions = torch.arange(length, device=features.device)
         cos_table, sin_table = self.rope(length)
         cos, sin = cos_table[positions][None, None], sin_table[positions][None, None]
+        window_rope = cos[..., start:, :], sin[..., start:, :]
         attn = self.attn
         groups = cfg.num_heads // cfg.num_kv_heads
         scale = 1.0 / math.sqrt(cfg.head_dim)
         tokens = next_tokens[:, start:]
         state = self.fuse_features(features)
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+        # per layer, one key and value entry per chain step
+        keys: list[list[torch.Tensor]] = [[] for _ in range(cfg.num_layers)]
+        values: list[list[torch.Tensor]] = [[] for _ in range(cfg.num_layers)]
         outputs: list[torch.Tensor] = []
+
+        def heads(x: torch.Tensor, count: int, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+            x = x.reshape(batch, x.shape[1], count, cfg.head_dim).transpose(1, 2)
+            return apply_rope(x, *rope) if rope is not None else x
+
         for j in range(steps):
             if j > 0:  # this step's state at t is the previous step's output at t - 1
                 state = F.pad(outputs[-1][:, :-1], (0, 0, 1, 0))
             wide = j == 0  # step 0's keys and values span every position; its queries only the window
             q, k, v = attn.qkv(self._layer_input(state, next_tokens if wide else tokens)).split(attn.split, dim=-1)
-            span = length if wide else width
-            k_cos, k_sin = (cos, sin) if wide else (cos[..., start:, :], sin[..., start:, :])
-            k = apply_rope(k.view(batch, span, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2), k_cos, k_sin)
-            v = v.view(batch, span, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-            keys.append(k.repeat_interleave(groups, dim=1))  # [B, H, span, D]
-            values.append(v.repeat_interleave(groups, dim=1))
+            keys[0].append(heads(k, cfg.num_kv_heads, (cos, sin) if wide else window_rope)
+                           .repeat_interleave(groups, dim=1))  # [B, H, span, D]
+            values[0].append(heads(v, cfg.num_kv_heads, None).repeat_interleave(groups, dim=1))
             if wide:
                 q, state = q[:, start:], state[:, start:]
-            q = apply_rope(q.reshape(batch, width, cfg.num_heads, cfg.head_dim).transpose(1, 2),
-                           cos[..., start:, :], sin[..., start:, :])
             # target-fed entries (step 0's keys) at positions <= t - j
             visible = positions[None, :] <= positions[start:, None] - j  # [width (query), T (key)]
-            out = _chained_attention(q, keys, values, visible, scale)
-            outputs.append(self._finish(state, attn.o(out.transpose(1, 2).reshape(batch, width, -1))))
+            out = _chained_attention(heads(q, cfg.num_heads, window_rope), keys[0], values[0], visible, scale)
+            hidden = self._finish(state, attn.o(out.transpose(1, 2).reshape(batch, width, -1)))
+            for index, block in enumerate(self.deeper, start=1):  # start is 0 here: width is length
+                q, k, v = block.attn.qkv(block.attn_norm(hidden)).split(block.attn.split, dim=-1)
+                keys[index].append(heads(k, cfg.num_kv_heads, window_rope).repeat_interleave(groups, dim=1))
+                values[index].append(heads(v, cfg.num_kv_heads, None).repeat_interleave(groups, dim=1))
+                out = _chained_attention(heads(q, cfg.num_heads, window_rope), keys[index], values[index],
+                                         visible, scale)
+                hidden = hidden + block.attn.o(out.transpose(1, 2).reshape(batch, width, -1))
+                hidden = hidden + block.mlp(block.mlp_norm(hidden))
+            outputs.append(hidden)
         return outputs
 
 
@@ -266,9 +300,10 @@ def _chained_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
 
 def new_feature_drafter(target_config: ModelConfig, embedding: torch.Tensor, lm_head: torch.Tensor,
                         final_norm: torch.Tensor, draft_ids: torch.Tensor,
-                        capture_layers: tuple[int, ...] | None = None, seed: int = 0) -> FeatureDrafterModel:
-    """A day-0 feature drafter: near-identity fusion, a quiet random layer, the target's output rows."""
-    config = FeatureDrafterConfig.for_target(target_config, len(draft_ids), capture_layers)
+                        capture_layers: tuple[int, ...] | None = None, seed: int = 0,
+                        num_layers: int = 1) -> FeatureDrafterModel:
+    """A day-0 feature drafter: near-identity fusion, quiet random layers, the target's output rows."""
+    config = FeatureDrafterConfig.for_target(target_config, len(draft_ids), capture_layers, num_layers)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
@@ -288,6 +323,9 @@ def new_feature_drafter(target_config: ModelConfig, embedding: torch.Tensor, lm_
             model.fc.weight[:, -hidden:] += torch.eye(hidden)
             model.attn.o.weight.mul_(0.1)
             model.mlp.down.weight.mul_(0.1)
+            for block in model.deeper:
+                block.attn.o.weight.mul_(0.1)
+                block.mlp.down.weight.mul_(0.1)
             model.head.weight.copy_(lm_head.detach().float().cpu()[draft_ids.cpu()])
             model.norm.weight.copy_(norm_weight)
     finally:

@@ -5,8 +5,9 @@ Contract (plain torch, no vLLM import):
 - `export_eagle3(model, folder, target_dir, fingerprint, version)` writes `config.json` (a Llama config with
   `architectures: ["Eagle3LlamaForCausalLM"]`, the draft vocabulary size, `fc_norm`, the
   auxiliary layer ids = capture layers + 1, the target's rope settings) and `model.safetensors`
-  with EAGLE-3's checkpoint names (`fc`, `fc_norm.i`, `midlayer.*` with q/k/v and gate/up split,
-  `norm`, `lm_head`, `d2t` as offsets; no embedding: vLLM shares the target's) and, beside them,
+  with EAGLE-3's checkpoint names (`fc`, `fc_norm.i`, `midlayer.*` and, past one layer,
+  `layers.i.*`, with q/k/v and gate/up split, `norm`, `lm_head`, `d2t` as offsets; no embedding:
+  vLLM shares the target's) and, beside them,
   the same version as a specd checkpoint (`SPECD_CHECKPOINT`, naming the version), which the
   worker side reads to know what it serves.
 - `vllm_parameters(model)` gives the same weights under the parameter names of vLLM's loaded
@@ -62,6 +63,16 @@ def vllm_parameters(model: FeatureDrafterModel) -> dict[str, torch.Tensor]:
         "model.norm.weight": model.norm.weight,
         "lm_head.weight": model.head.weight,
     })
+    for index, block in enumerate(model.deeper, start=1):  # plain Llama layers after the first
+        deeper = f"model.layers.{index}."
+        tensors.update({
+            deeper + "input_layernorm.weight": block.attn_norm.weight,
+            deeper + "self_attn.qkv_proj.weight": block.attn.qkv.weight,
+            deeper + "self_attn.o_proj.weight": block.attn.o.weight,
+            deeper + "post_attention_layernorm.weight": block.mlp_norm.weight,
+            deeper + "mlp.gate_up_proj.weight": block.mlp.gate_up.weight,
+            deeper + "mlp.down_proj.weight": block.mlp.down.weight,
+        })
     out: dict[str, torch.Tensor] = {name: tensor.detach() for name, tensor in tensors.items()}
     out["draft_id_to_target_id"] = d2t_offsets(model.get_buffer("draft_ids"))
     return out
@@ -93,13 +104,13 @@ def checkpoint_tensors(model: FeatureDrafterModel, dtype: torch.dtype | None = N
 
 def eagle3_config(model: FeatureDrafterModel, target_config: dict[str, Any],
                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """vLLM's view of the drafter: a one-layer Llama config with EAGLE-3's fields."""
+    """vLLM's view of the drafter: a Llama config with EAGLE-3's fields."""
     cfg = model.config
     config: dict[str, Any] = {
         "architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama",
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps, "hidden_act": "silu",
+        "num_hidden_layers": cfg.num_layers, "rms_norm_eps": cfg.rms_norm_eps, "hidden_act": "silu",
         "max_position_embeddings": target_config.get("max_position_embeddings", cfg.max_position),
         "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size, "tie_word_embeddings": False,
         "target_hidden_size": cfg.hidden_size, "fc_norm": True, "norm_before_residual": False,

@@ -61,6 +61,7 @@ class PretrainConfig:
     max_length: int = 384          # sharegpt: tokens kept per conversation
     prompt_weight: float = 0.2     # distilled: label weight of prompt positions (responses weigh 1)
     draft_vocab: int = 8192
+    drafter_layers: int = 1        # decoder layers of the drafter (EAGLE-3: one)
     steps: int = 4000
     batch_size: int = 8
     learning_rate: float = 6e-4
@@ -87,8 +88,9 @@ class PretrainConfig:
             raise ValueError(f"data must be one of {SOURCES}, got {self.data!r}")
         if self.distill.dtype not in DTYPES:
             raise ValueError(f"distill dtype must be one of {sorted(DTYPES)}, got {self.distill.dtype!r}")
-        if self.steps < 1 or self.batch_size < 1 or self.eval_every < 1 or self.checkpoint_every < 1:
-            raise ValueError("steps, batch, eval_every and checkpoint_every must be positive")
+        if self.steps < 1 or self.batch_size < 1 or self.eval_every < 1 or self.checkpoint_every < 1 \
+                or self.drafter_layers < 1:
+            raise ValueError("steps, batch, eval_every, checkpoint_every and drafter_layers must be positive")
 
 
 # The shipped drafter's recipe: `specd pretrain --recipe shipped` remakes it from nothing.
@@ -259,6 +261,8 @@ def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path
         saved = json.loads(settings.read_text())
         # the stages already written keep theirs; a new budget (steps, time) is a continuation
         budget = ("steps", "max_seconds", "eval_every", "checkpoint_every")
+        # a setting added since the folder was started reads as its default (what that run used)
+        saved = as_settings(config_from_settings(saved))
         if {k: v for k, v in saved.items() if k not in budget} != \
                 {k: v for k, v in as_settings(config).items() if k not in budget}:
             raise ConfigurationError(f"{work} was started with other settings ({settings}): use another work "
@@ -270,7 +274,8 @@ def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path
                FeatureDrafterConfig.for_target(target.config, config.draft_vocab)).capture_layers
     corpus = training_corpus(loaded, config, capture, work)
     model = from_model or new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight,
-                                              target.norm.weight, corpus.draft_ids, seed=config.seed)
+                                              target.norm.weight, corpus.draft_ids, seed=config.seed,
+                                              num_layers=config.drafter_layers)
     held_out = held_out_sets(loaded, config, capture, work)
     rows = label_rows(target.lm_head.weight, model.draft_ids, target.norm.weight)
     trainer = Trainer(model, rows, config, work)
