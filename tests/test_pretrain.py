@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 import specd.offline.corpus as pretrain_data
 import specd.offline.pretrain as pretrain_module
-from specd.core.errors import CheckpointError
+from specd.core.errors import CheckpointError, ConfigurationError
 from specd.drafter.checkpoint import load_drafter, read_metadata, save_drafter
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.drafter.pretrained import SHIPPED_DRAFTER, check_manifest, day0_feature_model
@@ -324,6 +324,34 @@ def test_pretrain_trains_on_the_targets_own_responses(tmp_path: Path) -> None:
     assert manifest["steps"] == 2 and manifest["tokens_trained"] > 0
     assert len(list((tmp_path / "work" / "distilled").glob("distilled-*.safetensors"))) == 2
     assert check_manifest(tmp_path / "drafter.safetensors", required=True) == manifest
+
+
+def test_greedy_only_trains_on_the_greedy_answers_and_two_layers_make_a_two_layer_file(tmp_path: Path) -> None:
+    loaded = tiny_loaded_target()
+    # every 2nd prompt sampled: 2 of the 4 answers are greedy
+    config = replace(TINY_PRETRAIN, data="distilled", steps=2, greedy_only=True, drafter_layers=2,
+                     distill=DistillConfig(prompts=4, max_prompt=120, max_new_tokens=8, sampled_every=2, batch=2,
+                                           shard_size=2, dtype="float32"))
+    manifest = pretrain(loaded, config, tmp_path / "work", tmp_path / "drafter.safetensors", COMMAND)
+    assert manifest["data"]["examples"] == 2 and "(2 greedy, 0 sampled" in manifest["data"]["source"]
+    model = load_drafter(tmp_path / "drafter.safetensors", loaded.fingerprint,
+                         target_embedding=loaded.model.embed.weight)
+    assert isinstance(model, FeatureDrafterModel) and model.config.num_layers == 2
+
+
+def test_a_work_folder_started_before_a_setting_existed_resumes_with_its_default(pretrained,
+                                                                                  tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    shutil.copytree(pretrained["work"], work)
+    saved = json.loads((work / "config.json").read_text())
+    for added in ("drafter_layers", "greedy_only"):  # settings newer than some work folders
+        del saved[added]
+    (work / "config.json").write_text(json.dumps(saved))
+    manifest = pretrain(pretrained["loaded"], TINY_PRETRAIN, work, tmp_path / "drafter.safetensors", COMMAND)
+    assert manifest["steps"] == pretrained["manifest"]["steps"]
+    with pytest.raises(ConfigurationError, match="started with other settings"):
+        pretrain(pretrained["loaded"], replace(TINY_PRETRAIN, drafter_layers=2), work, tmp_path / "other.safetensors",
+                 COMMAND)
 
 
 def test_the_shipped_drafter_names_its_recipe_data_hashes_and_figure() -> None:

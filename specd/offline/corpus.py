@@ -81,8 +81,10 @@ def rank_vocabulary(sequences: list[torch.Tensor], vocab_size: int,
 
 
 def distilled_corpus(generator: LoadedTarget, distill_config: DistillConfig, capture: tuple[int, ...],
-                     draft_vocab: int, prompt_weight: float, work: Path) -> TrainingCorpus:
-    """The target's own responses (generated, or read back from `work`/distilled)."""
+                     draft_vocab: int, prompt_weight: float, work: Path, greedy_only: bool = False) -> TrainingCorpus:
+    """The target's own responses (generated, or read back from `work`/distilled); with
+    `greedy_only`, the greedy ones only (the draft vocabulary is still ranked on all of them, so
+    that arms compared on the same generated data draft over the same ids)."""
     examples = distill(generator, distill_config, capture, work / "distilled")
     sequences, features, weights = [], [], []
     for example in examples:
@@ -95,6 +97,10 @@ def distilled_corpus(generator: LoadedTarget, distill_config: DistillConfig, cap
         features.append(example.features)
         weights.append(weight)
     draft_ids, coverage = rank_vocabulary(sequences, generator.model.config.vocab_size, draft_vocab)
+    if greedy_only:
+        kept = [i for i, example in enumerate(examples) if example.temperature == 0]
+        sequences, features, weights = ([items[i] for i in kept] for items in (sequences, features, weights))
+        examples = [examples[i] for i in kept]
     sampled = sum(1 for e in examples if e.temperature > 0)
     description = (f"the target's own responses to {len(examples)} user turns of ShareGPT conversations "
                    f"{TRAINING_RANGE.start}-{TRAINING_RANGE.stop - 1} ({len(examples) - sampled} greedy, "

@@ -60,6 +60,7 @@ class PretrainConfig:
     conversations: int = 1200      # sharegpt: conversations read
     max_length: int = 384          # sharegpt: tokens kept per conversation
     prompt_weight: float = 0.2     # distilled: label weight of prompt positions (responses weigh 1)
+    greedy_only: bool = False      # distilled: train on the greedy answers only (all are generated)
     draft_vocab: int = 8192
     drafter_layers: int = 1        # decoder layers of the drafter (EAGLE-3: one)
     steps: int = 4000
@@ -239,7 +240,8 @@ def training_corpus(loaded: LoadedTarget, config: PretrainConfig, capture: tuple
                     work: Path) -> TrainingCorpus:
     generator = generation_target(loaded, config.distill.dtype)
     if config.data == "distilled":
-        return distilled_corpus(generator, config.distill, capture, config.draft_vocab, config.prompt_weight, work)
+        return distilled_corpus(generator, config.distill, capture, config.draft_vocab, config.prompt_weight, work,
+                                config.greedy_only)
     return sharegpt_corpus(generator, config.conversations, config.max_length, config.draft_vocab, capture,
                            config.shard_size, work)
 
