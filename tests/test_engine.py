@@ -257,6 +257,22 @@ def test_lookahead_controller_drafts_fully_for_a_good_drafter() -> None:
     assert controller.choose("v") == 4
 
 
+def test_calibrated_costs_freeze_the_medians_of_their_samples_not_a_running_average() -> None:
+    from specd.engine.lookahead import LookaheadCosts
+
+    costs = LookaheadCosts(keep_samples=True)
+    # a slow first step (a cold cache, a noisy neighbour) and then the true costs
+    for k, draft, verify in [(2, 0.2, 0.5), (2, 0.02, 0.1), (2, 0.02, 0.1), (0, 0.0, 0.3), (0, 0.0, 0.08),
+                             (0, 0.0, 0.08), (4, 0.04, 0.12), (4, 0.04, 0.12), (4, 0.4, 0.9)]:
+        costs.observe(k, draft, verify, weight=0.1)
+    assert costs.verify_seconds[2] > 0.3  # the running average still follows the first sample
+    frozen = costs.frozen_copy()
+    assert frozen.frozen and frozen.verify_seconds == {2: 0.1, 0: 0.08, 4: 0.12}
+    assert frozen.draft_seconds == pytest.approx(0.01)  # per drafted position
+    frozen.observe(1, 0.5, 0.5, weight=1.0)
+    assert frozen.verify_seconds == {2: 0.1, 0: 0.08, 4: 0.12}
+
+
 def test_adaptive_lookahead_stays_lossless_when_it_changes_k() -> None:
     target = tiny_target()
     engine = Engine(target, noisy_replay(target, every=2), EngineConfig(max_batch=3, num_draft_tokens=6))

@@ -9,11 +9,14 @@ the acceptance estimate from an optimistic prior, so fresh weights get a fair tr
 confidence-aware controller is the inspiration; this one only uses running averages.
 The costs live in a `LookaheadCosts` of their own: engines that are compared (the demo's adaptive
 and static modes) can share one, frozen after a calibration, so that they choose a different k
-only because their drafters are accepted differently.
+only because their drafters are accepted differently. A calibration keeps every sample
+(`keep_samples`) and freezes their medians: a running average of a few steps follows its first
+samples and this machine's noise.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -33,10 +36,15 @@ class LookaheadCosts:
     draft_seconds: float | None = None                                    # per drafted position, whole batch
     verify_seconds: dict[int, float] = field(default_factory=dict)       # per target pass, by k
     frozen: bool = False
+    keep_samples: bool = False
+    # kept samples by k: (draft seconds per position, verify seconds) of each step
+    samples: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float, weight: float) -> None:
         if self.frozen:
             return
+        if self.keep_samples:
+            self.samples.setdefault(k, []).append((draft_seconds / k if k else 0.0, verify_seconds))
         if k > 0:
             per_position = draft_seconds / k
             self.draft_seconds = per_position if self.draft_seconds is None else (
@@ -46,7 +54,12 @@ class LookaheadCosts:
             (1 - weight) * previous + weight * verify_seconds)
 
     def frozen_copy(self) -> LookaheadCosts:
-        return LookaheadCosts(self.draft_seconds, dict(self.verify_seconds), frozen=True)
+        """These costs, never updated again; where samples were kept, their medians."""
+        if not self.samples:
+            return LookaheadCosts(self.draft_seconds, dict(self.verify_seconds), frozen=True)
+        drafts = [draft for k, pairs in self.samples.items() if k > 0 for draft, _ in pairs]
+        verify = {k: statistics.median(seconds for _, seconds in pairs) for k, pairs in self.samples.items()}
+        return LookaheadCosts(statistics.median(drafts) if drafts else self.draft_seconds, verify, frozen=True)
 
 
 class LookaheadController:
