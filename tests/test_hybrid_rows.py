@@ -30,10 +30,27 @@ def test_a_row_with_a_context_match_drafts_from_it_and_the_others_keep_eagle3s_d
     hybrid, budget = HybridRows(K), DraftBudget(K)
     tokens, lengths = rows(REPEATING, FRESH)
     eagle = [[1, 2, 3, 4], [5, 6, 7, 8]]
-    candidates = hybrid.candidates(["a", "b"], eagle, tokens, lengths, budget)
+    candidates = hybrid.candidates(["a", "b"], eagle, hybrid.offers(tokens, lengths), lengths, budget)
     assert candidates.drafts == [[10, 11, 12, 3], [5, 6, 7, 8]]
     assert candidates.sources == ["context3", "learned"] and candidates.limits == [4, 4]
     assert hybrid.mixed_steps == 1
+
+
+def test_eagle3_stands_down_only_where_context_serves_every_row_of_the_step() -> None:
+    hybrid, budget = HybridRows(K), DraftBudget(K)
+    tokens, lengths = rows(REPEATING, FRESH)
+    assert not hybrid.context_serves_every_row(hybrid.offers(tokens, lengths), budget)  # FRESH needs EAGLE-3
+    tokens, lengths = rows(REPEATING, REPEATING[1:])
+    offers = hybrid.offers(tokens, lengths)
+    assert hybrid.context_serves_every_row(offers, budget)
+    # EAGLE-3 stood down: its rows are empty, and every row drafts from its context
+    candidates = hybrid.candidates(["a", "b"], [[], []], offers, lengths, budget)
+    assert candidates.drafts == [[10, 11, 12, 3]] * 2 and candidates.sources == ["context3", "context2"]
+    for _ in range(50):  # measured: context3 drafts are never accepted, EAGLE-3's always are
+        budget.observe_drafts("context3", 4, 0)
+        budget.observe_drafts("learned", 4, 4)
+    assert not hybrid.context_serves_every_row(offers, budget)
+    assert not hybrid.context_serves_every_row([], budget)  # no rows: nothing to stand down for
 
 
 def test_eagle3_keeps_a_row_when_its_drafts_are_measured_to_pay_more_than_the_context_match() -> None:
@@ -42,7 +59,7 @@ def test_eagle3_keeps_a_row_when_its_drafts_are_measured_to_pay_more_than_the_co
         budget.observe_drafts("context3", 4, 0)
         budget.observe_drafts("learned", 4, 4)
     tokens, lengths = rows(REPEATING)
-    candidates = hybrid.candidates(["a"], [[1, 2, 3, 4]], tokens, lengths, budget)
+    candidates = hybrid.candidates(["a"], [[1, 2, 3, 4]], hybrid.offers(tokens, lengths), lengths, budget)
     assert candidates.drafts == [[1, 2, 3, 4]] and candidates.sources == ["learned"]
 
 
@@ -52,7 +69,7 @@ def test_the_source_not_chosen_is_scored_against_what_the_target_then_produced()
     tokens, lengths = rows(REPEATING)
     tracker.observe(["a"], [[REPEATING[-1]]], lengths, np.array([3]), tokens, 1)
     before = budget.alpha("learned")[0]
-    hybrid.candidates(["a"], [[1, 2, 3, 4]], tokens, lengths, budget)  # context chosen, EAGLE-3's shadowed
+    hybrid.candidates(["a"], [[1, 2, 3, 4]], hybrid.offers(tokens, lengths), lengths, budget)  # context chosen
     # the target went on with 10 11 (the context's guess), not EAGLE-3's 1
     grown, grown_lengths = rows([*REPEATING, 10, 11])
     tracker.observe(["a"], [[10, 11]], grown_lengths, np.array([3]), grown, 1)

@@ -192,6 +192,16 @@ def test_hybrid_drafting_mixes_context_and_eagle3_rows_in_one_step_and_outputs_s
     assert "learned" in measured and any(s.startswith("context") for s in measured), measured
 
 
+def test_where_context_serves_every_row_eagle3_stands_down_and_outputs_stay_vllms(eagle3: VllmServer,
+                                                                                   plain: VllmServer) -> None:
+    # alone (batch 1) and copying from its prompt: at many steps the context serves the only row
+    prompt = "Repeat this line three times: the quick brown fox jumps over the lazy dog."
+    before = status(eagle3)["eagle_stood_down"]
+    [answer], [reference] = ask_all(eagle3, [prompt], MAX_TOKENS), ask_all(plain, [prompt], MAX_TOKENS)
+    assert token_ids(answer) == token_ids(reference)
+    assert status(eagle3)["eagle_stood_down"] > before, "EAGLE-3 drafted at every step"
+
+
 def test_records_carry_vllms_own_accepted_counts_and_reach_the_learner(eagle3: VllmServer, learner) -> None:
     before = get_json(learner.url + "/health")["records_in"]
     answers = ask_all(eagle3, PROMPTS, MAX_TOKENS)

@@ -20,8 +20,10 @@ vLLM's `EagleProposer` once it has loaded, and routes the model runner's proposa
    the traffic table where the draft budget expects that to earn more than EAGLE-3's drafts, and
    from EAGLE-3 elsewhere (`specd.serving.vllm.eagle3.hybrid_rows`); every row's drafts are then trimmed to
    those worth verifying (`specd.serving.vllm.shared.policy.DraftPolicy`, as on the custom route), and records
-   name the source of each step's drafts. EAGLE-3 still runs for every row each step (its KV
-   cache must follow every row). vLLM verifies these drafts as one-hot (EAGLE-3 hands it no
+   name the source of each step's drafts. Where context serves every row of a step, EAGLE-3
+   stands down: vLLM is asked for no drafts that step (its dynamic speculation's k = 0), so its
+   proposer runs only the pass that keeps its KV cache following every row, not the k drafting
+   passes. vLLM verifies these drafts as one-hot (EAGLE-3 hands it no
    probabilities here), so outputs are those of vLLM alone; were a vLLM to hand over draft
    probabilities, the hybrid stands aside and vLLM's drafts go out unchanged.
 It needs `disable_padded_drafter_batch` (the proposal then runs after vLLM's bookkeeping, on the
@@ -153,6 +155,7 @@ class Eagle3Companion:
         self.hybrid = HybridRows(self.k, table)
         self.hybrid_on = self.settings.drafter_kind == "hybrid"
         self.hybrid_stood_aside = 0        # steps where vLLM's drafts carried probabilities
+        self.eagle_stood_down = 0          # steps where context served every row and EAGLE-3 did not draft
 
     @property
     def recent(self) -> deque[dict[str, Any]]:
@@ -198,16 +201,18 @@ class Eagle3Companion:
         self.policy.observe(request_ids, sampled, self.book.tracker, begin)
         self.hybrid.observe(request_ids, self.book.tracker, self.policy.budget)
         self._install_pending()
+        offers = self.hybrid.offers(batch.token_ids_cpu, lengths) if self.hybrid_on and rows else []
+        # drafts with probabilities (the last step's) are vLLM's to verify: EAGLE-3 must draft then
+        stand_down = not self.hybrid_stood_aside and self.hybrid.context_serves_every_row(offers, self.policy.budget)
         vllm_began = time.perf_counter()
-        drafts = vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
+        drafts = self._vllm_drafts(vllm_propose, runner, scheduler_output, sampled, stand_down, *args, **kwargs)
         vllm_ended = time.perf_counter()
         eagle = drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(d) for d in drafts]
         eagle = [list(d) for d in eagle[:rows]]
         sent, sources = eagle, None
         if self.hybrid_on and rows:
             if getattr(runner, "_draft_probs", None) is None:
-                candidates = self.hybrid.candidates(request_ids, eagle, batch.token_ids_cpu, lengths,
-                                                    self.policy.budget)
+                candidates = self.hybrid.candidates(request_ids, eagle, offers, lengths, self.policy.budget)
                 sent = self.policy.choose(request_ids, candidates, lengths, sampled)
                 sources = candidates.sources
                 drafts = sent
@@ -220,6 +225,21 @@ class Eagle3Companion:
         self.num_steps += 1
         self.seconds_outside_vllm += (vllm_began - begin) + (time.perf_counter() - vllm_ended)
         self.seconds_drafting += vllm_ended - vllm_began
+        return drafts
+
+    def _vllm_drafts(self, vllm_propose: Any, runner: Any, scheduler_output: Any, sampled: Any, stand_down: bool,
+                     *args: Any, **kwargs: Any) -> Any:
+        """vLLM's EAGLE-3 drafts; with `stand_down`, none: k = 0 for this step only (vLLM's own dynamic
+        speculation path, whose proposer then runs just the pass that feeds its KV cache)."""
+        if not stand_down:
+            return vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
+        scheduled = scheduler_output.num_spec_tokens_to_schedule
+        scheduler_output.num_spec_tokens_to_schedule = 0
+        try:
+            drafts = vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
+        finally:  # the scheduler's own object: leave it as it was
+            scheduler_output.num_spec_tokens_to_schedule = scheduled
+        self.eagle_stood_down += 1
         return drafts
 
     def _trim_to_scheduled(self, scheduled: dict[str, list[int]]) -> None:
@@ -253,6 +273,7 @@ class Eagle3Companion:
                 "swaps": slot.num_swaps if slot else 0,
                 "refused_versions": dict(swapper.refused) if swapper else {},
                 "hybrid": self.hybrid_on, "hybrid_stood_aside": self.hybrid_stood_aside,
+                "eagle_stood_down": self.eagle_stood_down,
                 "rows_by_source": dict(self.hybrid.rows_by_source), "mixed_steps": self.hybrid.mixed_steps,
                 **self.policy.status(), **self.book.telemetry.status()}
 

@@ -1,9 +1,13 @@
 """Hybrid drafting on the eagle3 route: per row and step, context matching or EAGLE-3, by measured acceptance.
 
-Contract (plain Python and numpy, no vLLM import): `HybridRows.candidates(learned, token_rows,
-lengths, budget)` takes the drafts vLLM's EAGLE-3 proposer made for each row (`learned`, [rows][k])
-and the rows' tokens (vLLM's `token_ids_cpu`, the first `lengths[row]` valid) and returns
-`Candidates` for `DraftPolicy.choose`. A row gets a continuation from its own context (prompt and
+Contract (plain Python and numpy, no vLLM import): `HybridRows.offers(token_rows, lengths)` finds
+each row's context continuation from the rows' tokens (vLLM's `token_ids_cpu`, the first
+`lengths[row]` valid); `context_serves_every_row(offers, budget)` says whether every row would
+draft from context this step, in which case EAGLE-3 need not draft at all (the companion then asks
+vLLM for no drafts: its proposer still runs the one pass that keeps its KV cache in step);
+`candidates(request_ids, learned, offers, lengths, budget)` takes the drafts vLLM's EAGLE-3 proposer made
+for each row (`learned`, [rows][k], or empty rows where it stood down) and returns `Candidates`
+for `DraftPolicy.choose`. A row gets a continuation from its own context (prompt and
 output so far: `context_match`, source "context<n>" with the match length n) or, without one, from
 the traffic table of recent requests ("table<n>"), when the draft budget expects that continuation
 to earn at least as many accepted tokens as EAGLE-3's drafts; otherwise it keeps EAGLE-3's
@@ -36,16 +40,28 @@ class HybridRows:
         self.rows_by_source: dict[str, int] = {}
         self.mixed_steps = 0               # steps where some rows drafted from context and others from EAGLE-3
 
-    def candidates(self, request_ids: Sequence[str], learned: Sequence[Sequence[int]], token_rows: np.ndarray,
-                   lengths: np.ndarray, budget: DraftBudget) -> Candidates:
+    def offers(self, token_rows: np.ndarray, lengths: np.ndarray) -> list[tuple[list[int], str]]:
+        """Each row's continuation from its own context or the traffic table, and its source."""
+        return [continuation(token_rows[row, max(0, int(length) - self.window):int(length)], self.k, self.table,
+                             self.max_n, self.min_n) for row, length in enumerate(lengths)]
+
+    def context_serves_every_row(self, offers: Sequence[tuple[list[int], str]], budget: DraftBudget) -> bool:
+        """Whether every row's continuation is expected to earn at least what k EAGLE-3 drafts would."""
+        return bool(offers) and all(self._context_pays(found, source, self.k, budget) for found, source in offers)
+
+    @staticmethod
+    def _context_pays(found: list[int], source: str, learned_drafts: int, budget: DraftBudget) -> bool:
+        return bool(found) and \
+            budget.expected_accepted(source, len(found)) >= budget.expected_accepted(LEARNED_SOURCE, learned_drafts)
+
+    def candidates(self, request_ids: Sequence[str], learned: Sequence[Sequence[int]],
+                   offers: Sequence[tuple[list[int], str]], lengths: np.ndarray, budget: DraftBudget) -> Candidates:
         drafts, limits, sources = [], [], []
         for row, request_id in enumerate(request_ids):
             length = int(lengths[row])
             eagle = [int(t) for t in learned[row]]
-            found, source = continuation(token_rows[row, max(0, length - self.window):length], self.k, self.table,
-                                         self.max_n, self.min_n)
-            context_pays = bool(found) and \
-                budget.expected_accepted(source, len(found)) >= budget.expected_accepted(LEARNED_SOURCE, len(eagle))
+            found, source = offers[row]
+            context_pays = self._context_pays(found, source, len(eagle), budget)
             if context_pays:
                 chosen, alternative = (found, source), (eagle, LEARNED_SOURCE)
             else:
