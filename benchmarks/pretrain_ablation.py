@@ -42,13 +42,13 @@ ARMS: dict[str, list[str]] = {
 SHARED = ("distilled", "validation.safetensors", "evaluation.safetensors")  # the same for every arm
 
 
-def run_arm(name: str, root: Path, seconds: float, share: Path | None) -> int:
+def run_arm(name: str, root: Path, seconds: float, share: Path | None, common: list[str]) -> int:
     work = root / name
     work.mkdir(parents=True, exist_ok=True)
     for item in SHARED:
         if share is not None and (share / item).exists() and not (work / item).exists():
             (work / item).symlink_to((share / item).resolve())  # generated once, read by every arm
-    command = [sys.executable, "-m", "specd.cli.main", "pretrain", *ARMS[name], "--work", str(work),
+    command = [sys.executable, "-m", "specd.cli.main", "pretrain", *ARMS[name], *common, "--work", str(work),
                "--out", str(work / "drafter.safetensors"), "--threads", "1", "--max-seconds", str(seconds)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(work / "run.log", "ab") as log:
@@ -124,6 +124,8 @@ def main() -> int:
                    help="arms already run elsewhere, e.g. shipped=/work/pretrain-shipped/train")
     p.add_argument("--share", default=None, help="run: a work folder whose generated data and held-out sets "
                    "every arm reads instead of making its own")
+    p.add_argument("--common", default="", help="run: flags every arm adds to its own, e.g. "
+                   "'--distill-rounds 1' (the first round of the shared data only)")
     p.add_argument("--drafter", nargs="*", default=[], help="report: replay these drafters on the held-out sets "
                    "at k = 3..6")
     args = p.parse_args()
@@ -131,7 +133,8 @@ def main() -> int:
     if args.action == "run":
         with ThreadPoolExecutor(args.parallel) as pool:
             share = Path(args.share) if args.share else None
-            codes = list(pool.map(lambda name: run_arm(name, root, args.seconds, share), args.arms))
+            common = args.common.split()
+            codes = list(pool.map(lambda name: run_arm(name, root, args.seconds, share, common), args.arms))
         return max(codes)
     folders = {name: root / name for name in args.arms}
     folders.update({name: Path(work) for name, work in (item.split("=", 1) for item in args.read)})

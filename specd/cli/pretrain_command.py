@@ -34,6 +34,8 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter-layers", type=int, default=None, help="the drafter's decoder layers (default 1)")
     p.add_argument("--greedy-only", action="store_true", default=None,
                    help="distilled: train on the greedy answers only, not the sampled ones")
+    p.add_argument("--distill-rounds", type=int, default=None,
+                   help="distilled: answers generated per prompt (the recipe's rounds; fewer reads the first ones)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=None, help="examples per step")
     p.add_argument("--lr", type=float, default=None)
@@ -53,7 +55,10 @@ def pretrain_config(args: argparse.Namespace):
 
     overrides = {name: getattr(args, flag) for flag, name in PRETRAIN_FLAGS.items() if getattr(args, flag) is not None}
     try:
-        return recipe(args.recipe, **overrides) if args.recipe else replace(PretrainConfig(), **overrides)
+        config = recipe(args.recipe, **overrides) if args.recipe else replace(PretrainConfig(), **overrides)
+        if args.distill_rounds is not None:
+            config = replace(config, distill=replace(config.distill, rounds=args.distill_rounds))
+        return config
     except ValueError as error:
         raise ConfigurationError(str(error)) from None
 
