@@ -16,6 +16,9 @@ leaves vLLM's cores mostly alone) for the whole run, so every configuration shar
   drafting: context matches and the traffic table where they pay, EAGLE-3 elsewhere): records to
   the learner, which trains (recomputing features) and publishes; versions swap in place. Its
   per-source acceptance (context vs learned) comes from its status.
+- `specd_full_eagle` (only with `--only`): specd adaptive with `SPECD_EAGLE_K=full` (EAGLE-3 drafts
+  k every step, as before it drafted only what its rows are worth) and a learner of its own: the
+  A/B for that choice, reported as the per-round ratio specd_adaptive / specd_full_eagle.
 - `specd_custom` (only with `--only`): specd's custom_class proposer (token-level hybrid drafter)
   and a token-level learner of its own: the other route, for choosing between them.
 1. Warm-up: every server answers the same warm-up traffic (HumanEval and ShareGPT prompts,
@@ -48,7 +51,7 @@ from specd.model.bundled import bundled_target_dir
 from specd.serving.vllm.shared.launch import PluginSettings, prepare_eagle3_drafter, vllm_command
 from specd.testing.processes import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
 
-CONFIGS = ("plain", "ngram", "suffix", "eagle3_static", "specd_adaptive", "specd_custom")
+CONFIGS = ("plain", "ngram", "suffix", "eagle3_static", "specd_adaptive", "specd_full_eagle", "specd_custom")
 DEFAULT_CONFIGS = CONFIGS[:5]
 STATIC_PEERS = ("ngram", "suffix", "eagle3_static")
 ARCTIC = Path(__file__).resolve().parent / ".deps" / "arctic-inference"
@@ -144,13 +147,13 @@ class Fleet:
         self.broker = Broker(folder / "broker").start()
         # the frozen drafter and adaptive's start: the shipped pretrained version, exported by specd
         self.shipped = prepare_eagle3_drafter(self.target, PluginSettings(), folder / "shipped")
-        arches = {"specd_adaptive": "feature", "specd_custom": "token"}
+        arches = {"specd_adaptive": "feature", "specd_full_eagle": "feature", "specd_custom": "token"}
         for name, arch in arches.items():
             if name in wanted:
                 self.learners[name] = SpecdProcess(
-                    ["learner", "--store", str(folder / f"store-{arch}"), "--broker", self.broker.url,
+                    ["learner", "--store", str(folder / f"store-{name}"), "--broker", self.broker.url,
                      "--target", self.target, "--publish-every", str(args.publish_every), "--deployment", name,
-                     "--drafter-arch", arch], free_port(), folder / f"learner-{arch}.log",
+                     "--drafter-arch", arch], free_port(), folder / f"learner-{name}.log",
                     env={"OMP_NUM_THREADS": "1"}).start()
 
     def start(self, name: str, make: Callable[[], VllmServer], warm: list[Prompt]) -> dict[str, Any] | None:
@@ -180,10 +183,10 @@ class Fleet:
         return self.vllm_only("suffix", {"method": "suffix", "num_speculative_tokens": k},
                               env={"PYTHONPATH": str(ARCTIC)})
 
-    def specd(self, name: str, route: str) -> VllmServer:
+    def specd(self, name: str, route: str, eagle_k: str = "adaptive") -> VllmServer:
         port, learner = free_port(), self.learners[name]
         settings = PluginSettings(broker=self.broker.url, deployment=name, learner_url=learner.url,
-                                  server_id=name, route=route)
+                                  server_id=name, route=route, eagle_k=eagle_k)
         env, argv = vllm_command(self.target, settings, self.args.k, port=port, extra=self.flags,
                                  drafter_dir=str(self.shipped))
         return VllmServer(self.target, port, self.folder / f"{name}.log", argv=argv, env=env)
@@ -207,6 +210,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
                   "method": "eagle3", "model": str(fleet.shipped), "num_speculative_tokens": k,
                   "disable_padded_drafter_batch": True}),  # as specd's route runs it: the same drafting
               "specd_adaptive": lambda: fleet.specd("specd_adaptive", "eagle3"),
+              "specd_full_eagle": lambda: fleet.specd("specd_full_eagle", "eagle3", eagle_k="full"),
               "specd_custom": lambda: fleet.specd("specd_custom", "custom")}
     warmups = {name: fleet.start(name, makers[name], warm) for name in wanted}
     if "specd_adaptive" in fleet.servers:  # adaptive measured only once it serves something it learned
@@ -253,6 +257,10 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
             best = max(peers, key=lambda p: peers[p])
             versus_best[f"b{b}"] = {"best_static_peer": best,
                                     "ratio": paired(runs, f"specd_adaptive b{b}", f"{best} b{b}", "tokens_per_s")}
+    for b in BATCHES:  # the A/B of EAGLE-3's per-step k
+        if f"specd_full_eagle b{b}" in runs and f"specd_adaptive b{b}" in runs:
+            ratios[f"specd_adaptive b{b} / specd_full_eagle b{b}"] = paired(
+                runs, f"specd_adaptive b{b}", f"specd_full_eagle b{b}", "tokens_per_s")
     return {"runs": runs, "summary": summary, "ratios": ratios, "versus_frozen": versus_frozen,
             "versus_best_static_peer": versus_best,
             "warmup": warmups,

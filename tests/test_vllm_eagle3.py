@@ -199,7 +199,9 @@ def test_where_context_serves_every_row_eagle3_stands_down_and_outputs_stay_vllm
     before = status(eagle3)["eagle_stood_down"]
     [answer], [reference] = ask_all(eagle3, [prompt], MAX_TOKENS), ask_all(plain, [prompt], MAX_TOKENS)
     assert token_ids(answer) == token_ids(reference)
-    assert status(eagle3)["eagle_stood_down"] > before, "EAGLE-3 drafted at every step"
+    after = status(eagle3)
+    assert after["eagle_k"] == "adaptive" and after["eagle_stood_down"] > before, "EAGLE-3 drafted at every step"
+    assert after["eagle_passes_saved"] >= 4 * after["eagle_stood_down"]  # k = 4 passes each time it stood down
 
 
 def test_records_carry_vllms_own_accepted_counts_and_reach_the_learner(eagle3: VllmServer, learner) -> None:

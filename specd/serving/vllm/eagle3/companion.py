@@ -20,12 +20,14 @@ vLLM's `EagleProposer` once it has loaded, and routes the model runner's proposa
    the traffic table where the draft budget expects that to earn more than EAGLE-3's drafts, and
    from EAGLE-3 elsewhere (`specd.serving.vllm.eagle3.hybrid_rows`); every row's drafts are then trimmed to
    those worth verifying (`specd.serving.vllm.shared.policy.DraftPolicy`, as on the custom route), and records
-   name the source of each step's drafts. Where context serves every row of a step, EAGLE-3
-   stands down: vLLM is asked for no drafts that step (its dynamic speculation's k = 0), so its
-   proposer runs only the pass that keeps its KV cache following every row, not the k drafting
-   passes. vLLM verifies these drafts as one-hot (EAGLE-3 hands it no
-   probabilities here), so outputs are those of vLLM alone; were a vLLM to hand over draft
-   probabilities, the hybrid stands aside and vLLM's drafts go out unchanged.
+   name the source of each step's drafts. EAGLE-3 drafts only what is worth verifying
+   (`SPECD_EAGLE_K=adaptive`, the default): as many drafts as the draft budget keeps for a
+   learned row at this batch size, and none where context serves every row of the step. vLLM is
+   asked for that many (its dynamic speculation's per-step k; 0 runs only the pass that keeps
+   its KV cache following every row), and the scheduler's own k is left as it was. vLLM verifies
+   these drafts as one-hot (EAGLE-3 hands it no probabilities here), so outputs are those of vLLM
+   alone; were a vLLM to hand over draft probabilities, the hybrid stands aside and vLLM's drafts
+   go out unchanged.
 It needs `disable_padded_drafter_batch` (the proposal then runs after vLLM's bookkeeping, on the
 CPU-side sampled tokens, as `custom_class` does); `launch.speculative_config` sets it.
 """
@@ -45,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specd.core.errors import CheckpointError
+from specd.core.records import LEARNED_SOURCE
 from specd.drafter.base import BUILT_IN_VERSION
 from specd.drafter.checkpoint import DrafterModel, load_drafter, read_metadata
 from specd.drafter.feature_model import FeatureDrafterModel
@@ -156,6 +159,7 @@ class Eagle3Companion:
         self.hybrid_on = self.settings.drafter_kind == "hybrid"
         self.hybrid_stood_aside = 0        # steps where vLLM's drafts carried probabilities
         self.eagle_stood_down = 0          # steps where context served every row and EAGLE-3 did not draft
+        self.eagle_passes_saved = 0        # EAGLE-3 drafting passes not run (k minus the step's k, summed)
 
     @property
     def recent(self) -> deque[dict[str, Any]]:
@@ -202,10 +206,9 @@ class Eagle3Companion:
         self.hybrid.observe(request_ids, self.book.tracker, self.policy.budget)
         self._install_pending()
         offers = self.hybrid.offers(batch.token_ids_cpu, lengths) if self.hybrid_on and rows else []
-        # drafts with probabilities (the last step's) are vLLM's to verify: EAGLE-3 must draft then
-        stand_down = not self.hybrid_stood_aside and self.hybrid.context_serves_every_row(offers, self.policy.budget)
+        eagle_k = self._eagle_k(offers, rows, scheduler_output.num_spec_tokens_to_schedule)
         vllm_began = time.perf_counter()
-        drafts = self._vllm_drafts(vllm_propose, runner, scheduler_output, sampled, stand_down, *args, **kwargs)
+        drafts = self._vllm_drafts(vllm_propose, runner, scheduler_output, sampled, eagle_k, *args, **kwargs)
         vllm_ended = time.perf_counter()
         eagle = drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(d) for d in drafts]
         eagle = [list(d) for d in eagle[:rows]]
@@ -227,19 +230,32 @@ class Eagle3Companion:
         self.seconds_drafting += vllm_ended - vllm_began
         return drafts
 
-    def _vllm_drafts(self, vllm_propose: Any, runner: Any, scheduler_output: Any, sampled: Any, stand_down: bool,
+    def _eagle_k(self, offers: list[tuple[list[int], str]], rows: int, scheduled: int) -> int:
+        """How many drafts EAGLE-3 makes this step: the scheduler's k, or with `eagle_k` adaptive and
+        hybrid drafting on, none where context serves every row, else as many as the budget would
+        send for a learned row (it sends all k while unmeasured, and at its exploring steps)."""
+        # drafts with probabilities (seen at an earlier step) are vLLM's to verify: EAGLE-3 drafts them all
+        if self.settings.eagle_k != "adaptive" or not offers or self.hybrid_stood_aside:
+            return scheduled
+        if self.hybrid.context_serves_every_row(offers, self.policy.budget):
+            return 0
+        self.policy.budget.rows = rows  # the price of a verified token depends on the batch size
+        return min(scheduled, self.policy.budget.keep(LEARNED_SOURCE, scheduled))
+
+    def _vllm_drafts(self, vllm_propose: Any, runner: Any, scheduler_output: Any, sampled: Any, eagle_k: int,
                      *args: Any, **kwargs: Any) -> Any:
-        """vLLM's EAGLE-3 drafts; with `stand_down`, none: k = 0 for this step only (vLLM's own dynamic
-        speculation path, whose proposer then runs just the pass that feeds its KV cache)."""
-        if not stand_down:
-            return vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
+        """vLLM's EAGLE-3 drafts, `eagle_k` of them per row: below the scheduler's k, for this step only
+        (vLLM's own dynamic speculation path; at 0 its proposer runs just the pass that feeds its KV cache)."""
         scheduled = scheduler_output.num_spec_tokens_to_schedule
-        scheduler_output.num_spec_tokens_to_schedule = 0
+        if eagle_k >= scheduled:
+            return vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
+        scheduler_output.num_spec_tokens_to_schedule = eagle_k
         try:
             drafts = vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
         finally:  # the scheduler's own object: leave it as it was
             scheduler_output.num_spec_tokens_to_schedule = scheduled
-        self.eagle_stood_down += 1
+        self.eagle_stood_down += eagle_k == 0
+        self.eagle_passes_saved += scheduled - eagle_k
         return drafts
 
     def _trim_to_scheduled(self, scheduled: dict[str, list[int]]) -> None:
@@ -273,7 +289,8 @@ class Eagle3Companion:
                 "swaps": slot.num_swaps if slot else 0,
                 "refused_versions": dict(swapper.refused) if swapper else {},
                 "hybrid": self.hybrid_on, "hybrid_stood_aside": self.hybrid_stood_aside,
-                "eagle_stood_down": self.eagle_stood_down,
+                "eagle_k": self.settings.eagle_k, "eagle_stood_down": self.eagle_stood_down,
+                "eagle_passes_saved": self.eagle_passes_saved,
                 "rows_by_source": dict(self.hybrid.rows_by_source), "mixed_steps": self.hybrid.mixed_steps,
                 **self.policy.status(), **self.book.telemetry.status()}
 

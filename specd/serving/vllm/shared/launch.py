@@ -58,6 +58,9 @@ class PluginSettings:
     report_seconds: float = 2.0        # SPECD_REPORT_SECONDS
     cache: str | None = None           # SPECD_CACHE_DIR: where fetched versions are kept (default: a temp folder)
     route: str = "eagle3"              # SPECD_ROUTE: eagle3 (vLLM's EAGLE-3 proposer) or custom (custom_class)
+    # SPECD_EAGLE_K: adaptive (eagle3 route: EAGLE-3 drafts as many as its rows are worth verifying, none where
+    # context serves every row) or full (always k)
+    eagle_k: str = "adaptive"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginSettings:
@@ -81,6 +84,9 @@ class PluginSettings:
         kind = env.get("SPECD_DRAFTER", "hybrid")
         if kind not in ("hybrid", "learned"):
             raise ConfigurationError(f"SPECD_DRAFTER={kind!r}: choose hybrid or learned")
+        eagle_k = env.get("SPECD_EAGLE_K", "adaptive")
+        if eagle_k not in ("adaptive", "full"):
+            raise ConfigurationError(f"SPECD_EAGLE_K={eagle_k!r}: choose adaptive or full")
         broker = env.get("SPECD_BROKER") or None
         if broker is not None:
             MqttSettings.from_url(broker)  # refuse a malformed URL now, not in a background thread
@@ -96,7 +102,7 @@ class PluginSettings:
                    drafter_head_vocab=int(number("SPECD_DRAFTER_HEAD_VOCAB", int, 8192)) or 8192,
                    traffic_table=table in ("1", "true", "on"),
                    report_seconds=float(number("SPECD_REPORT_SECONDS", float, 2.0)) or 2.0,
-                   cache=env.get("SPECD_CACHE_DIR") or None, route=route)
+                   cache=env.get("SPECD_CACHE_DIR") or None, route=route, eagle_k=eagle_k)
 
     def to_env(self) -> dict[str, str]:
         values = {"SPECD_BROKER": self.broker, "SPECD_DEPLOYMENT": self.deployment,
@@ -105,7 +111,7 @@ class PluginSettings:
                   "SPECD_DRAFTER": self.drafter_kind, "SPECD_DRAFTER_LAYERS": self.drafter_layers,
                   "SPECD_DRAFTER_HEAD_VOCAB": self.drafter_head_vocab, "SPECD_REPORT_SECONDS": self.report_seconds,
                   "SPECD_TRAFFIC_TABLE": "1" if self.traffic_table else "0",
-                  "SPECD_CACHE_DIR": self.cache, "SPECD_ROUTE": self.route}
+                  "SPECD_CACHE_DIR": self.cache, "SPECD_ROUTE": self.route, "SPECD_EAGLE_K": self.eagle_k}
         return {name: str(value) for name, value in values.items() if value is not None}
 
     @property
