@@ -238,44 +238,51 @@ class FeatureDrafterModel(nn.Module):
         cos_table, sin_table = self.rope(length)
         cos, sin = cos_table[positions][None, None], sin_table[positions][None, None]
         window_rope = cos[..., start:, :], sin[..., start:, :]
-        attn = self.attn
-        groups = cfg.num_heads // cfg.num_kv_heads
-        scale = 1.0 / math.sqrt(cfg.head_dim)
+        attn, scale = self.attn, 1.0 / math.sqrt(cfg.head_dim)
         tokens = next_tokens[:, start:]
         state = self.fuse_features(features)
         # per layer, one key and value entry per chain step
         keys: list[list[torch.Tensor]] = [[] for _ in range(cfg.num_layers)]
         values: list[list[torch.Tensor]] = [[] for _ in range(cfg.num_layers)]
         outputs: list[torch.Tensor] = []
-
-        def heads(x: torch.Tensor, count: int, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-            x = x.reshape(batch, x.shape[1], count, cfg.head_dim).transpose(1, 2)
-            return apply_rope(x, *rope) if rope is not None else x
-
         for j in range(steps):
             if j > 0:  # this step's state at t is the previous step's output at t - 1
                 state = F.pad(outputs[-1][:, :-1], (0, 0, 1, 0))
             wide = j == 0  # step 0's keys and values span every position; its queries only the window
             q, k, v = attn.qkv(self._layer_input(state, next_tokens if wide else tokens)).split(attn.split, dim=-1)
-            keys[0].append(heads(k, cfg.num_kv_heads, (cos, sin) if wide else window_rope)
-                           .repeat_interleave(groups, dim=1))  # [B, H, span, D]
-            values[0].append(heads(v, cfg.num_kv_heads, None).repeat_interleave(groups, dim=1))
+            keys[0].append(self._heads(k, (cos, sin) if wide else window_rope))  # [B, H, span, D]
+            values[0].append(self._heads(v))
             if wide:
                 q, state = q[:, start:], state[:, start:]
             # target-fed entries (step 0's keys) at positions <= t - j
             visible = positions[None, :] <= positions[start:, None] - j  # [width (query), T (key)]
-            out = _chained_attention(heads(q, cfg.num_heads, window_rope), keys[0], values[0], visible, scale)
+            out = _chained_attention(self._heads(q, window_rope), keys[0], values[0], visible, scale)
             hidden = self._finish(state, attn.o(out.transpose(1, 2).reshape(batch, width, -1)))
-            for index, block in enumerate(self.deeper, start=1):  # start is 0 here: width is length
-                q, k, v = block.attn.qkv(block.attn_norm(hidden)).split(block.attn.split, dim=-1)
-                keys[index].append(heads(k, cfg.num_kv_heads, window_rope).repeat_interleave(groups, dim=1))
-                values[index].append(heads(v, cfg.num_kv_heads, None).repeat_interleave(groups, dim=1))
-                out = _chained_attention(heads(q, cfg.num_heads, window_rope), keys[index], values[index],
-                                         visible, scale)
-                hidden = hidden + block.attn.o(out.transpose(1, 2).reshape(batch, width, -1))
-                hidden = hidden + block.mlp(block.mlp_norm(hidden))
-            outputs.append(hidden)
+            outputs.append(self._deeper_chain_step(hidden, keys, values, visible, window_rope, scale))
         return outputs
+
+    def _heads(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """[B, W, heads * D] -> [B, H, W, D]: rotated when `rope` is given, key and value heads
+        repeated to the query heads they serve."""
+        cfg = self.config
+        count = x.shape[-1] // cfg.head_dim
+        x = x.reshape(x.shape[0], x.shape[1], count, cfg.head_dim).transpose(1, 2)
+        x = apply_rope(x, *rope) if rope is not None else x
+        return x if count == cfg.num_heads else x.repeat_interleave(cfg.num_heads // count, dim=1)
+
+    def _deeper_chain_step(self, hidden: torch.Tensor, keys: list[list[torch.Tensor]],
+                           values: list[list[torch.Tensor]], visible: torch.Tensor,
+                           rope: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+        """One chain step of `unrolled` through the layers after the first (over every position:
+        `unrolled` runs them from start 0), each with its own chain of keys and values."""
+        for index, block in enumerate(self.deeper, start=1):
+            q, k, v = block.attn.qkv(block.attn_norm(hidden)).split(block.attn.split, dim=-1)
+            keys[index].append(self._heads(k, rope))
+            values[index].append(self._heads(v))
+            out = _chained_attention(self._heads(q, rope), keys[index], values[index], visible, scale)
+            hidden = hidden + block.attn.o(out.transpose(1, 2).flatten(2))
+            hidden = hidden + block.mlp(block.mlp_norm(hidden))
+        return hidden
 
 
 def _chained_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
