@@ -17,8 +17,8 @@ leaves vLLM's cores mostly alone) for the whole run, so every configuration shar
   the learner, which trains (recomputing features) and publishes; versions swap in place. Its
   per-source acceptance (context vs learned) comes from its status.
 - `specd_full_eagle` (only with `--only`): specd adaptive with `SPECD_EAGLE_K=full` (EAGLE-3 drafts
-  k every step, as before it drafted only what its rows are worth) and a learner of its own: the
-  A/B for that choice, reported as the per-round ratio specd_adaptive / specd_full_eagle.
+  k every step, where the default drafts only what its rows are worth) and a learner of its own:
+  the A/B for that choice, reported as the per-round ratio specd_adaptive / specd_full_eagle.
 - `specd_custom` (only with `--only`): specd's custom_class proposer (token-level hybrid drafter)
   and a token-level learner of its own: the other route, for choosing between them.
 1. Warm-up: every server answers the same warm-up traffic (HumanEval and ShareGPT prompts,
