@@ -157,22 +157,18 @@ def serve_round(run: ModeRun, number: int, domain: str, indices: list[int], item
                     drafter=engine.drafter_version)
 
 
-CALIBRATION_SWEEPS = 1    # measured sweeps over k = 0..config.k, after one that warms up
 CALIBRATION_TOKENS = 16   # new tokens per calibration request
 
 
 def calibrated_costs(loaded: LoadedTarget, drafter: ServingDrafter, prompts: list[list[int]],
                      config: DemoConfig) -> LookaheadCosts:
     """Step costs at every k from 0 to config.k on this machine, measured once and frozen: the
-    cost model both speculative modes choose k by. A first sweep warms up; the next
-    `CALIBRATION_SWEEPS` measure, k by k in turn, and the medians of their steps are frozen. Twice
-    `max_batch` requests keep the batch full but for the last few steps, which the median ignores."""
+    cost model both speculative modes choose k by. A first sweep over k warms up; the second
+    measures, and the medians of its steps are frozen. Twice `max_batch` requests keep the batch
+    full but for the last few steps, which the median ignores."""
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=config.max_batch, num_draft_tokens=config.k,
                                                         eos_token_ids=loaded.eos_token_ids))
-    costs = LookaheadCosts()
-    for sweep in range(1 + CALIBRATION_SWEEPS):
-        if sweep == 1:
-            costs = LookaheadCosts(keep_samples=True)
+    for costs in (LookaheadCosts(), LookaheadCosts(keep_samples=True)):  # warm-up, then measured
         for k in range(config.k + 1):
             engine.lookahead = LookaheadController(LookaheadConfig(max_k=k, adaptive=False), costs)
             for ids in prompts[:2 * config.max_batch]:
