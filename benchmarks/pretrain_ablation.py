@@ -7,7 +7,9 @@ shares the machine alike. Arms differ from the shipped recipe in one setting eac
 - `sharegpt`: ShareGPT's own text of 1200 training conversations instead of the target's responses;
 - `vocab16k`: a draft vocabulary of 16384;
 - `two_layers`: two drafter decoder layers instead of EAGLE-3's one (the second a plain Llama layer);
-- `greedy_only`: the greedy answers of the same generated data only (a quarter of it), not the sampled ones.
+- `greedy_only`: the greedy answers of the same generated data only (a quarter of it), not the sampled ones;
+- `answers_only`: prompt positions weigh 0 (the recipe's 0.2), so a step skips the prompts'
+  queries, chains and labels (their keys remain: answers attend to them) and covers more answers.
 Generated data and held-out sets are made once (`--share`: read from the shipped run's folder).
 An arm already run further (the shipped recipe's own folder, continued to its full length) is read,
 not rerun: its curve is compared at the same training seconds. `report` tabulates, for every arm,
@@ -36,6 +38,7 @@ ARMS: dict[str, list[str]] = {
     "vocab16k": ["--recipe", "shipped", "--draft-vocab", "16384"],
     "two_layers": ["--recipe", "shipped", "--drafter-layers", "2"],
     "greedy_only": ["--recipe", "shipped", "--greedy-only"],
+    "answers_only": ["--recipe", "shipped", "--prompt-weight", "0"],
 }
 
 

@@ -310,3 +310,38 @@ def test_the_memory_breakdown_counts_carried_features_once_and_recomputed_ones_i
     recomputed = memory_breakdown(recomputing)
     assert 0 < recomputed["feature_cache"] <= feature_bytes + sum(len(r.features.data) for r in carrying.holdout)
     assert recomputed["models"] > 0 and recomputed["rss"] > recomputed["models"]
+
+
+def test_a_loss_that_weighs_no_prompt_position_skips_the_prompts_and_is_unchanged(target, monkeypatch) -> None:
+    from specd.learner import feature_signal
+
+    model = fresh_feature_drafter(target, seed=1).double()
+    capture = model.config.capture_layers
+    rows = label_rows(target.lm_head.weight, model.draft_ids, target.norm.weight).double()
+    rng = random.Random(4)
+    examples = []
+    for prompt_length in (9, 12):  # the batch's rows start labelling at entries 7 and 10
+        ids = torch.tensor([rng.randrange(VOCAB) for _ in range(prompt_length + 10)])
+        with torch.no_grad():
+            features = target.train_features(ids[None], capture)[0].double()
+        weights = torch.zeros(len(ids))
+        weights[prompt_length - 1:] = 1.0  # as the distilled corpus weighs answers, prompts at 0
+        examples.append((ids, features, weights))
+    batch = collate(examples)
+    lead = feature_signal.unlabelled_lead(batch.weights[:, 1:], steps=3)
+
+    def loss_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        loss, _ = feature_loss(model, batch, rows, steps=3)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    skipped, skipped_grads = loss_and_grads()
+    assert lead == 7 - 2  # the first labelled entry less the two chain entries before it
+    monkeypatch.setattr(feature_signal, "unlabelled_lead", lambda weights, steps: 0)  # every entry
+    whole, whole_grads = loss_and_grads()
+    assert torch.allclose(skipped, whole, rtol=1e-10, atol=0)
+    assert all(torch.allclose(a, b, rtol=1e-8, atol=1e-12) for a, b in zip(skipped_grads, whole_grads, strict=True))
+    # one entry too late would drop chain state the labelled entries read: the loss would change
+    monkeypatch.setattr(feature_signal, "unlabelled_lead", lambda weights, steps: lead + 1)
+    assert not torch.allclose(loss_and_grads()[0], whole, rtol=1e-6, atol=0)

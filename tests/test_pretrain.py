@@ -419,3 +419,22 @@ def test_batches_come_from_one_length_bucket_and_cover_every_example() -> None:
     assert drawn[:5] == [sample_batch(buckets, 4, random.Random(step)) for step in range(5)]  # seed and step alone
     assert all(len(set(batch)) == len(batch) and any(set(batch) <= set(b) for b in buckets) for batch in drawn)
     assert {i for batch in drawn for i in batch} == set(range(203))
+
+
+def test_where_prompts_weigh_nothing_a_bucket_holds_examples_that_start_labelling_together() -> None:
+    import itertools
+    import random
+
+    from specd.offline.pretrain import first_labelled, length_buckets
+
+    rng = random.Random(5)
+    prompts = [rng.randrange(5, 300) for _ in range(150)]
+    weights = [torch.cat([torch.zeros(p), torch.ones(rng.randrange(3, 128))]) for p in prompts]
+    starts = [first_labelled(w) for w in weights]
+    assert starts == [p - 1 for p in prompts]  # weights[i] weighs entry i - 1
+    buckets = length_buckets([len(w) for w in weights], batch_size=4, per_bucket=5, starts=starts)
+    assert sorted(i for b in buckets for i in b) == list(range(150))
+    assert all(max(starts[i] for i in a) <= min(starts[i] for i in b) for a, b in itertools.pairwise(buckets))
+    # prompts that weigh something label from entry 0: the order is by length alone, as before
+    lengths = [len(w) for w in weights]
+    assert length_buckets(lengths, 4, 5, starts=[0] * 150) == length_buckets(lengths, 4, 5)

@@ -13,6 +13,7 @@ from specd.model.target import LoadedTarget
 
 PRETRAIN_FLAGS = {"data": "data", "conversations": "conversations", "max_length": "max_length",
                   "draft_vocab": "draft_vocab", "drafter_layers": "drafter_layers", "greedy_only": "greedy_only",
+                  "prompt_weight": "prompt_weight",
                   "steps": "steps", "batch": "batch_size", "lr": "learning_rate", "unroll": "unroll",
                   "objective": "objective", "eval_every": "eval_every", "seed": "seed", "max_seconds": "max_seconds"}
 
@@ -34,6 +35,9 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter-layers", type=int, default=None, help="the drafter's decoder layers (default 1)")
     p.add_argument("--greedy-only", action="store_true", default=None,
                    help="distilled: train on the greedy answers only, not the sampled ones")
+    p.add_argument("--prompt-weight", type=float, default=None,
+                   help="distilled: label weight of prompt positions (the recipe's 0.2; 0 trains on the answers "
+                        "alone and skips the prompts' cost)")
     p.add_argument("--distill-rounds", type=int, default=None,
                    help="distilled: answers generated per prompt (the recipe's rounds; fewer reads the first ones)")
     p.add_argument("--steps", type=int, default=None)

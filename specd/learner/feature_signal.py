@@ -48,6 +48,17 @@ def collate(sequences: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) ->
     return FeatureBatch(tokens, features, weights)
 
 
+def unlabelled_lead(label_weight: torch.Tensor, steps: int) -> int:
+    """Leading entries of a batch that no label weighs and no weighed chain reads: `unrolled` may
+    start after them. Step j at entry t reads the chain from entry t - j on, so the window opens
+    `steps` - 1 entries before the first weighed one; the loss is the same as over every entry,
+    and entries before it (prompts weighed 0) cost nothing."""
+    weighed = (label_weight > 0).any(dim=0).nonzero()
+    if len(weighed) == 0:
+        return 0
+    return max(0, int(weighed[0]) - (steps - 1))
+
+
 def label_rows(lm_head: torch.Tensor, draft_ids: torch.Tensor, final_norm: torch.Tensor) -> torch.Tensor:
     """The target's output rows for the draft vocabulary [N, hidden], its final norm's weight folded
     in (so that logits = rms_normalised(last layer's state) @ rows.T), frozen, float32."""
@@ -97,15 +108,18 @@ def feature_loss(model: FeatureDrafterModel, batch: FeatureBatch, rows: torch.Te
     length = tokens.shape[1]
     if length < 3:
         raise ValueError("a training sequence needs at least 3 tokens")
-    outputs = model.unrolled(features[:, :-1], tokens[:, 1:], steps)
+    label_weight = batch.weights[:, 1:].to(device)
+    start = unlabelled_lead(label_weight, steps)
+    outputs = model.unrolled(features[:, :-1], tokens[:, 1:], steps, start=start)
     with torch.no_grad():
-        target_logp = target_log_probs(features[:, 1:], rows, model.config.rms_norm_eps)  # at t + 1: [B, T-1, N]
+        # at t + 1: [B, T-1-start, N]
+        target_logp = target_log_probs(features[:, 1 + start:], rows, model.config.rms_norm_eps)
         target_p = target_logp.exp()
         # KL = cross-entropy − the target's entropy, which no parameter changes
         target_entropy = -(target_p * target_logp).sum(-1)
         target_top = target_logp.argmax(-1)
-    label_weight = batch.weights[:, 1:].to(device)
-    positions = torch.arange(length - 1, device=device)
+    label_weight = label_weight[:, start:]
+    positions = torch.arange(start, length - 1, device=device)
     total = torch.zeros((), device=device)
     stats: dict[str, float] = {}
     for j, state in enumerate(outputs):

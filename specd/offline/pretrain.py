@@ -118,12 +118,22 @@ def held_out_accept_length(model: FeatureDrafterModel, held_out: HeldOut, k: int
     return counts.accept_length or 0.0
 
 
-def length_buckets(lengths: list[int], batch_size: int, per_bucket: int = 8) -> list[list[int]]:
+def length_buckets(lengths: list[int], batch_size: int, per_bucket: int = 8,
+                   starts: list[int] | None = None) -> list[list[int]]:
     """Example indices by length, cut into buckets of about `per_bucket` batches: a batch drawn from
-    one bucket pads little (padded positions cost as much as real ones)."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    one bucket pads little (padded positions cost as much as real ones). With `starts` (each
+    example's first labelled entry) they are ordered by it first: where prompts weigh 0, a batch's
+    rows then start labelling together and the loss skips their common unlabelled lead."""
+    first = starts or [0] * len(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: (first[i], lengths[i], i))
     size = max(batch_size, batch_size * per_bucket)
     return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def first_labelled(weights: torch.Tensor) -> int:
+    """An example's first entry whose label weighs anything (`weights[i]` weighs entry i - 1)."""
+    weighed = (weights[1:] > 0).nonzero()
+    return int(weighed[0]) if len(weighed) else len(weights)
 
 
 def sample_batch(buckets: list[list[int]], batch_size: int, rng: random.Random) -> list[int]:
@@ -182,7 +192,8 @@ class Trainer:
 
     def run(self, corpus: TrainingCorpus, held_out: dict[str, HeldOut]) -> None:
         cfg = self.config
-        buckets = length_buckets([len(seq) for seq in corpus.sequences], cfg.batch_size)
+        buckets = length_buckets([len(seq) for seq in corpus.sequences], cfg.batch_size,
+                                 starts=[first_labelled(weights) for weights in corpus.weights])
         if not self.curve:
             self._evaluate(held_out)
         progress = tqdm(total=cfg.steps, initial=self.step, desc="pretraining", unit="step")
