@@ -239,7 +239,7 @@ def test_lookahead_controller_stops_drafting_for_a_useless_drafter_but_keeps_pro
     assert controller.choose("v1") == 4  # nothing measured yet
     for _ in range(60):
         k = controller.choose("v1")
-        controller.observe(k, proposed=k, accepted=0, draft_seconds=0.02 * k, verify_seconds=0.1)
+        controller.observe(k, accepted=0, rejected=1 if k else 0, draft_seconds=0.02 * k, verify_seconds=0.1)
     choices = [controller.choose("v1") for _ in range(8)]
     assert choices.count(0) == 6 and choices.count(1) == 2  # probes every fourth step
     # a new version gets a fresh start from the prior acceptance 0.6: with 0.02 s a draft and 0.1 s a pass,
@@ -253,8 +253,37 @@ def test_lookahead_controller_drafts_fully_for_a_good_drafter() -> None:
     controller = LookaheadController(LookaheadConfig(max_k=4))
     for _ in range(30):
         k = controller.choose("v")
-        controller.observe(k, proposed=k, accepted=k, draft_seconds=0.005 * k, verify_seconds=0.1 + 0.005 * k)
+        controller.observe(k, accepted=k, rejected=0, draft_seconds=0.005 * k, verify_seconds=0.1 + 0.005 * k)
     assert controller.choose("v") == 4
+
+
+def test_lookahead_controller_measures_the_same_acceptance_whatever_k_it_drafts() -> None:
+    from specd.engine.lookahead import LookaheadConfig, LookaheadController
+
+    # a drafter each of whose drafts is accepted with chance 0.6 once those before it were: at k = 4
+    # a row accepts 0.6 + 0.36 + 0.216 + 0.13 = 1.31 drafts on average, 0.33 of those proposed, and
+    # ends in a rejection with chance 1 - 0.6^4. Each step below is 1000 such rows, in expectation.
+    for k in (1, 2, 4):
+        controller = LookaheadController(LookaheadConfig(max_k=4, smoothing=0.5))
+        accepted = round(1000 * sum(0.6 ** i for i in range(1, k + 1)))
+        rejected = round(1000 * (1 - 0.6 ** k))
+        for _ in range(40):
+            controller.observe(k, accepted=accepted, rejected=rejected, draft_seconds=0.01 * k, verify_seconds=0.1)
+        assert controller.acceptance == pytest.approx(0.6, abs=1e-3)
+
+
+def test_engine_steps_count_the_rows_whose_chain_ended_in_a_rejection() -> None:
+    target = tiny_target()
+    engine = Engine(target, tiny_drafter(target), fixed_k(max_batch=4, num_draft_tokens=3))
+    for p in PROMPTS[:4]:
+        engine.add_request(p, GREEDY)
+    while engine.has_work:
+        engine.step()
+    drafted = [s for s in engine.step_stats if s.num_drafts_proposed]
+    assert drafted and all(0 <= s.num_rejections <= s.num_rows for s in drafted)
+    # a row's drafts were all accepted or it had one rejected: accepted + rejected <= proposed
+    assert all(s.num_drafts_accepted + s.num_rejections <= s.num_drafts_proposed for s in drafted)
+    assert any(s.num_rejections for s in drafted)
 
 
 def test_calibrated_costs_freeze_the_medians_of_their_samples_not_a_running_average() -> None:

@@ -78,6 +78,8 @@ class StepStats:
     seconds: float
     drafter_version: int | None   # None: no drafter ran
     k: int = 0
+    # rows whose drafts were not all accepted: each chain ended in one rejected draft
+    num_rejections: int = 0
     # the same counts per drafting source kind (`source_kind`): the learned drafter's own apart
     by_source: dict[str, AcceptanceCounts] = field(default_factory=dict)
 
@@ -195,7 +197,7 @@ class Engine:
         if features is not None:
             self._observe_emitted(features, lengths)
         if self.drafter is not None and self.k > 0:
-            self.lookahead.observe(k, stats.num_drafts_proposed, stats.num_drafts_accepted,
+            self.lookahead.observe(k, stats.num_drafts_accepted, stats.num_rejections,
                                    drafted - begin, verified - drafted)
         stats.seconds, stats.k = time.perf_counter() - begin, k
         self.step_stats.append(stats)
@@ -338,6 +340,7 @@ class Engine:
             seq.record_step(length, row_drafts[:row_limit], accepted, drafts_kept, version, sources[slot])
             stats.num_drafts_proposed += row_limit
             stats.num_drafts_accepted += drafts_kept
+            stats.num_rejections += accepted < row_limit
             stats.num_tokens_emitted += len(emitted)
             stats.by_source.setdefault(source_kind(sources[slot], row_limit), AcceptanceCounts()).add(
                 AcceptanceCounts(row_limit, drafts_kept, 1, len(emitted)))

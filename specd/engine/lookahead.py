@@ -2,7 +2,11 @@
 
 Contract: `choose()` returns the k in 0..max_k with the best expected tokens per second,
 (1 − α^(k+1)) / (1 − α) tokens for k·t_draft + t_verify(k) seconds, where α is the live
-drafter's measured per-draft acceptance and the times are measured on this machine. k = 0 means
+drafter's measured per-draft acceptance and the times are measured on this machine. α is the
+chance that a draft is accepted when every draft before it was: a row that accepted a of its
+drafts and then had one rejected counts a + 1 trials, a row that accepted all of them a trials
+(drafts after a rejection are never tried). Accepted over proposed would read a chain of k
+drafts as k trials and make every k > 1 look worse than it is. k = 0 means
 "decode without drafting this step", so a drafter that does not help costs (almost) nothing:
 every `probe_every` steps a k = 1 probe keeps measuring it. A new drafter version restarts
 the acceptance estimate from an optimistic prior, so fresh weights get a fair trial. ATLAS's
@@ -105,8 +109,9 @@ class LookaheadController:
         nearest = min(self.verify_seconds, key=lambda measured: abs(measured - k))
         return self.verify_seconds[nearest] * (1 + 0.05 * k) / (1 + 0.05 * nearest)
 
-    def observe(self, k: int, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def observe(self, k: int, accepted: int, rejected: int, draft_seconds: float, verify_seconds: float) -> None:
+        """A step drafted at `k`: its accepted drafts, its rows that had a draft rejected, its times."""
         w = self.config.smoothing
-        if proposed > 0:
-            self.acceptance = (1 - w) * self.acceptance + w * accepted / proposed
+        if accepted + rejected > 0:
+            self.acceptance = (1 - w) * self.acceptance + w * accepted / (accepted + rejected)
         self.costs.observe(k, draft_seconds, verify_seconds, w)
