@@ -398,3 +398,18 @@ def test_telemetry_reports_acceptance_totals_on_its_own_thread() -> None:
     assert publisher.report_arrived.wait(timeout=10), "the report thread never sent a report"
     assert publisher.last_report is not None
     assert publisher.last_report["versions"] == {"1": {"drafts": 2, "accepted": 2, "passes": 1, "emitted": 3}}
+
+
+def test_draft_budget_prices_a_drafters_own_passes_after_the_first() -> None:
+    budget = priced(DraftBudget(k=4, explore_every=0), rows=1)   # bar near 0.75 at about 150 tokens/s
+    for _ in range(100):
+        budget.observe_drafts("learned", drafted=4, accepted=4)   # always right: a chance of ~1 everywhere
+    assert budget.drafting_bar == 0.0 and budget.keep("learned", 4, drafting=True) == 4  # unmeasured: free
+    for step in range(60):  # a drafting pass costs 4 ms: 0.6 of a token at about 150 tokens/s
+        passes = step % 4
+        budget.observe_drafting(passes, 0.002 + 0.004 * passes)
+    assert budget.drafting_bar == pytest.approx(0.004 * budget.tokens_per_second, rel=1e-3)
+    assert budget.keep("learned", 4) == 4                         # verification alone: all four pay
+    assert budget.keep("learned", 4, drafting=True) == 1          # the first is free, the others are not
+    budget.rows = 8                                                # unmeasured at batch 8: no price yet
+    assert budget.drafting_bar == 0.0

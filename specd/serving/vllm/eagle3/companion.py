@@ -20,9 +20,10 @@ vLLM's `EagleProposer` once it has loaded, and routes the model runner's proposa
    the traffic table where the draft budget expects that to earn more than EAGLE-3's drafts, and
    from EAGLE-3 elsewhere (`specd.serving.vllm.eagle3.hybrid_rows`); every row's drafts are then trimmed to
    those worth verifying (`specd.serving.vllm.shared.policy.DraftPolicy`, as on the custom route), and records
-   name the source of each step's drafts. EAGLE-3 drafts only what is worth verifying
+   name the source of each step's drafts. EAGLE-3 drafts only what is worth drafting and verifying
    (`SPECD_EAGLE_K=adaptive`, the default): as many drafts as the draft budget keeps for a
-   learned row at this batch size, and none where context serves every row of the step. vLLM is
+   learned row at this batch size, each drafting pass after the first priced at its measured
+   time, and none where context serves every row of the step. vLLM is
    asked for that many (its dynamic speculation's per-step k; 0 runs only the pass that keeps
    its KV cache following every row), and the scheduler's own k is left as it was. vLLM verifies
    these drafts as one-hot (EAGLE-3 hands it no probabilities here), so outputs are those of vLLM
@@ -210,6 +211,8 @@ class Eagle3Companion:
         vllm_began = time.perf_counter()
         drafts = self._vllm_drafts(vllm_propose, runner, scheduler_output, sampled, eagle_k, *args, **kwargs)
         vllm_ended = time.perf_counter()
+        if eagle_k > 0:  # the price of EAGLE-3's own passes, for the next steps' eagle_k
+            self.policy.budget.observe_drafting(eagle_k - 1, vllm_ended - vllm_began)
         eagle = drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(d) for d in drafts]
         eagle = [list(d) for d in eagle[:rows]]
         sent, sources = eagle, None
@@ -233,14 +236,15 @@ class Eagle3Companion:
     def _eagle_k(self, offers: list[tuple[list[int], str]], rows: int, scheduled: int) -> int:
         """How many drafts EAGLE-3 makes this step: the scheduler's k, or with `eagle_k` adaptive and
         hybrid drafting on, none where context serves every row, else as many as the budget would
-        send for a learned row (it sends all k while unmeasured, and at its exploring steps)."""
+        draft and send for a learned row, its drafting passes priced in (it sends all k while
+        unmeasured, and at its exploring steps)."""
         # drafts with probabilities (seen at an earlier step) are vLLM's to verify: EAGLE-3 drafts them all
         if self.settings.eagle_k != "adaptive" or not offers or self.hybrid_stood_aside:
             return scheduled
         if self.hybrid.context_serves_every_row(offers, self.policy.budget):
             return 0
         self.policy.budget.rows = rows  # the price of a verified token depends on the batch size
-        return min(scheduled, self.policy.budget.keep(LEARNED_SOURCE, scheduled))
+        return min(scheduled, self.policy.budget.keep(LEARNED_SOURCE, scheduled, drafting=True))
 
     def _vllm_drafts(self, vllm_propose: Any, runner: Any, scheduler_output: Any, sampled: Any, eagle_k: int,
                      *args: Any, **kwargs: Any) -> Any:

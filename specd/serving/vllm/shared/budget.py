@@ -13,6 +13,10 @@ the bar is high; at batch 1 it is nearly free and the bar is low. Drafts held ba
 for learning: `ShadowBook` scores them against the tokens the target then produced, so an
 estimate below the bar keeps being measured at no verification cost (and every
 `explore_every`-th step sends everything anyway, to keep the step-time fit honest).
+A drafter that runs one pass per draft (vLLM's EAGLE-3) also pays its own time: `observe_drafting`
+fits the seconds one more drafting pass adds, and `keep(..., drafting=True)` raises the bar of
+every draft after the first (the first comes from the pass that feeds the drafter's cache, which
+runs anyway) by that time in tokens, shared by the rows the pass drafts for.
 `LearnedDrafterSwitch` decides whether the learned drafter runs at all: only while the tokens it is
 expected to add are worth more than its own time, probing otherwise at a rate that keeps probes
 near 1% of the time.
@@ -58,6 +62,7 @@ class DraftBudget:
         # the price of a token depends on how many rows share the step: one fit per batch size
         self._fits: dict[int, RunningFit] = {}
         self._rates: dict[int, float] = {}
+        self._drafting: dict[int, RunningFit] = {}  # a drafting pass's seconds, per batch size
         self.rows = 1                     # the batch size now (set by the caller each step)
         self.steps = 0
 
@@ -89,6 +94,21 @@ class DraftBudget:
         rate, previous = emitted_tokens / seconds, self._rates.get(rows)
         self._rates[rows] = rate if previous is None else (1 - self.decay) * previous + self.decay * rate
 
+    def observe_drafting(self, passes: int, seconds: float) -> None:
+        """One step's drafting at the current batch size: `passes` drafting passes after the first
+        (k drafts cost the feeding pass and k - 1 more) took `seconds` in all."""
+        if passes >= 0 and seconds > 0:
+            self._drafting.setdefault(self.rows, RunningFit(self.decay)).add(passes, seconds)
+
+    @property
+    def drafting_bar(self) -> float:
+        """What one more drafting pass costs, in tokens per row it drafts for (0 until measured)."""
+        fit = self._drafting.get(self.rows)
+        slope = fit.slope if fit is not None else None
+        if slope is None or self.tokens_per_second is None:
+            return 0.0
+        return slope * self.tokens_per_second / max(self.rows, 1)
+
     def observe_drafts(self, source: str, drafted: int, accepted: int) -> None:
         """A row's verified drafts: the first `accepted` were accepted, the next one (if any) rejected."""
         reached, hits = self._counts(source)
@@ -116,14 +136,16 @@ class DraftBudget:
             total += chance
         return total
 
-    def keep(self, source: str, drafted: int) -> int:
-        """How many of a row's `drafted` leading drafts from `source` are worth verifying."""
+    def keep(self, source: str, drafted: int, drafting: bool = False) -> int:
+        """How many of a row's `drafted` leading drafts from `source` are worth verifying; with
+        `drafting`, worth drafting too (each after the first costs a pass of `drafting_bar`)."""
         if drafted <= 0 or self.exploring:
             return max(drafted, 0)
         bar, chance, kept = self.bar, 1.0, 0
-        for alpha in self.alpha(source)[:drafted]:
+        own = self.drafting_bar if drafting else 0.0
+        for position, alpha in enumerate(self.alpha(source)[:drafted]):
             chance *= alpha
-            if chance < bar:
+            if chance < bar + (own if position else 0.0):
                 break
             kept += 1
         return kept
