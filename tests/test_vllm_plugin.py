@@ -405,8 +405,11 @@ def test_draft_budget_prices_a_drafters_own_passes_after_the_first() -> None:
     for _ in range(100):
         budget.observe_drafts("learned", drafted=4, accepted=4)   # always right: a chance of ~1 everywhere
     assert budget.drafting_bar == 0.0 and budget.keep("learned", 4, drafting=True) == 4  # unmeasured: free
-    for step in range(60):  # a drafting pass costs 4 ms: 0.6 of a token at about 150 tokens/s
-        passes = step % 4
+    for _ in range(60):  # a drafter that always drafts 4: one count of passes, no slope to fit
+        budget.observe_drafting(3, 0.014)
+    assert budget.drafting_bar == 0.0
+    for step in range(60):  # steps where it stood down (the feeding pass alone) give the fit its slope:
+        passes = 3 * (step % 2)  # a drafting pass costs 4 ms, 0.6 of a token at about 150 tokens/s
         budget.observe_drafting(passes, 0.002 + 0.004 * passes)
     assert budget.drafting_bar == pytest.approx(0.004 * budget.tokens_per_second, rel=1e-3)
     assert budget.keep("learned", 4) == 4                         # verification alone: all four pay

@@ -211,8 +211,9 @@ class Eagle3Companion:
         vllm_began = time.perf_counter()
         drafts = self._vllm_drafts(vllm_propose, runner, scheduler_output, sampled, eagle_k, *args, **kwargs)
         vllm_ended = time.perf_counter()
-        if eagle_k > 0:  # the price of EAGLE-3's own passes, for the next steps' eagle_k
-            self.policy.budget.observe_drafting(eagle_k - 1, vllm_ended - vllm_began)
+        # the price of EAGLE-3's own passes, for the next steps' eagle_k: no draft and one draft both
+        # cost the feeding pass alone, so the steps where it stood down anchor the fit
+        self.policy.budget.observe_drafting(max(eagle_k - 1, 0), vllm_ended - vllm_began)
         eagle = drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(d) for d in drafts]
         eagle = [list(d) for d in eagle[:rows]]
         sent, sources = eagle, None

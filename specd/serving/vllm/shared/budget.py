@@ -95,8 +95,9 @@ class DraftBudget:
         self._rates[rows] = rate if previous is None else (1 - self.decay) * previous + self.decay * rate
 
     def observe_drafting(self, passes: int, seconds: float) -> None:
-        """One step's drafting at the current batch size: `passes` drafting passes after the first
-        (k drafts cost the feeding pass and k - 1 more) took `seconds` in all."""
+        """One step's drafting at the current batch size: `passes` drafting passes after the feeding
+        one (k drafts cost it and k - 1 more; none or one draft, it alone) took `seconds` in all. The
+        fit needs steps of different counts: a drafter that always drafts k stays unpriced."""
         if passes >= 0 and seconds > 0:
             self._drafting.setdefault(self.rows, RunningFit(self.decay)).add(passes, seconds)
 

@@ -113,7 +113,8 @@ class DraftPolicy:
         """The policy's part of the proposer's status."""
         return {"learned_drafter_steps": self.learned_steps,
                 "learned_gain": self.gate.gain, "learned_cost": self.gate.cost,
-                "draft_bar": self.budget.bar, "drafts_sent": self.drafts_sent,
+                "draft_bar": self.budget.bar, "drafting_bar": self.budget.drafting_bar,
+                "drafts_sent": self.drafts_sent,
                 "drafts_withheld": self.drafts_withheld,
                 "acceptance_by_source": {src: [round(a, 3) for a in self.budget.alpha(src)]
                                          for src in sorted(self.budget.reached)}}
