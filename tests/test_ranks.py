@@ -49,7 +49,10 @@ def config(rank: int) -> LearnerConfig:
 
 
 def rank_body(rank: int, port: int, folder: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # the store is hosted by the test process, as torchrun's agent hosts it in production: a rank
+    # that exits first then never tears it down under the other (a race that aborted a rank once
+    # in a full CI run: "terminate called without an active exception")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="true")
     torch.set_num_threads(1)
     group = RankGroup(RankInfo(rank, 2, rank), pin_cores=False)
     model = drafter(seed=rank)  # different starts: DDP must begin both from rank 0's
@@ -88,12 +91,14 @@ def outcome(tmp_path_factory) -> dict[int, dict]:
     folder = tmp_path_factory.mktemp("ranks")
     context = mp.get_context("spawn")
     port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
     ranks = [context.Process(target=rank_body, args=(rank, port, str(folder))) for rank in (0, 1)]
     for process in ranks:
         process.start()
     for process in ranks:
         process.join(timeout=240)
         assert process.exitcode == 0, f"a rank failed (exit code {process.exitcode})"
+    del store  # only once both ranks are gone
     return {rank: pickle.loads((folder / f"rank-{rank}.pkl").read_bytes()) for rank in (0, 1)}
 
 
