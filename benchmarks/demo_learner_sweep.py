@@ -1,16 +1,19 @@
-"""Choose the demo learner's online learning rate on validation code traffic, never on the demo's.
+"""Choose the demo learner's online settings on validation traffic, never on the demo's.
 
 The demo (`specd demo`) serves HumanEval problems `traffic.default_shift_traffic` picks and
 reports its adaptation curve on `traffic.default_held_out`'s; this sweep draws its problems from
-the rest of HumanEval (checked disjoint), so the setting it picks is not tuned on the figures it
-is then judged by. SmolLM2 answers them greedily with no drafter; the outputs become records (ids
-only: the learner recomputes features, equal to carried ones). Each arm is the service's own
-`Learner` with `DEMO_LEARNER`'s settings and one `feature_learning_rate`, starting from the
-shipped pretrained drafter, fed `--per-round` records at a time with `--steps-per-round` steps
-after each (the demo's learner makes about 2.5 steps a request), and replayed on the validation
-held-out records after every round (greedy, k = 4, exact). Reported per arm and seed: the curve,
-its mean over rounds after the first (how fast it adapts) and its last point. Writes JSON
-(default out/demo_learner_sweep.json; `--repeats`: seeds) and prints a markdown table.
+the rest of HumanEval (checked disjoint), and with `--chat-records N` first N ShareGPT chats the
+demo does not serve (and N more held out), so the settings it picks are not tuned on the figures
+they are then judged by. SmolLM2 answers them greedily with no drafter; the outputs become
+records (ids only: the learner recomputes features, equal to carried ones). Each arm is the
+service's own `Learner` with `DEMO_LEARNER`'s settings and one `feature_learning_rate` and
+`anchor_pull`, starting from the shipped pretrained drafter, fed `--per-round` records at a time
+(chats first, as in the demo) with `--steps-per-round` steps after each (the demo's learner makes
+about 2.5 steps a request), and replayed on the held-out records of each domain after every round
+(greedy, k = 4, exact). Reported per arm and seed: the curves, the code curve's mean over rounds
+after the first (how fast it adapts) and its last point, and the chat curve's last point (what
+learning cost the first domain). Writes JSON (default out/demo_learner_sweep.json; `--repeats`:
+seeds) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from common import markdown_table, parser, write_result
 
 from specd.core.records import TrajectoryRecord, validate_record
-from specd.core.traffic import TrafficItem, default_held_out, default_shift_traffic, load_humaneval
+from specd.core.traffic import TrafficItem, default_held_out, default_shift_traffic, load_humaneval, load_sharegpt
 from specd.demo.deployment import DEMO_LEARNER, DemoConfig, encode
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.engine.engine import Engine, EngineConfig
@@ -40,12 +43,13 @@ K = 4
 DEMO_REQUESTS = 40  # `specd demo`'s default traffic: what this sweep must never draw from
 
 
-def validation_items(count: int) -> list[TrafficItem]:
-    """HumanEval problems that the default demo neither serves nor holds out."""
-    demo = {i.prompt for i in default_shift_traffic(DEMO_REQUESTS) + default_held_out(DEMO_REQUESTS)}
-    rest = [i for i in load_humaneval(10**6, seed=1) if i.prompt not in demo]
+def validation_items(count: int, domain: str = "humaneval") -> list[TrafficItem]:
+    """HumanEval problems (or ShareGPT chats) that the default demo neither serves nor holds out."""
+    demo = default_shift_traffic(DEMO_REQUESTS) + default_held_out(DEMO_REQUESTS)
+    pool = load_humaneval(10**6, seed=1) if domain == "humaneval" else load_sharegpt(max(count, 1) * 8, seed=1)
+    rest = [i for i in pool if i not in demo]
     if len(rest) < count:
-        raise SystemExit(f"only {len(rest)} HumanEval problems lie outside the demo's, {count} asked for")
+        raise SystemExit(f"only {len(rest)} {domain} items lie outside the demo's, {count} asked for")
     return rest[:count]
 
 
@@ -59,44 +63,51 @@ def make_records(loaded: LoadedTarget, items: list[TrafficItem], max_tokens: int
             for s in seqs]
 
 
-def run_arm(loaded: LoadedTarget, learning_rate: float, seed: int, train: list[TrajectoryRecord],
-            held_out: list[TrajectoryRecord], per_round: int, steps_per_round: int) -> dict[str, Any]:
+def run_arm(loaded: LoadedTarget, learning_rate: float, anchor_pull: float, seed: int,
+            train: list[TrajectoryRecord], held_out: dict[str, list[TrajectoryRecord]], per_round: int,
+            steps_per_round: int) -> dict[str, Any]:
     torch.manual_seed(seed)
     initial = initial_model(loaded.model, DrafterSpec(), seed=seed, fingerprint=loaded.fingerprint)
     # the demo's settings; the gate and publishing are off: this sweep holds out its own records
-    config = replace(DEMO_LEARNER, feature_learning_rate=learning_rate, duty_cycle=1.0, seed=seed,
-                     holdout_every=10**9, publish_every_steps=10**9, publish_every_seconds=math.inf)
+    config = replace(DEMO_LEARNER, feature_learning_rate=learning_rate, anchor_pull=anchor_pull, duty_cycle=1.0,
+                     seed=seed, holdout_every=10**9, publish_every_steps=10**9, publish_every_seconds=math.inf)
     embedding = loaded.model.embed.weight
     with tempfile.TemporaryDirectory(prefix="demo-sweep-") as tmp:
         learner = Learner(config, InProcessBus(), WeightStore(tmp), initial, loaded.fingerprint, embedding.dtype,
                           embedding, target=loaded.model)
 
-        def evaluate() -> float:
+        def evaluate() -> dict[str, float]:
             learner.model.eval()
             try:
-                return learner.simulated_accept_length(learner.model, held_out)
+                return {domain: learner.simulated_accept_length(learner.model, records)
+                        for domain, records in held_out.items() if records}
             finally:
                 learner.model.train()
 
-        curve = [evaluate()]
+        curves: dict[str, list[float]] = {domain: [value] for domain, value in evaluate().items()}
         for start in range(0, len(train), per_round):
             for record in train[start:start + per_round]:
                 learner.bus.publish(record.to_dict())
             learner.intake()
             for _ in range(steps_per_round):
                 learner.train_step()
-            curve.append(evaluate())
-            print(f"  lr {learning_rate:g} seed {seed}: {start + per_round} records, accept length {curve[-1]:.3f}",
-                  flush=True)
-    return {"learning_rate": learning_rate, "seed": seed, "curve": curve,
-            "mean_after_first_round": statistics.fmean(curve[1:]), "last": curve[-1]}
+            for domain, value in evaluate().items():
+                curves[domain].append(value)
+            print(f"  lr {learning_rate:g} pull {anchor_pull:g} seed {seed}: {start + per_round} records, "
+                  + ", ".join(f"{d} {c[-1]:.3f}" for d, c in curves.items()), flush=True)
+    code = curves["humaneval"]
+    return {"learning_rate": learning_rate, "anchor_pull": anchor_pull, "seed": seed, "curve": code,
+            "curves": curves, "mean_after_first_round": statistics.fmean(code[1:]), "last": code[-1]}
 
 
 def main() -> None:
     p = parser(__doc__, "out/demo_learner_sweep.json", 1)
     p.add_argument("--rates", default="5e-5,1.5e-4,5e-4,1.5e-3", help="feature learning rates to compare")
+    p.add_argument("--anchor-pulls", default="0", help="anchor_pull settings to compare (each with every rate)")
     p.add_argument("--records", type=int, default=20, help="training records (the demo serves 20 of code)")
     p.add_argument("--held-out", type=int, default=12)
+    p.add_argument("--chat-records", type=int, default=0,
+                   help="chat records trained on before the code ones (the demo serves 20), and as many held out")
     p.add_argument("--per-round", type=int, default=4)
     p.add_argument("--steps-per-round", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=DemoConfig.max_tokens)
@@ -106,21 +117,27 @@ def main() -> None:
     loaded = LoadedTarget.load()
     items = validation_items(args.records + args.held_out)
     records = make_records(loaded, items, args.max_tokens)
-    train, held_out = records[:args.records], records[args.records:]
-    arms = [run_arm(loaded, float(rate), seed, train, held_out, args.per_round, args.steps_per_round)
-            for seed in range(args.repeats) for rate in args.rates.split(",")]
+    chat_items = validation_items(2 * args.chat_records, "sharegpt")
+    chat = make_records(loaded, chat_items, args.max_tokens) if chat_items else []
+    train = chat[:args.chat_records] + records[:args.records]
+    held_out = {"humaneval": records[args.records:], "sharegpt": chat[args.chat_records:]}
+    arms = [run_arm(loaded, float(rate), float(pull), seed, train, held_out, args.per_round, args.steps_per_round)
+            for seed in range(args.repeats) for pull in args.anchor_pulls.split(",") for rate in args.rates.split(",")]
     rows = []
-    for rate in sorted({a["learning_rate"] for a in arms}):
-        mine = [a for a in arms if a["learning_rate"] == rate]
-        rows.append([f"{rate:g}", f"{mine[0]['curve'][0]:.3f}",
+    for setting in sorted({(a["learning_rate"], a["anchor_pull"]) for a in arms}):
+        mine = [a for a in arms if (a["learning_rate"], a["anchor_pull"]) == setting]
+        chat_last = [a["curves"]["sharegpt"][-1] for a in mine if "sharegpt" in a["curves"]]
+        rows.append([f"{setting[0]:g}", f"{setting[1]:g}", f"{mine[0]['curve'][0]:.3f}",
                      f"{statistics.fmean(a['mean_after_first_round'] for a in mine):.3f}",
                      f"{statistics.fmean(a['last'] for a in mine):.3f}",
-                     " / ".join(f"{a['last']:.3f}" for a in mine)])
-    print(markdown_table(["feature lr", "day 0", "mean over rounds", "last", "last per seed"], rows))
+                     " / ".join(f"{a['last']:.3f}" for a in mine),
+                     f"{statistics.fmean(chat_last):.3f}" if chat_last else "-"])
+    print(markdown_table(["feature lr", "anchor pull", "day 0", "mean over rounds", "last", "last per seed",
+                          "chat last"], rows))
     write_result(args.out, args, {
-        "validation_problems": len(items), "records": len(train), "held_out": len(held_out), "k": K,
-        "per_round": args.per_round, "steps_per_round": args.steps_per_round, "max_tokens": args.max_tokens,
-        "arms": arms})
+        "validation_problems": len(items), "chat_records": args.chat_records, "records": len(train),
+        "held_out": {d: len(r) for d, r in held_out.items()}, "k": K, "per_round": args.per_round,
+        "steps_per_round": args.steps_per_round, "max_tokens": args.max_tokens, "arms": arms})
 
 
 if __name__ == "__main__":

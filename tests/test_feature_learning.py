@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specd.core.errors import ConfigurationError
 from specd.core.records import FeatureBlock, StepRecord, TrajectoryRecord, validate_record
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.hotswap.store import WeightStore
@@ -110,6 +111,36 @@ def test_feature_drafter_reaches_high_acceptance_from_day_0(tmp_path: Path, targ
     assert before < 1.5, before
     assert feature_after >= 3.0, (before, feature_after)
 
+
+
+def test_an_anchored_learner_is_pulled_back_toward_the_version_it_started_from_or_adopted(tmp_path: Path,
+                                                                                             target) -> None:
+    train = greedy_records(target, 16, seed=0)
+    start = fresh_feature_drafter(target)
+    adopted = fresh_feature_drafter(target, seed=1)
+    pull = 0.25
+    free, anchored = (new_learner(tmp_path / name, target, start.clone(), train, anchor_pull=a)
+                      for name, a in (("free", 0.0), ("anchored", pull)))
+
+    def one_step_each(anchor: FeatureDrafterModel) -> None:
+        free.train_step()
+        anchored.train_step()
+        # the same batch and optimiser state, so the same step; the anchored one then moves a quarter
+        # of the way back to its anchor
+        anchor_weights, free_weights = dict(anchor.named_parameters()), dict(free.model.named_parameters())
+        for name, weight in anchored.model.named_parameters():
+            expected = torch.lerp(free_weights[name], anchor_weights[name].float(), pull)
+            assert torch.allclose(weight, expected, atol=1e-6), name
+
+    one_step_each(start)
+    for learner in (free, anchored):
+        assert learner.trainer.take_weights(adopted.clone())
+    one_step_each(adopted)
+
+
+def test_anchor_pull_outside_0_to_1_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="anchor_pull"):
+        LearnerConfig(anchor_pull=1.0)
 
 
 def test_a_learner_under_bf16_autocast_learns_as_well(tmp_path: Path, target) -> None:

@@ -30,6 +30,10 @@ class LearnerConfig:
     feature_window: int = 256
     feature_prompt_weight: float = 0.5  # prompt positions carry the target's real features and labels too
     unroll: int = 3                      # drafting steps trained per position (feature drafter)
+    # after every step each weight moves this share of the way back to the version training started
+    # from (or last adopted): a few dozen records then bend the drafter without wearing away what
+    # pretraining taught it (0: off)
+    anchor_pull: float = 0.0
     # half of every batch comes from the newest records, so that a shift in traffic is learned
     # within steps, not after the buffer has turned over (the rest keeps older knowledge)
     recent_share: float = 0.5
@@ -63,6 +67,8 @@ class LearnerConfig:
             raise ConfigurationError(f"duty_cycle must be in (0, 1], got {self.duty_cycle}")
         if self.batch_size < 1 or self.window < 2:
             raise ConfigurationError("batch_size must be at least 1 and window at least 2")
+        if not 0 <= self.anchor_pull < 1:
+            raise ConfigurationError(f"anchor_pull must be in [0, 1), got {self.anchor_pull}")
         if self.holdout_every < 1:
             raise ConfigurationError(f"holdout_every must be at least 1, got {self.holdout_every}")
         if self.precision not in ("float32", "bfloat16"):

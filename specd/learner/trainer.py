@@ -85,6 +85,7 @@ class Trainer:
         self.objective, self.buffer_capacity = plan.objective, plan.buffer_capacity
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=plan.learning_rate, weight_decay=0.0)
+        self._params: list[torch.Tensor] = list(params)
         self.rng = random.Random(config.seed)
         self._staleness: dict[str, Any] | None = None
         self.weights_epoch = 0   # adoptions of other weights: rank 0's count tells the others to follow
@@ -92,6 +93,8 @@ class Trainer:
         # buffers (the target's embedding) never change: no broadcast of them at every step
         self._loss: torch.nn.Module = loss if group is None else DistributedDataParallel(
             loss, forward_sync_buffers=False)
+        # taken after DistributedDataParallel's broadcast: every rank anchors to rank 0's weights
+        self._anchor = self._copy_of(self._params) if config.anchor_pull > 0 else None
 
     def batch(self, buffered: Sequence[TrajectoryRecord]) -> list[TrajectoryRecord]:
         cfg = self.config
@@ -109,6 +112,9 @@ class Trainer:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
+        if self._anchor is not None:
+            with torch.no_grad():
+                torch._foreach_lerp_(self._params, self._anchor, self.config.anchor_pull)
         stats.steps += 1
         stats.tokens_trained += num_tokens
         stats.records_trained += len(records)
@@ -138,5 +144,11 @@ class Trainer:
         if type(restored) is not type(self.model) or restored.config != self.model.config:
             return False
         self.model.load_state_dict(restored.float().state_dict())
+        if self._anchor is not None:
+            self._anchor = self._copy_of(self._params)
         self.weights_epoch += 1
         return True
+
+    @staticmethod
+    def _copy_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in params]
