@@ -103,7 +103,8 @@ def run_arm(loaded: LoadedTarget, learning_rate: float, anchor_pull: float, seed
 def main() -> None:
     p = parser(__doc__, "out/demo_learner_sweep.json", 1)
     p.add_argument("--rates", default="5e-5,1.5e-4,5e-4,1.5e-3", help="feature learning rates to compare")
-    p.add_argument("--anchor-pulls", default="0", help="anchor_pull settings to compare (each with every rate)")
+    p.add_argument("--anchor-pulls", default=f"{DEMO_LEARNER.anchor_pull:g}",
+                   help="anchor_pull settings to compare (each with every rate; default the demo's)")
     p.add_argument("--records", type=int, default=20, help="training records (the demo serves 20 of code)")
     p.add_argument("--held-out", type=int, default=12)
     p.add_argument("--chat-records", type=int, default=0,
