@@ -96,7 +96,8 @@ class PretrainConfig:
 
 # The shipped drafter's recipe: `specd pretrain --recipe shipped` remakes it from nothing.
 RECIPES: dict[str, PretrainConfig] = {
-    "shipped": PretrainConfig(data="distilled", steps=2000, eval_every=100, distill=DistillConfig(rounds=3)),
+    "shipped": PretrainConfig(data="distilled", prompt_weight=0.0, steps=2500, eval_every=100,
+                              distill=DistillConfig(rounds=3)),
 }
 
 
