@@ -1,17 +1,17 @@
 """The trainer: one optimiser step on a batch of buffered trajectories, per drafter architecture.
 
-Contract: `TRAINING` maps each drafter architecture to how it is trained online (`TrainingPlan`:
-its objective, buffer size and step size, and which weights train); `Trainer(model, config,
-target)` owns the float32 training copy, its optimiser and the seeded batch sampler. A batch takes
+Contract: `TRAINING` maps each drafter architecture to how it is trained online (`TrainingPlan`: its
+objective, buffer size and step size, and which weights train); `Trainer(model, config, target)`
+owns the float32 training copy, its optimiser and the seeded batch sampler. A batch takes
 `recent_share` of its records from the newest `recent_records` and the rest from the whole buffer,
 so that a shift in traffic is learned within steps; with `anchor_pull` each step ends by moving
-every weight that share of the way back to the weights training started from or last adopted.
-`step` counts into the learner's stats and notes how stale the batch was (record age and versions behind the live one). `take_weights` loads
-another version's weights when they fit this architecture and shape (an adopted live version)
-and counts the adoption (`weights_epoch`). With a `RankGroup` (data-parallel ranks), the loss
-runs under DistributedDataParallel: its construction starts every rank from rank 0's weights and
-each backward pass averages the gradients of all ranks' batches, so every rank takes the same
-optimiser step.
+every weight that share of the way back to the weights training started from or last adopted. `step`
+counts into the learner's stats and notes how stale the batch was (record age and versions behind
+the live one). `take_weights` loads another version's weights when they fit this architecture and
+shape (an adopted live version) and counts the adoption (`weights_epoch`). With a `RankGroup` (data-
+parallel ranks), the loss runs under DistributedDataParallel: its construction starts every rank
+from rank 0's weights and each backward pass averages the gradients of all ranks' batches, so every
+rank takes the same optimiser step.
 """
 
 from __future__ import annotations
