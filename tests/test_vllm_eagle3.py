@@ -46,6 +46,7 @@ MAX_TOKENS = 48
 VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "1024",
              "--kv-cache-memory-bytes", str(2**30)]
 TOKEN = "secret"
+NEAR_TIE = 0.15  # a near tie, as a fraction of a logit row's standard deviation
 
 
 @pytest.fixture(scope="module")
@@ -160,20 +161,30 @@ def test_vllms_drafts_are_what_specds_own_drafter_computes(eagle3: VllmServer, s
         ask_all(eagle3, PROMPTS[:3], MAX_TOKENS)
     model = load_pretrained(SHIPPED_DRAFTER, smollm2.model, smollm2.fingerprint).float()
     same = total = 0
+    misses = []  # (vLLM's draft is specd's runner-up, its logit's gap below the best in units of the row's spread)
     for record in eagle3.rpc("specd_recent_records", "3"):
         tokens = torch.tensor(record["prompt_ids"] + record["output_ids"])
         features = smollm2.model.train_features(tokens[None], model.config.capture_layers).float()
         # vLLM drafts chains of 4 from the target's states: specd's training unroll computes every chain
         # that follows the true tokens, i.e. each draft whose earlier drafts were all accepted
         outputs = model.unrolled(features[:, :-1], tokens[None, 1:], 4)
-        predicted = [model.draft_ids[model.logits(state[0]).argmax(-1)] for state in outputs]
+        logits = [model.logits(state[0]) for state in outputs]
         for step in record["steps"]:
             length = step["position"]
             for j, draft in enumerate(step["drafts"][:step["num_accepted"] + 1]):
-                if length - 2 + j < len(predicted[j]):
+                if length - 2 + j < len(logits[j]):
+                    row = logits[j][length - 2 + j]
+                    best, runner_up = model.draft_ids[row.topk(2).indices].tolist()
                     total += 1
-                    same += int(predicted[j][length - 2 + j]) == draft
-    assert total > 50 and same >= 0.98 * total, (same, total)  # (all of them here; float ties aside)
+                    same += best == draft
+                    if best != draft:
+                        values = row.topk(2).values
+                        misses.append((runner_up == draft, float((values[0] - values[1]) / row.std())))
+    # float32 rounding differs between vLLM's kernels and specd's and grows along a chain, so a near tie may go
+    # either way (measured: 2 of 99, both specd's runner-up, 0.02 and 0.07 of the row's spread below the best);
+    # a wrong feature layer or offset would disagree far more often and far more widely
+    assert total > 50 and same >= 0.95 * total, (same, total, misses)
+    assert all(runner_up and gap < NEAR_TIE for runner_up, gap in misses), misses
 
 
 def test_hybrid_drafting_mixes_context_and_eagle3_rows_in_one_step_and_outputs_stay_vllms(eagle3: VllmServer,
