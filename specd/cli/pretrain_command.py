@@ -36,8 +36,8 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--greedy-only", action="store_true", default=None,
                    help="distilled: train on the greedy answers only, not the sampled ones")
     p.add_argument("--prompt-weight", type=float, default=None,
-                   help="distilled: label weight of prompt positions (the recipe's 0.2; 0 trains on the answers "
-                        "alone and skips the prompts' cost)")
+                   help="distilled: label weight of prompt positions (default 0.2; the shipped recipe's 0 trains "
+                        "on the answers alone and skips the prompts' cost)")
     p.add_argument("--distill-rounds", type=int, default=None,
                    help="distilled: answers generated per prompt (the recipe's rounds; fewer reads the first ones)")
     p.add_argument("--steps", type=int, default=None)
