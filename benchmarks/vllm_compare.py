@@ -69,21 +69,29 @@ Prompt = tuple[str, str]  # (domain, text)
 
 
 def prompt_sets(args: Any) -> tuple[list[Prompt], list[dict[int, list[Prompt]]]]:
-    """Warm-up prompts and, per round, per batch, measured prompts: all disjoint, half code, half chat."""
+    """Warm-up prompts and, per round, per batch, measured prompts: all disjoint, half code, half chat.
+    A batch size gets at least as many prompts as it keeps in flight (`requests_at`)."""
     code = [("code", content(i)) for i in load_humaneval(164, seed=1)]
     chat = [("chat", text) for text in dict.fromkeys(content(i) for i in load_sharegpt(400, seed=1))]
-    half, warm_half = args.requests // 2, args.warmup // 2
-    if warm_half + half * len(BATCHES) * args.repeats > min(len(code), len(chat)):
+    warm_half = args.warmup // 2
+    halves = {batch: requests_at(args.requests, batch) // 2 for batch in BATCHES}
+    if warm_half + sum(halves.values()) * args.repeats > min(len(code), len(chat)):
         raise SystemExit("not enough distinct prompts for these --requests, --warmup and --repeats")
     warm = [p for pair in zip(code[:warm_half], chat[:warm_half], strict=True) for p in pair]
     rounds, at = [], warm_half
     for _ in range(args.repeats):
         sets = {}
-        for batch in BATCHES:
+        for batch, half in halves.items():
             sets[batch] = [p for pair in zip(code[at:at + half], chat[at:at + half], strict=True) for p in pair]
             at += half
         rounds.append(sets)
     return warm, rounds
+
+
+def requests_at(requests: int, batch: int) -> int:
+    """Measured requests per round at `batch`: `--requests`, but never fewer than the batch keeps in
+    flight (runs before this rule measured "batch 8" with 4 requests, so 4 in flight)."""
+    return max(requests, batch + batch % 2)
 
 
 def base_of(key: str, base: str) -> str:
@@ -264,7 +272,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
     return {"runs": runs, "summary": summary, "ratios": ratios, "versus_frozen": versus_frozen,
             "versus_best_static_peer": versus_best,
             "warmup": warmups,
-            "errors": fleet.errors, "prompts_per_batch": args.requests,
+            "errors": fleet.errors, "prompts_per_batch": {f"b{b}": requests_at(args.requests, b) for b in BATCHES},
             "specd": {name: fleet.servers[name].rpc("specd_status") for name in fleet.servers
                       if name.startswith("specd")},
             "learners": {name: get_json(learner.url + "/health") for name, learner in fleet.learners.items()}}
@@ -273,7 +281,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
 def main() -> None:
     p = parser(__doc__, "out/vllm_compare.json", repeats=3)
     p.add_argument("--requests", type=int, default=8,
-                   help="measured requests per batch and round (half code, half chat)")
+                   help="measured requests per batch and round (half code, half chat; at least the batch size)")
     p.add_argument("--warmup", type=int, default=32, help="warm-up requests every server answers first")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens for every drafter (default 4)")
@@ -299,6 +307,12 @@ def main() -> None:
     print(markdown(result, path.parent, path.stem))
 
 
+def prompts_of(result: dict[str, Any], key: str) -> int:
+    """Measured prompts per round of a 'config bN' key (one count for every batch in older files)."""
+    counts = result["prompts_per_batch"]
+    return counts[key.rsplit(" ", 1)[1]] if isinstance(counts, dict) else counts
+
+
 def markdown(result: dict[str, Any], out: Path, name: str = "vllm_compare") -> str:
     rows = []
     for key, s in result["summary"].items():
@@ -308,7 +322,7 @@ def markdown(result: dict[str, Any], out: Path, name: str = "vllm_compare") -> s
                      cell(ratios.get(f"{key} / {base_of(key, 'plain')}"), 2),
                      cell(ratios.get(f"{key} / {base_of(key, 'ngram')}"), 2),
                      cell(s["accept_length"], 2), cell(s["accept_length_code"], 2), cell(s["accept_length_chat"], 2),
-                     f"{same['min']:.0f} of {result['prompts_per_batch']}" if same["n"] else "–"])
+                     f"{same['min']:.0f} of {prompts_of(result, key)}" if same["n"] else "–"])
     text = markdown_table(["config, batch", "tokens/s", "× plain", "× n-gram", "accept length",
                            "code", "chat", "outputs = plain (worst round)"], rows)
     best = [[batch, v["best_static_peer"], cell(v["ratio"], 2)]
