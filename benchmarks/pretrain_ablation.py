@@ -9,7 +9,10 @@ shares the machine alike. Arms differ from the shipped recipe in one setting eac
 - `two_layers`: two drafter decoder layers instead of EAGLE-3's one (the second a plain Llama layer);
 - `greedy_only`: the greedy answers of the same generated data only (a quarter of it), not the sampled ones;
 - `answers_only`: prompt positions weigh 0 (the recipe's 0.2), so a step skips the prompts'
-  queries, chains and labels (their keys remain: answers attend to them) and covers more answers.
+  queries, chains and labels (their keys remain: answers attend to them) and covers more answers
+  (the recipe's own setting since f3802b9, so today the same as `shipped`);
+- `target_layer_init`: the drafter layer starts from the target's last layer (`--init target_layer`);
+- `lr_double`: learning rate 1.2e-3 instead of the recipe's 6e-4.
 Generated data and held-out sets are made once (`--share`: read from the shipped run's folder).
 An arm already run further (the shipped recipe's own folder, continued to its full length) is read,
 not rerun: its curve is compared at the same training seconds. `report` tabulates, for every arm,
@@ -39,6 +42,8 @@ ARMS: dict[str, list[str]] = {
     "two_layers": ["--recipe", "shipped", "--drafter-layers", "2"],
     "greedy_only": ["--recipe", "shipped", "--greedy-only"],
     "answers_only": ["--recipe", "shipped", "--prompt-weight", "0"],
+    "target_layer_init": ["--recipe", "shipped", "--init", "target_layer"],
+    "lr_double": ["--recipe", "shipped", "--lr", "1.2e-3"],
 }
 
 

@@ -26,7 +26,7 @@ import specd.offline.corpus as pretrain_data
 import specd.offline.pretrain as pretrain_module
 from specd.core.errors import CheckpointError, ConfigurationError
 from specd.drafter.checkpoint import load_drafter, read_metadata, save_drafter
-from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
+from specd.drafter.feature_model import FeatureDrafterModel, init_from_target_layer, new_feature_drafter
 from specd.drafter.pretrained import SHIPPED_DRAFTER, check_manifest, day0_feature_model
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.model.fingerprint import TargetFingerprint
@@ -337,6 +337,33 @@ def test_greedy_only_trains_on_the_greedy_answers_and_two_layers_make_a_two_laye
     model = load_drafter(tmp_path / "drafter.safetensors", loaded.fingerprint,
                          target_embedding=loaded.model.embed.weight)
     assert isinstance(model, FeatureDrafterModel) and model.config.num_layers == 2
+
+
+def test_a_drafter_started_from_the_targets_last_layer_holds_its_weights_and_trains_from_them(tmp_path: Path) -> None:
+    loaded = tiny_loaded_target()
+    target = loaded.model
+    last, hidden = target.blocks[-1], target.config.hidden_size
+    fresh = new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight, target.norm.weight,
+                                torch.arange(64))
+    started = init_from_target_layer(fresh.clone(), last)
+    assert torch.equal(started.attn.qkv.weight[:, hidden:], last.attn.qkv.weight.float())
+    assert torch.equal(started.attn.qkv.weight[:, :hidden], fresh.attn.qkv.weight[:, :hidden])  # the embedding half
+    assert torch.equal(started.mlp.gate_up.weight, last.mlp.gate_up.weight.float())
+    assert torch.allclose(started.mlp.down.weight, 0.1 * last.mlp.down.weight.float())
+    assert torch.allclose(started.attn.o.weight, 0.1 * last.attn.o.weight.float())
+    assert torch.equal(started.hidden_norm.weight, last.attn_norm.weight.float())
+    assert torch.equal(started.head.weight, fresh.head.weight) and torch.equal(started.fc.weight, fresh.fc.weight)
+
+    config = replace(TINY_PRETRAIN, steps=2, init="target_layer")
+    manifest = pretrain(loaded, config, tmp_path / "work", tmp_path / "drafter.safetensors", COMMAND)
+    assert manifest["settings"]["init"] == "target_layer" and manifest["steps"] == 2
+    trained = load_drafter(tmp_path / "drafter.safetensors", loaded.fingerprint, target_embedding=target.embed.weight)
+    assert isinstance(trained, FeatureDrafterModel)
+    # two small steps from the target's weights stay near them, far nearer than a random start is
+    gap = (trained.mlp.gate_up.weight - last.mlp.gate_up.weight.float()).norm()
+    assert gap < 0.2 * (fresh.mlp.gate_up.weight - last.mlp.gate_up.weight.float()).norm()
+    with pytest.raises(ValueError, match="init must be one of"):
+        replace(TINY_PRETRAIN, init="zeros")
 
 
 def test_a_work_folder_started_before_a_setting_existed_resumes_with_its_default(pretrained,

@@ -13,6 +13,7 @@ from specd.model.target import LoadedTarget
 
 PRETRAIN_FLAGS = {"data": "data", "conversations": "conversations", "max_length": "max_length",
                   "draft_vocab": "draft_vocab", "drafter_layers": "drafter_layers", "greedy_only": "greedy_only",
+                  "init": "init",
                   "prompt_weight": "prompt_weight",
                   "steps": "steps", "batch": "batch_size", "lr": "learning_rate", "unroll": "unroll",
                   "objective": "objective", "eval_every": "eval_every", "seed": "seed", "max_seconds": "max_seconds"}
@@ -33,6 +34,9 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=int, default=None, help="sharegpt: tokens kept per conversation")
     p.add_argument("--draft-vocab", type=int, default=None, help="ids the output head covers")
     p.add_argument("--drafter-layers", type=int, default=None, help="the drafter's decoder layers (default 1)")
+    p.add_argument("--init", choices=["random", "target_layer"], default=None,
+                   help="the drafter layer's starting weights: random (default), or the target's last layer's "
+                        "attention and MLP (output projections damped)")
     p.add_argument("--greedy-only", action="store_true", default=None,
                    help="distilled: train on the greedy answers only, not the sampled ones")
     p.add_argument("--prompt-weight", type=float, default=None,

@@ -338,3 +338,27 @@ def new_feature_drafter(target_config: ModelConfig, embedding: torch.Tensor, lm_
     finally:
         torch.random.set_rng_state(generator_state)
     return model.eval()
+
+
+def init_from_target_layer(model: FeatureDrafterModel, block: Block, damping: float = 0.1) -> FeatureDrafterModel:
+    """Start the drafter's (first) decoder layer from a target layer's weights, in place: the state
+    half of its attention input, its attention and its MLP take `block`'s (the target's last layer:
+    the state starts as that layer's residual stream), with the two output projections scaled by
+    `damping`, so that day 0 still predicts what `new_feature_drafter` predicts while training starts
+    from the target's own attention and MLP features instead of noise. The embedding half of the
+    attention input stays as it was."""
+    hidden = model.config.hidden_size
+    attn, source = model.attn, block.attn
+    if tuple(source.qkv.weight.shape) != (attn.qkv.weight.shape[0], hidden) \
+            or tuple(block.mlp.gate_up.weight.shape) != tuple(model.mlp.gate_up.weight.shape):
+        raise ValueError("the target layer's shape differs from the drafter's layer")
+    with torch.no_grad():
+        attn.qkv.weight[:, hidden:].copy_(source.qkv.weight.float())
+        if attn.qkv.bias is not None and source.qkv.bias is not None:
+            attn.qkv.bias.copy_(source.qkv.bias.float())
+        model.hidden_norm.weight.copy_(block.attn_norm.weight.float())
+        attn.o.weight.copy_(source.o.weight.float() * damping)
+        model.post_norm.weight.copy_(block.mlp_norm.weight.float())
+        model.mlp.gate_up.weight.copy_(block.mlp.gate_up.weight.float())
+        model.mlp.down.weight.copy_(block.mlp.down.weight.float() * damping)
+    return model

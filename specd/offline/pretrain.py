@@ -36,7 +36,12 @@ from tqdm import tqdm
 from specd.core.errors import ConfigurationError
 from specd.core.traffic import EVALUATION_START, TRAINING_RANGE, VALIDATION_RANGE
 from specd.drafter.checkpoint import save_drafter
-from specd.drafter.feature_model import FeatureDrafterConfig, FeatureDrafterModel, new_feature_drafter
+from specd.drafter.feature_model import (
+    FeatureDrafterConfig,
+    FeatureDrafterModel,
+    init_from_target_layer,
+    new_feature_drafter,
+)
 from specd.learner.feature_signal import collate, feature_loss, label_rows
 from specd.learner.simulation import simulated_counts
 from specd.model.target import DTYPES, LoadedTarget
@@ -54,6 +59,9 @@ from specd.offline.distill import DistillConfig
 log = logging.getLogger(__name__)
 
 
+INITS = ("random", "target_layer")
+
+
 @dataclass(frozen=True)
 class PretrainConfig:
     data: str = "distilled"        # "distilled" (the target's own responses) or "sharegpt" (ShareGPT's text)
@@ -63,6 +71,7 @@ class PretrainConfig:
     greedy_only: bool = False      # distilled: train on the greedy answers only (all are generated)
     draft_vocab: int = 8192
     drafter_layers: int = 1        # decoder layers of the drafter (EAGLE-3: one)
+    init: str = "random"           # the first layer's start: "random", or "target_layer" (the target's last)
     steps: int = 4000
     batch_size: int = 8
     learning_rate: float = 6e-4
@@ -83,6 +92,8 @@ class PretrainConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
         if self.precision not in ("bfloat16", "float32"):
             raise ValueError(f"precision must be bfloat16 or float32, got {self.precision!r}")
         if self.data not in SOURCES:
@@ -290,6 +301,8 @@ def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path
     model = from_model or new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight,
                                               target.norm.weight, corpus.draft_ids, seed=config.seed,
                                               num_layers=config.drafter_layers)
+    if from_model is None and config.init == "target_layer":
+        init_from_target_layer(model, target.blocks[-1])
     held_out = held_out_sets(loaded, config, capture, work)
     rows = label_rows(target.lm_head.weight, model.draft_ids, target.norm.weight)
     trainer = Trainer(model, rows, config, work)
