@@ -27,7 +27,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -45,6 +45,7 @@ from specd.drafter.feature_model import (
 from specd.learner.feature_signal import collate, feature_loss, label_rows
 from specd.learner.simulation import simulated_counts
 from specd.model.target import DTYPES, LoadedTarget
+from specd.model.transformer import Block
 from specd.offline.corpus import (
     SOURCES,
     HeldOut,
@@ -302,7 +303,7 @@ def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path
                                               target.norm.weight, corpus.draft_ids, seed=config.seed,
                                               num_layers=config.drafter_layers)
     if from_model is None and config.init == "target_layer":
-        init_from_target_layer(model, target.blocks[-1])
+        init_from_target_layer(model, cast(Block, target.blocks[-1]))
     held_out = held_out_sets(loaded, config, capture, work)
     rows = label_rows(target.lm_head.weight, model.draft_ids, target.norm.weight)
     trainer = Trainer(model, rows, config, work)
