@@ -344,7 +344,7 @@ def init_from_target_layer(model: FeatureDrafterModel, block: Block, damping: fl
     """Start the drafter's (first) decoder layer from a target layer's weights, in place: the state
     half of its attention input, its attention and its MLP take `block`'s (the target's last layer:
     the state starts as that layer's residual stream), with the two output projections scaled by
-    `damping`, so that day 0 still predicts what `new_feature_drafter` predicts while training starts
+    `damping`, so that day 0 stays near what `new_feature_drafter` predicts while training starts
     from the target's own attention and MLP features instead of noise. The embedding half of the
     attention input stays as it was."""
     hidden = model.config.hidden_size
