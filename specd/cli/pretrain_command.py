@@ -20,7 +20,7 @@ PRETRAIN_FLAGS = {"data": "data", "conversations": "conversations", "max_length"
 
 
 def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
-    from specd.offline.pretrain import RECIPES
+    from specd.offline.pretrain import INITS, RECIPES
 
     p = sub.add_parser("pretrain", help="train a feature drafter offline (by default on the target's own responses)")
     p.add_argument("--out", required=True, help="the version file to write (a .json manifest goes beside it)")
@@ -34,7 +34,7 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=int, default=None, help="sharegpt: tokens kept per conversation")
     p.add_argument("--draft-vocab", type=int, default=None, help="ids the output head covers")
     p.add_argument("--drafter-layers", type=int, default=None, help="the drafter's decoder layers (default 1)")
-    p.add_argument("--init", choices=["random", "target_layer"], default=None,
+    p.add_argument("--init", choices=INITS, default=None,
                    help="the drafter layer's starting weights: random (default), or the target's last layer's "
                         "attention and MLP (output projections damped)")
     p.add_argument("--greedy-only", action="store_true", default=None,
