@@ -296,10 +296,31 @@ def test_calibrated_costs_freeze_the_medians_of_their_samples_not_a_running_aver
         costs.observe(k, draft, verify, weight=0.1)
     assert costs.verify_seconds[2] > 0.3  # the running average still follows the first sample
     frozen = costs.frozen_copy()
-    assert frozen.frozen and frozen.verify_seconds == {2: 0.1, 0: 0.08, 4: 0.12}
+    assert frozen.frozen and frozen.measured_verify_seconds == {0: 0.08, 2: 0.1, 4: 0.12}
+    assert frozen.verify_seconds == pytest.approx({0: 0.08, 2: 0.1, 4: 0.12})  # on a line already
     assert frozen.draft_seconds == pytest.approx(0.01)  # per drafted position
     frozen.observe(1, 0.5, 0.5, weight=1.0)
-    assert frozen.verify_seconds == {2: 0.1, 0: 0.08, 4: 0.12}
+    assert frozen.verify_seconds == pytest.approx({0: 0.08, 2: 0.1, 4: 0.12})
+
+
+def test_one_ks_burst_of_load_does_not_make_that_k_look_dearer_than_the_line_of_the_others() -> None:
+    from specd.engine.lookahead import LookaheadCosts
+
+    costs = LookaheadCosts(keep_samples=True)
+    true = {0: 0.08, 1: 0.09, 2: 0.10, 3: 0.11, 4: 0.12}
+    for k, seconds in true.items():
+        for _ in range(5):  # every sample of k = 2 caught a burst of load
+            costs.observe(k, 0.01 * k, seconds * (1.6 if k == 2 else 1.0), weight=0.1)
+    frozen = costs.frozen_copy()
+    assert frozen.measured_verify_seconds[2] == pytest.approx(0.16)
+    assert frozen.verify_seconds == pytest.approx(true)
+
+
+def test_the_calibration_sweep_drafts_every_k_in_turn() -> None:
+    from specd.engine.lookahead import CalibrationSweep, LookaheadCosts
+
+    sweep = CalibrationSweep(3, LookaheadCosts())
+    assert [sweep.choose(version=1) for _ in range(9)] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
 
 
 def test_adaptive_lookahead_stays_lossless_when_it_changes_k() -> None:

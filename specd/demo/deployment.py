@@ -41,7 +41,7 @@ from specd.drafter.checkpoint import clone_drafter, load_drafter
 from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
 from specd.drafter.swap import ServingDrafter
 from specd.engine.engine import Engine, EngineConfig
-from specd.engine.lookahead import LookaheadConfig, LookaheadController, LookaheadCosts
+from specd.engine.lookahead import CalibrationSweep, LookaheadCosts
 from specd.engine.request import SamplingParams, Sequence, record_from_sequence
 from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import LocalStore, Swapper
@@ -161,23 +161,26 @@ def serve_round(run: ModeRun, number: int, domain: str, indices: list[int], item
 
 
 CALIBRATION_TOKENS = 16   # new tokens per calibration request
+CALIBRATION_STEPS_PER_K = 20  # about this many steps of a full batch at each k
 
 
 def calibrated_costs(loaded: LoadedTarget, drafter: ServingDrafter, prompts: list[list[int]],
                      config: DemoConfig) -> LookaheadCosts:
     """Step costs at every k from 0 to config.k on this machine, measured once and frozen: the
-    cost model both speculative modes choose k by. A first sweep over k warms up; the second
-    measures, and the medians of its steps are frozen. Twice `max_batch` requests keep the batch
-    full but for the last few steps, which the median ignores."""
+    cost model both speculative modes choose k by. Each of two sweeps drafts k = 0..config.k in
+    turn, a step each (`CalibrationSweep`), over enough requests to keep the batch full for about
+    `CALIBRATION_STEPS_PER_K` steps at every k; the first warms up, the second measures, and the
+    line through its medians is frozen (`LookaheadCosts.frozen_copy`)."""
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=config.max_batch, num_draft_tokens=config.k,
                                                         eos_token_ids=loaded.eos_token_ids))
+    # requests x tokens = steps x rows x tokens a step (about 2)
+    requests = max(1, (config.k + 1) * CALIBRATION_STEPS_PER_K * config.max_batch * 2 // CALIBRATION_TOKENS)
     for costs in (LookaheadCosts(), LookaheadCosts(keep_samples=True)):  # warm-up, then measured
-        for k in range(config.k + 1):
-            engine.lookahead = LookaheadController(LookaheadConfig(max_k=k, adaptive=False), costs)
-            for ids in prompts[:2 * config.max_batch]:
-                engine.add_request(ids, SamplingParams(max_tokens=CALIBRATION_TOKENS))
-            while engine.has_work:
-                engine.step()
+        engine.lookahead = CalibrationSweep(config.k, costs)
+        for i in range(requests):
+            engine.add_request(prompts[i % len(prompts)], SamplingParams(max_tokens=CALIBRATION_TOKENS))
+        while engine.has_work:
+            engine.step()
     return costs.frozen_copy()
 
 
@@ -259,7 +262,8 @@ def _run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig
                   "versions": versions_served(requests["adaptive"], None)},
         "learner": learner_info,
         "lookahead_costs": None if costs is None else {"draft_seconds": costs.draft_seconds,
-                                                       "verify_seconds": costs.verify_seconds},
+                                                       "verify_seconds": costs.verify_seconds,
+                                                       "measured_verify_seconds": costs.measured_verify_seconds},
         "k_choices": {mode: runs[mode].step_k for mode in ("adaptive", "static")},
         "adaptation": (adaptation_curve(loaded, store, held_out, runs["adaptive"].sent, second, config.k,
                                         config.max_tokens, encode) if held_out else None),

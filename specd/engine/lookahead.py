@@ -13,9 +13,11 @@ the acceptance estimate from an optimistic prior, so fresh weights get a fair tr
 confidence-aware controller is the inspiration; this one only uses running averages.
 The costs live in a `LookaheadCosts` of their own: engines that are compared (the demo's adaptive
 and static modes) can share one, frozen after a calibration, so that they choose a different k
-only because their drafters are accepted differently. A calibration keeps every sample
-(`keep_samples`) and freezes their medians: a running average of a few steps follows its first
-samples and this machine's noise.
+only because their drafters are accepted differently. A calibration (`CalibrationSweep`: k = 0,
+1, ..., max_k in turn, a step each, so that the machine's noise falls on every k alike) keeps
+every sample (`keep_samples`) and freezes a line through the medians of each k's (`frozen_copy`):
+a running average of a few steps follows its first samples, and one k's median can still catch a
+burst of load that the others missed, which alone once made k = 2 look 40% dearer than k = 1.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class LookaheadCosts:
     keep_samples: bool = False
     # kept samples by k: (draft seconds per position, verify seconds) of each step
     samples: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    measured_verify_seconds: dict[int, float] = field(default_factory=dict)  # a frozen copy's medians by k
 
     def observe(self, k: int, draft_seconds: float, verify_seconds: float, weight: float) -> None:
         if self.frozen:
@@ -58,12 +61,30 @@ class LookaheadCosts:
             (1 - weight) * previous + weight * verify_seconds)
 
     def frozen_copy(self) -> LookaheadCosts:
-        """These costs, never updated again; where samples were kept, their medians."""
+        """These costs, never updated again; where samples were kept, verification is the line
+        `verify_line` draws through each k's median (the medians kept beside it), and drafting the
+        median over every drafted position."""
         if not self.samples:
             return LookaheadCosts(self.draft_seconds, dict(self.verify_seconds), frozen=True)
         drafts = [draft for k, pairs in self.samples.items() if k > 0 for draft, _ in pairs]
-        verify = {k: statistics.median(seconds for _, seconds in pairs) for k, pairs in self.samples.items()}
-        return LookaheadCosts(statistics.median(drafts) if drafts else self.draft_seconds, verify, frozen=True)
+        medians = {k: statistics.median(seconds for _, seconds in pairs) for k, pairs in sorted(self.samples.items())}
+        return LookaheadCosts(statistics.median(drafts) if drafts else self.draft_seconds, verify_line(medians),
+                              frozen=True, measured_verify_seconds=medians)
+
+
+def verify_line(medians: dict[int, float]) -> dict[int, float]:
+    """A target pass's seconds against k, as the Theil–Sen line through `medians` (the median of
+    the slopes between every two k, the median intercept): on a CPU a pass grows about linearly
+    with the positions it verifies, and one k's outlier moves a median of slopes little where it
+    would move a least-squares line. Fewer than three k are kept as measured; the slope is never
+    below 0 (a longer pass is never cheaper)."""
+    if len(medians) < 3:
+        return dict(medians)
+    ks = sorted(medians)
+    slopes = [(medians[b] - medians[a]) / (b - a) for i, a in enumerate(ks) for b in ks[i + 1:]]
+    slope = max(0.0, statistics.median(slopes))
+    intercept = statistics.median(medians[k] - slope * k for k in ks)
+    return {k: intercept + slope * k for k in ks}
 
 
 class LookaheadController:
@@ -115,3 +136,17 @@ class LookaheadController:
         if accepted + rejected > 0:
             self.acceptance = (1 - w) * self.acceptance + w * accepted / (accepted + rejected)
         self.costs.observe(k, draft_seconds, verify_seconds, w)
+
+
+class CalibrationSweep(LookaheadController):
+    """Drafts k = 0, 1, ..., max_k in turn, one step each, never adapting: every k's samples then
+    span the same seconds of the run, so a burst of load reaches them alike."""
+
+    def __init__(self, max_k: int, costs: LookaheadCosts) -> None:
+        super().__init__(LookaheadConfig(max_k=max_k, adaptive=False), costs)
+        self._steps = 0
+
+    def choose(self, version: int) -> int:
+        k = self._steps % (self.config.max_k + 1)
+        self._steps += 1
+        return k
