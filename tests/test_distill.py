@@ -150,6 +150,34 @@ def test_offline_training_never_reads_a_conversation_outside_its_range(monkeypat
             next(traffic.iter_training_conversations(outside))
 
 
+def long_conversations(count: int, exchanges: int, words: int):
+    """ShareGPT-shaped records of `exchanges` exchanges, each message `words` words naming its turn."""
+    def records(path=None):
+        for index in range(count):
+            yield {"conversations": [{"from": "human" if m % 2 == 0 else "gpt",
+                                      "value": f"conversation {index} turn {m} " + "word " * words}
+                                     for m in range(2 * exchanges)]}
+    return records
+
+
+def test_later_turns_follow_the_first_ones_with_their_context_cut_to_fit(monkeypatch, loaded) -> None:
+    monkeypatch.setattr(traffic, "iter_sharegpt", long_conversations(12_000, exchanges=4, words=12))
+    span = range(6000, 6010)
+    one_turn = [{"role": "user", "content": "conversation 6000 turn 0 " + "word " * 12}]
+    one_exchange = len(loaded.encode_messages(one_turn))
+    max_prompt = 3 * one_exchange  # the first two turns fit whole; the third and fourth only cut
+    first = list(iter_training_prompts(loaded, max_prompt, 2, span=span))
+    every = list(iter_training_prompts(loaded, max_prompt, 2, span=span, later_turns=True))
+    assert every[:len(first)] == first and len(first) == 2 * len(span)
+    later = every[len(first):]
+    assert len(later) == 2 * len(span) and [p.conversation for p in later] == sorted(p.conversation for p in later)
+    for prompt in later:
+        text = loaded.tokenizer.decode(prompt.ids)
+        assert len(prompt.ids) <= max_prompt and "turn 0 " not in text  # the earliest exchange dropped
+        assert text.count(f"conversation {prompt.conversation} turn") >= 2  # yet some context kept
+    assert {loaded.tokenizer.decode(p.ids).rsplit("turn ", 1)[1][0] for p in later} == {"4", "6"}
+
+
 def test_held_out_prompts_come_from_their_own_spans(monkeypatch) -> None:
     monkeypatch.setattr(traffic, "iter_sharegpt", fake_file(12_000))
     validation = [int(t.split()[1]) for t in first_user_turns(traffic.VALIDATION_RANGE, 500)]

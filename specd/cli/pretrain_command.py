@@ -44,6 +44,9 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
                         "on the answers alone and skips the prompts' cost)")
     p.add_argument("--distill-rounds", type=int, default=None,
                    help="distilled: answers generated per prompt (the recipe's rounds; fewer reads the first ones)")
+    p.add_argument("--later-turns", action="store_true", default=None,
+                   help="distilled: also answer every later user turn of the training conversations, its "
+                        "context's earliest exchanges dropped until it fits (about 3x the prompts)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=None, help="examples per step")
     p.add_argument("--lr", type=float, default=None)
@@ -66,6 +69,8 @@ def pretrain_config(args: argparse.Namespace):
         config = recipe(args.recipe, **overrides) if args.recipe else replace(PretrainConfig(), **overrides)
         if args.distill_rounds is not None:
             config = replace(config, distill=replace(config.distill, rounds=args.distill_rounds))
+        if args.later_turns:
+            config = replace(config, distill=replace(config.distill, later_turns=True))
         return config
     except ValueError as error:
         raise ConfigurationError(str(error)) from None

@@ -42,12 +42,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DistillConfig:
-    prompts: int = 3600            # at most this many prompts, in file order
+    prompts: int = 3600            # at most this many first-turn prompts, in file order
     max_prompt: int = 320          # longer prompts are skipped (counted), not cut
     max_new_tokens: int = 128
     temperature: float = 0.7       # for the sampled share
     sampled_every: int = 4         # every n-th prompt sampled (0: all greedy)
     turns_per_conversation: int = 2
+    later_turns: bool = False      # also every later user turn, its earliest exchanges dropped to fit
     rounds: int = 1                # answers per prompt: round 0 as above, the others sampled
     batch: int = 64                # engine rows decoded together
     shard_size: int = 192
@@ -72,11 +73,15 @@ class TrainingPrompt:
 
 
 def iter_training_prompts(loaded: LoadedTarget, max_prompt: int, turns_per_conversation: int,
-                          span: range = TRAINING_RANGE, limit: int | None = None):
+                          span: range = TRAINING_RANGE, limit: int | None = None, later_turns: bool = False):
     """Each conversation's first `turns_per_conversation` user turns with the real turns before
     them as context, those that fit in `max_prompt` tokens, in file order (only from `span`, which
-    `iter_conversations_in` never leaves)."""
+    `iter_conversations_in` never leaves). With `later_turns`, every other user turn follows, in
+    file order after all of those: its context's earliest exchanges dropped until it fits (a turn
+    that does not fit alone is skipped). They come last so that data made without them is the
+    first part of data made with them."""
     made = skipped = 0
+    answered: set[tuple[int, int]] = set()
     for index, messages in iter_conversations_in(span):
         for turn in range(0, min(len(messages), 2 * turns_per_conversation), 2):
             ids = loaded.encode_messages(messages[:turn + 1])
@@ -84,11 +89,28 @@ def iter_training_prompts(loaded: LoadedTarget, max_prompt: int, turns_per_conve
                 skipped += 1
                 break  # later turns only grow longer
             yield TrainingPrompt(ids, index)
+            answered.add((index, turn))
             made += 1
             if limit is not None and made >= limit:
-                log.info("%d training prompts (%d longer than %d tokens skipped)", made, skipped, max_prompt)
-                return
+                break
+        if limit is not None and made >= limit:
+            break
     log.info("%d training prompts (%d longer than %d tokens skipped)", made, skipped, max_prompt)
+    if not later_turns:
+        return
+    made = skipped = 0
+    for index, messages in iter_conversations_in(span):
+        for turn in range(0, len(messages), 2):
+            if (index, turn) in answered:
+                continue
+            trimmed = next((ids for first in range(0, turn + 1, 2)
+                            if len(ids := loaded.encode_messages(messages[first:turn + 1])) <= max_prompt), None)
+            if trimmed is None:
+                skipped += 1
+                continue
+            yield TrainingPrompt(trimmed, index)
+            made += 1
+    log.info("%d later-turn prompts (%d longer than %d tokens alone skipped)", made, skipped, max_prompt)
 
 
 @dataclass
@@ -202,7 +224,8 @@ def distill(loaded: LoadedTarget, config: DistillConfig, capture: tuple[int, ...
     settings = {**asdict(config), "capture_layers": list(capture)}
     settings_path = work / "distilled.json"
     if settings_path.is_file():
-        saved = json.loads(settings_path.read_text())
+        # settings added since a folder was made read as their defaults there
+        saved = {**asdict(DistillConfig()), **json.loads(settings_path.read_text())}
         # more (or fewer) rounds continue the same data: every round's shards are its own
         if {k: v for k, v in saved.items() if k not in ("progress", "rounds")} != \
                 {k: v for k, v in settings.items() if k != "rounds"}:
@@ -210,7 +233,7 @@ def distill(loaded: LoadedTarget, config: DistillConfig, capture: tuple[int, ...
                                      f"({settings_path}): use another work folder")
     if prompts is None:
         prompts = list(iter_training_prompts(loaded, config.max_prompt, config.turns_per_conversation,
-                                             limit=config.prompts))
+                                             limit=config.prompts, later_turns=config.later_turns))
     shards_per_round = -(-len(prompts) // config.shard_size)
     shards = [(round_, first) for round_ in range(config.rounds) for first in range(0, len(prompts), config.shard_size)]
     examples: list[DistilledExample] = []
