@@ -12,8 +12,12 @@ shares the machine alike. Arms differ from the shipped recipe in one setting eac
   queries, chains and labels (their keys remain: answers attend to them) and covers more answers
   (the recipe's own setting since f3802b9, so today the same as `shipped`);
 - `target_layer_init`: the drafter layer starts from the target's last layer (`--init target_layer`);
-- `lr_double`: learning rate 1.2e-3 instead of the recipe's 6e-4.
-Generated data and held-out sets are made once (`--share`: read from the shipped run's folder).
+- `lr_double`: learning rate 1.2e-3 instead of the recipe's 6e-4;
+- `later_turns`: every later user turn answered too (`--later-turns`: 6781 prompts instead of 2243),
+  its context trimmed from the front to fit: three times the distinct prompts of one round.
+Generated data and held-out sets are made once (`--share`: read from the shipped run's folder);
+an arm whose flags change the generated data (`DATA_FLAGS`) shares the held-out sets only, and
+makes its own data unless its folder already holds (or links to) it.
 An arm already run further (the shipped recipe's own folder, continued to its full length) is read,
 not rerun: its curve is compared at the same training seconds. `report` tabulates, for every arm,
 the validation and evaluation accept length (k = 4, greedy, simulated exactly) at the budget
@@ -44,7 +48,9 @@ ARMS: dict[str, list[str]] = {
     "answers_only": ["--recipe", "shipped", "--prompt-weight", "0"],
     "target_layer_init": ["--recipe", "shipped", "--init", "target_layer"],
     "lr_double": ["--recipe", "shipped", "--lr", "1.2e-3"],
+    "later_turns": ["--recipe", "shipped", "--later-turns"],
 }
+DATA_FLAGS = ("--later-turns",)  # an arm with one of these generates data of its own
 
 
 SHARED = ("distilled", "validation.safetensors", "evaluation.safetensors")  # the same for every arm
@@ -53,7 +59,10 @@ SHARED = ("distilled", "validation.safetensors", "evaluation.safetensors")  # th
 def run_arm(name: str, root: Path, seconds: float, share: Path | None, common: list[str]) -> int:
     work = root / name
     work.mkdir(parents=True, exist_ok=True)
+    own_data = any(flag in ARMS[name] for flag in DATA_FLAGS)
     for item in SHARED:
+        if own_data and item == "distilled":
+            continue
         if share is not None and (share / item).exists() and not (work / item).exists():
             (work / item).symlink_to((share / item).resolve())  # generated once, read by every arm
     command = [sys.executable, "-m", "specd.cli.main", "pretrain", *ARMS[name], *common, "--work", str(work),
