@@ -265,6 +265,36 @@ def test_gate_passes_a_candidate_within_the_margin_and_rejects_one_beyond_it(
         assert manifest["reason"] == f"accept length {candidate:.3f} is worse than live 2.000 beyond the margin"
 
 
+def test_versions_each_within_the_margin_of_the_last_cannot_walk_the_drafter_down(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    learner = learner_with_held_out_records(tmp_path)
+    store = learner.store
+    # each model's accept length by how far its norm moved from version 1's (one unit a candidate)
+    first = float(learner.model.norm.weight[0].detach()) - 1.0
+    scores = {0: LIVE_ACCEPT_LENGTH, 1: LIVE_ACCEPT_LENGTH - 0.125, 2: LIVE_ACCEPT_LENGTH - 0.25 - 2**-10,
+              3: LIVE_ACCEPT_LENGTH + 0.125, 4: LIVE_ACCEPT_LENGTH}
+    monkeypatch.setattr(learner, "simulated_accept_length",
+                        lambda model, records: scores[round(float(model.norm.weight[0].detach()) - first)])
+
+    def next_candidate() -> int | None:
+        published = learner.maybe_publish(force=True)
+        with torch.no_grad():
+            learner.model.norm.weight.add_(1.0)
+        learner.stats.steps += 1
+        return published
+
+    assert next_candidate() == 2  # 0.125 below live: inside the margin, live, but not the bar
+    assert store.manifest(2)["evaluation"]["improved"] is False
+    # 0.125 below live (version 2) again, yet beyond the margin below the bar (version 1): refused
+    assert next_candidate() is None and store.live_version() == 2
+    assert store.manifest(3)["reason"] == f"accept length {scores[2]:.3f} is worse than the bar 2.000 beyond the margin"
+    assert next_candidate() == 4 and store.manifest(4)["evaluation"]["improved"] is True  # above the bar: the new bar
+    assert next_candidate() == 5  # 0.125 below the new bar, inside the margin
+    assert store.manifest(5)["evaluation"]["bar"] == scores[3]
+    store.rollback(2)  # an operator's choice is the bar from then on
+    assert learner.promoter.held() and learner.promoter.bar_version == learner.live_version == 2
+
+
 def test_a_rollback_while_a_candidate_is_evaluated_stands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     learner = learner_with_held_out_records(tmp_path)
     store = learner.store
@@ -442,7 +472,8 @@ def test_gate_waits_for_enough_held_out_records_then_promotes_a_good_candidate(
     assert len(learner.holdout) == 6 and learner.stats.gate_waits == 3
     assert store.live_version() == learner.live_version == 2
     assert store.manifest(2)["evaluation"] == {"passed": True, "reason": "ok", "candidate": 2.0, "live": 1.0,
-                                               "held_out_records": 6, "sampled_records": 6}
+                                               "bar": 1.0, "improved": True, "held_out_records": 6,
+                                               "sampled_records": 6}
 
 
 def test_gate_never_passes_for_lack_of_evidence_even_when_forced(tmp_path: Path) -> None:

@@ -2,8 +2,12 @@
 
 Contract: every `every`-th record the learner takes is held out (kept from training; the newest
 `capacity` are kept), whatever its temperature. A candidate passes when its weights are finite and
-its simulated accept length on the held-out records is not worse than the live version's by more
-than `margin`. With fewer than `min_held_out` held-out records there is no evidence and no pass:
+its simulated accept length on the held-out records is not worse than the bar by more than
+`margin`: the bar is the better of the live version and, where given, the `bar` version (the last
+one that went live without needing the margin, `Promoter.bar_version`), both replayed on the same
+records. So regressions cannot chain: versions each within the margin of the one before would
+otherwise walk the drafter down a margin at a time.
+With fewer than `min_held_out` held-out records there is no evidence and no pass:
 `has_evidence` is False (the learner then waits and trains on) and `verdict` fails. The learner's
 thread holds records out while an operator's candidate may be judged on another thread: the
 held-out set is copied under a lock, so a verdict judges one consistent set. The live side of a
@@ -46,9 +50,9 @@ class Gate:
         self.every, self.min_held_out, self.margin = every, min_held_out, margin
         self.held_out: deque[TrajectoryRecord] = deque(maxlen=capacity)
         self._lock = threading.Lock()
-        # the live side of the last verdict: (live model, held-out record ids, its accept length);
-        # the same live version on the same held-out set needs no second replay
-        self._live_memo: tuple[DrafterModel, tuple[str, ...], float] | None = None
+        # the live and bar sides of the last verdict: (model, held-out record ids, its accept length);
+        # the same version on the same held-out set needs no second replay
+        self._memos: dict[str, tuple[DrafterModel, tuple[str, ...], float]] = {}
 
     def hold_out(self, record: TrajectoryRecord, index: int) -> bool:
         """Keep the `index`-th record taken (counting from 1) if it is its turn; True if it was kept."""
@@ -75,8 +79,9 @@ class Gate:
         return len(self.held_out) >= self.min_held_out
 
     def verdict(self, candidate: DrafterModel, live: DrafterModel | None,
-                accept_length: AcceptLength) -> dict[str, Any]:
-        """Pass or fail `candidate` against `live` (None: nothing to compare with, accept length 1)."""
+                accept_length: AcceptLength, bar: DrafterModel | None = None) -> dict[str, Any]:
+        """Pass or fail `candidate` against `live` (None: nothing to compare with, accept length 1)
+        and `bar` (None: the live version is the bar). `improved` says it passed without the margin."""
         if not all(bool(torch.isfinite(p).all()) for p in candidate.parameters()):
             return {"passed": False, "reason": "non-finite weights"}
         with self._lock:
@@ -85,21 +90,28 @@ class Gate:
             return {"passed": False, "reason": f"{len(records)} held-out records, the gate needs {self.min_held_out}",
                     "held_out_records": len(records)}
         ours = accept_length(candidate, records)
-        theirs = self._live_accept_length(live, records, accept_length)
-        passed = ours >= theirs - self.margin
-        reason = "ok" if passed else f"accept length {ours:.3f} is worse than live {theirs:.3f} beyond the margin"
-        return {"passed": passed, "reason": reason, "candidate": ours, "live": theirs,
-                "held_out_records": len(records),
+        theirs = self._replayed("live", live, records, accept_length)
+        floor = self._replayed("bar", bar, records, accept_length) if bar is not None else theirs
+        reference = max(theirs, floor)
+        passed = ours >= reference - self.margin
+        if passed:
+            reason = "ok"
+        elif theirs >= floor:
+            reason = f"accept length {ours:.3f} is worse than live {theirs:.3f} beyond the margin"
+        else:
+            reason = f"accept length {ours:.3f} is worse than the bar {floor:.3f} beyond the margin"
+        return {"passed": passed, "reason": reason, "candidate": ours, "live": theirs, "bar": floor,
+                "improved": ours >= reference, "held_out_records": len(records),
                 "sampled_records": sum(1 for r in records if r.temperature > 0)}
 
-    def _live_accept_length(self, live: DrafterModel | None, records: list[TrajectoryRecord],
-                            accept_length: AcceptLength) -> float:
-        if live is None:
+    def _replayed(self, side: str, model: DrafterModel | None, records: list[TrajectoryRecord],
+                  accept_length: AcceptLength) -> float:
+        if model is None:
             return 1.0
         ids = tuple(r.record_id for r in records)
-        memo = self._live_memo
-        if memo is not None and memo[0] is live and memo[1] == ids:
+        memo = self._memos.get(side)
+        if memo is not None and memo[0] is model and memo[1] == ids:
             return memo[2]
-        value = accept_length(live, records)
-        self._live_memo = (live, ids, value)  # holds `live`, so `is` cannot match a recycled object
+        value = accept_length(model, records)
+        self._memos[side] = (model, ids, value)  # holds `model`, so `is` cannot match a recycled object
         return value

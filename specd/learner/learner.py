@@ -13,7 +13,8 @@ Every `publish_every_steps` steps or `publish_every_seconds` seconds the trained
 a candidate, but only once at least `gate_min_held_out` records are held out: until then the
 learner publishes nothing, counts the wait (`stats.gate_waits`) and trains on. A candidate is
 published and made live if its simulated accept length on the held-out records is not worse than
-the live version's by more than `gate_margin` and its weights are finite, rejected (with the
+the live version's, nor the bar's (the last version that improved without the margin), by more
+than `gate_margin` and its weights are finite, rejected (with the
 reason in its manifest) otherwise. An operator's candidate (`submit`) is judged by the same gate
 on a worker thread of its own at serving priority, so its verdict never queues behind training,
 and training steps aside (between steps) until it is answered.
@@ -170,8 +171,9 @@ class Learner(SupervisedLoop):
         return self.promoter.offer(candidate, self.evaluate(candidate), seen, self.trainer.staleness or None)
 
     def evaluate(self, candidate: DrafterModel) -> dict[str, Any]:
-        """The gate's verdict on `candidate` against the live version the learner last saw."""
-        return self.gate.verdict(candidate, self.promoter.live_model(), self.simulated_accept_length)
+        """The gate's verdict on `candidate` against the live version the learner last saw and the bar."""
+        return self.gate.verdict(candidate, self.promoter.live_model(), self.simulated_accept_length,
+                                 bar=self.promoter.bar_model())
 
     def simulated_accept_length(self, model: DrafterModel, records: list[TrajectoryRecord]) -> float:
         """Tokens per target pass the drafter would reach on these records, greedy or sampled

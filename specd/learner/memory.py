@@ -10,7 +10,7 @@ bounds:
 - `feature_cache`: recomputed features of id-only records (records held, buffer plus held out);
   features a record carries are read in place, not copied,
 - `canary_waiting`: records waiting for the canary (64),
-- `models`: the training copy, its optimiser state, the gate's live copy and the canary's two;
+- `models`: the training copy, its optimiser state, the gate's live and bar copies and the canary's two;
 beside them `backlog_records`, how many records wait on the bus (its capacity bounds it).
 Where the objective has no feature cache (the token drafter's), that part is 0.
 The spool is on disk (SQLite; its page cache is SQLite's default, about 2 MB).
@@ -63,8 +63,9 @@ def memory_breakdown(learner: Any, backlog_records: int = 0) -> dict[str, int | 
     """Bytes per part of a `specd.learner.learner.Learner` (see the module docstring)."""
     objective = learner.objective
     canary = learner.canary
-    live_copy = learner.promoter.live_copy
+    live_copy, bar_copy = learner.promoter.live_copy, learner.promoter.bar_copy
     models = (model_bytes(learner.model) + optimizer_bytes(learner.optimizer) + model_bytes(live_copy)
+              + model_bytes(bar_copy)
               + (sum(model_bytes(m) for m in canary.models.values()) if canary is not None else 0))
     parts: dict[str, int | None] = {
         "buffer": records_bytes(learner.buffer),

@@ -6,8 +6,10 @@ live by compare-and-set against the live version `seen` when it was judged; if s
 the live version meanwhile, theirs stands and the verdict fails with `RACE_LOST`. A failed
 verdict marks the version rejected with its reason (a lost race too, where `reject_lost_race`).
 
-`Promoter` keeps what the learner last saw live (the condition of its next promotion) and the
-publishing cadence: a candidate is due every `publish_every_steps` steps or
+`Promoter` keeps what the learner last saw live (the condition of its next promotion), the gate's
+bar (`bar_version`: the last version that went live without needing the gate's margin; it follows
+the live version wherever an operator or the canary sets it) and the publishing cadence:
+a candidate is due every `publish_every_steps` steps or
 `publish_every_seconds` seconds; after an operator or the canary changes the live version, the
 learner trains on from theirs (`adopt`) and offers nothing for `hold_after_rollback_s`. Day 0
 publishes the untrained drafter as version 1 unless something is live already.
@@ -68,6 +70,8 @@ class Promoter:
         self._hold_until = 0.0
         self._gate_waiting = False
         self._live_copy: tuple[int, DrafterModel] | None = None
+        self.bar_version = self.live_version
+        self._bar_copy: tuple[int, DrafterModel] | None = None
         self.origin: dict[str, Any] = {}  # added to every manifest it publishes (e.g. the publishing rank)
         self._live_copy_lock = threading.Lock()  # the training loop and the operator worker both ask
 
@@ -87,10 +91,27 @@ class Promoter:
                 self._live_copy = (version, self.load(version))
             return self._live_copy[1]
 
+    def bar_model(self) -> DrafterModel | None:
+        """The bar version's model for the gate, None while the bar is the live version itself."""
+        version = self.bar_version
+        if version is None or version == self.live_version:
+            self._bar_copy = None
+            return None
+        if self._bar_copy is None or self._bar_copy[0] != version:
+            self._bar_copy = None
+            self._bar_copy = (version, self.load(version))
+        return self._bar_copy[1]
+
     @property
     def live_copy(self) -> DrafterModel | None:
         """The live model held for the gate, if one is (for the learner's memory breakdown)."""
         held = self._live_copy
+        return held[1] if held is not None else None
+
+    @property
+    def bar_copy(self) -> DrafterModel | None:
+        """The bar version's model held for the gate, if one is (for the memory breakdown)."""
+        held = self._bar_copy
         return held[1] if held is not None else None
 
     def publish(self, model: DrafterModel, info: dict[str, Any]) -> int:
@@ -105,14 +126,14 @@ class Promoter:
         first = self.publish(model, {"evaluation": None, "reason": "initial"})
         try:
             self.store.set_live(first, "initial", if_live=None)
-            self.live_version = first
+            self.live_version = self.bar_version = first
         except LiveVersionChanged:  # another learner or an operator was first: resume from theirs
             self.adopt(self.store.live_version())
 
     def adopt(self, live: int | None) -> None:
         """Take `live` as the version last seen (the next promotion's compare-and-set is against it)
-        and train on from its weights where they fit the learner's drafter."""
-        self.live_version = live
+        and train on from its weights where they fit the learner's drafter; it is the gate's bar now."""
+        self.live_version = self.bar_version = live
         if live is None:
             return
         try:
@@ -164,6 +185,8 @@ class Promoter:
         verdict = promote(self.store, version, verdict, seen, "gate passed")
         if verdict["passed"]:
             self.live_version = version
+            if verdict.get("improved", True):
+                self.bar_version = version
             self.stats.published.append({"version": version, **verdict})
             log.info("published drafter version %s: %s", version, verdict)
         else:
