@@ -199,7 +199,9 @@ class Promoter:
 
     def vet(self, version: int, gate: Gate, accept_length: AcceptLength) -> dict[str, Any]:
         """An operator's submission of a version the learner did not train: through the gate, and
-        live only if it passes (a lost race leaves it as it was, for the operator to retry)."""
+        live only if it passes (a lost race leaves it as it was, for the operator to retry). It is
+        measured from the live version alone, not the bar: the operator chose it, and once live it
+        is the bar."""
         if not gate.has_evidence:
             return {"passed": False, "waiting": True, "reason": f"the gate has {len(gate.held_out)} held-out "
                     f"records and needs {self.config.gate_min_held_out}; try again later"}
