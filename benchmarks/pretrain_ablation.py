@@ -72,16 +72,16 @@ def run_arm(name: str, root: Path, seconds: float, share: Path | None, common: l
         return subprocess.call(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def at_seconds(curve: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
-    """The curve at `seconds` of training: linear between the two points around it (the last point
-    if the arm stopped before, within 2% of the budget)."""
-    after = next((i for i, p in enumerate(curve) if p["seconds"] >= seconds), None)
+def at_seconds(curve: list[dict[str, Any]], seconds: float, axis: str = "seconds") -> dict[str, Any]:
+    """The curve at `seconds` of training (or at that value of another `axis`, e.g. "step"): linear
+    between the two points around it (the last point if the arm stopped before, within 2% of the budget)."""
+    after = next((i for i, p in enumerate(curve) if p[axis] >= seconds), None)
     if after is None or after == 0:
         point = dict(curve[-1] if after is None else curve[0])
         point["interpolated"] = False
         return point
     a, b = curve[after - 1], curve[after]
-    share = (seconds - a["seconds"]) / max(b["seconds"] - a["seconds"], 1e-9)
+    share = (seconds - a[axis]) / max(b[axis] - a[axis], 1e-9)
     point = {key: a[key] + share * (b[key] - a[key]) for key in ("step", "tokens", "seconds",
                                                                   "validation_accept_length",
                                                                   "evaluation_accept_length")}
@@ -110,7 +110,8 @@ def accept_by_k(drafter: Path, work: Path, ks: list[int]) -> dict[str, dict[str,
     return figures
 
 
-def plot(curves: dict[str, list[dict[str, Any]]], seconds: float, path: Path) -> None:
+def plot(curves: dict[str, list[dict[str, Any]]], seconds: float, path: Path, at_step: int | None = None) -> None:
+    """Accept length against training minutes, or against steps where the arms are compared `at_step`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,11 +120,11 @@ def plot(curves: dict[str, list[dict[str, Any]]], seconds: float, path: Path) ->
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for axis, split in zip(axes, ("validation", "evaluation"), strict=True):
         for name, curve in curves.items():
-            axis.plot([p["seconds"] / 60 for p in curve], [p[f"{split}_accept_length"] for p in curve],
-                      marker="o", label=name)
-        axis.axvline(seconds / 60, color="grey", linestyle=":")
+            xs = [p["seconds"] / 60 if at_step is None else p["step"] for p in curve]
+            axis.plot(xs, [p[f"{split}_accept_length"] for p in curve], marker="o", label=name)
+        axis.axvline(seconds / 60 if at_step is None else at_step, color="grey", linestyle=":")
         axis.set_title(f"{split} prompts, k = 4, greedy")
-        axis.set_xlabel("training minutes (one thread)")
+        axis.set_xlabel("training minutes (one thread)" if at_step is None else "training steps")
     axes[0].set_ylabel("accept length")
     axes[0].legend()
     figure.tight_layout()
@@ -136,6 +137,8 @@ def main() -> int:
     p.add_argument("--root", default="/work/pretrain-ablation", help="one work folder per arm under it")
     p.add_argument("--arms", nargs="+", default=["sharegpt", "vocab16k"], choices=sorted(ARMS))
     p.add_argument("--seconds", type=float, default=1500, help="training seconds per arm")
+    p.add_argument("--at-step", type=int, default=None, help="report: compare the arms at this step instead "
+                   "of at --seconds (arms trained at different thread counts or beside other jobs)")
     p.add_argument("--parallel", type=int, default=1, help="arms run at once (each on one thread)")
     p.add_argument("--read", nargs="*", default=[], metavar="NAME=WORK",
                    help="arms already run elsewhere, e.g. shipped=/work/pretrain-shipped/train")
@@ -158,14 +161,14 @@ def main() -> int:
     curves = {name: json.loads((work / "curve.json").read_text()) for name, work in folders.items()}
     rows, arms = [], {}
     for name, curve in curves.items():
-        point = at_seconds(curve, args.seconds)
+        point = at_seconds(curve, args.seconds) if args.at_step is None else at_seconds(curve, args.at_step, "step")
         arms[name] = {"work": str(folders[name]), "at_budget": point, "curve": curve,
                       "settings": json.loads((folders[name] / "config.json").read_text())}
         rows.append([name, round(point["step"]), round(point["tokens"]), round(point["seconds"]),
                      f"{point['validation_accept_length']:.3f}", f"{point['evaluation_accept_length']:.3f}"])
     table = markdown_table(["arm", "steps", "tokens trained", "training s", "validation accept len",
                             "evaluation accept len"], rows)
-    result: dict[str, Any] = {"seconds": args.seconds, "arms": arms, "table": table}
+    result: dict[str, Any] = {"seconds": args.seconds, "at_step": args.at_step, "arms": arms, "table": table}
     if args.drafter:
         # the held-out sets every arm shares, replayed at k = 3..6 for each drafter named
         work = folders.get("shipped", next(iter(folders.values())))
@@ -175,7 +178,7 @@ def main() -> int:
             ["drafter", "split", "k = 3", "k = 4", "k = 5", "k = 6"],
             [[name, split, *figures.values()] for name, splits in by_k.items() for split, figures in splits.items()])
     out = write_result(args.out, args, result)
-    plot(curves, args.seconds, out.with_suffix(".png"))
+    plot(curves, args.seconds, out.with_suffix(".png"), args.at_step)
     out.with_suffix(".md").write_text(table + "\n\n" + result.get("k_table", "") + "\n")
     print(table)
     print(result.get("k_table", ""))
