@@ -63,9 +63,8 @@ def memory_breakdown(learner: Any, backlog_records: int = 0) -> dict[str, int | 
     """Bytes per part of a `specd.learner.learner.Learner` (see the module docstring)."""
     objective = learner.objective
     canary = learner.canary
-    live_copy, bar_copy = learner.promoter.live_copy, learner.promoter.bar_copy
-    models = (model_bytes(learner.model) + optimizer_bytes(learner.optimizer) + model_bytes(live_copy)
-              + model_bytes(bar_copy)
+    models = (model_bytes(learner.model) + optimizer_bytes(learner.optimizer)
+              + sum(model_bytes(m) for m in learner.promoter.gate_copies)
               + (sum(model_bytes(m) for m in canary.models.values()) if canary is not None else 0))
     parts: dict[str, int | None] = {
         "buffer": records_bytes(learner.buffer),

@@ -103,16 +103,10 @@ class Promoter:
         return self._bar_copy[1]
 
     @property
-    def live_copy(self) -> DrafterModel | None:
-        """The live model held for the gate, if one is (for the learner's memory breakdown)."""
-        held = self._live_copy
-        return held[1] if held is not None else None
-
-    @property
-    def bar_copy(self) -> DrafterModel | None:
-        """The bar version's model held for the gate, if one is (for the memory breakdown)."""
-        held = self._bar_copy
-        return held[1] if held is not None else None
+    def gate_copies(self) -> list[DrafterModel]:
+        """The models held for the gate (the live version's and the bar's, where held), for the
+        learner's memory breakdown."""
+        return [held[1] for held in (self._live_copy, self._bar_copy) if held is not None]
 
     def publish(self, model: DrafterModel, info: dict[str, Any]) -> int:
         serving_copy = clone_drafter(model).to(self.serving_dtype)
