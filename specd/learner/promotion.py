@@ -56,6 +56,34 @@ def promote(store: WeightStore, version: int, verdict: dict[str, Any], seen: int
     return verdict
 
 
+class HeldVersion:
+    """One version's model, kept while that version is the one asked for (versions are immutable):
+    the gate compares against it verdict after verdict without a reload each time. The training
+    loop and the operator worker both ask, hence the lock; the old copy goes before the new one is
+    read, so that at most one is held."""
+
+    def __init__(self, load: Callable[[int], DrafterModel]) -> None:
+        self._load = load
+        self._held: tuple[int, DrafterModel] | None = None
+        self._lock = threading.Lock()
+
+    def get(self, version: int) -> DrafterModel:
+        with self._lock:
+            if self._held is None or self._held[0] != version:
+                self._held = None
+                self._held = (version, self._load(version))
+            return self._held[1]
+
+    def drop(self) -> None:
+        with self._lock:
+            self._held = None
+
+    @property
+    def model(self) -> DrafterModel | None:
+        held = self._held
+        return None if held is None else held[1]
+
+
 class Promoter:
     def __init__(self, config: LearnerConfig, store: WeightStore, fingerprint: TargetFingerprint,
                  serving_dtype: torch.dtype, target_embedding: torch.Tensor | None, stats: LearnerStats,
@@ -69,44 +97,33 @@ class Promoter:
         self._steps_at_publish = 0
         self._hold_until = 0.0
         self._gate_waiting = False
-        self._live_copy: tuple[int, DrafterModel] | None = None
+        self._live_copy = HeldVersion(self.load)
         self.bar_version = self.live_version
-        self._bar_copy: tuple[int, DrafterModel] | None = None
+        self._bar_copy = HeldVersion(self.load)
         self.origin: dict[str, Any] = {}  # added to every manifest it publishes (e.g. the publishing rank)
-        self._live_copy_lock = threading.Lock()  # the training loop and the operator worker both ask
 
     def load(self, version: int) -> DrafterModel:
         return load_drafter(self.store.weights_path(version), self.fingerprint, target_embedding=self.target_embedding)
 
     def live_model(self, version: int | None = None) -> DrafterModel | None:
-        """The live version's model for the gate to compare against: one copy, kept while that
-        version is the one asked for (versions are immutable), not a reload per verdict. The gate
-        only reads it; training never gets this copy (`adopt` loads its own)."""
+        """The live version's model for the gate to compare against (one copy, see `HeldVersion`).
+        The gate only reads it; training never gets this copy (`adopt` loads its own)."""
         version = self.live_version if version is None else version
-        if version is None:
-            return None
-        with self._live_copy_lock:
-            if self._live_copy is None or self._live_copy[0] != version:
-                self._live_copy = None  # the old copy goes before the new one is read: one at a time
-                self._live_copy = (version, self.load(version))
-            return self._live_copy[1]
+        return None if version is None else self._live_copy.get(version)
 
     def bar_model(self) -> DrafterModel | None:
         """The bar version's model for the gate, None while the bar is the live version itself."""
         version = self.bar_version
         if version is None or version == self.live_version:
-            self._bar_copy = None
+            self._bar_copy.drop()
             return None
-        if self._bar_copy is None or self._bar_copy[0] != version:
-            self._bar_copy = None
-            self._bar_copy = (version, self.load(version))
-        return self._bar_copy[1]
+        return self._bar_copy.get(version)
 
     @property
     def gate_copies(self) -> list[DrafterModel]:
         """The models held for the gate (the live version's and the bar's, where held), for the
         learner's memory breakdown."""
-        return [held[1] for held in (self._live_copy, self._bar_copy) if held is not None]
+        return [model for model in (self._live_copy.model, self._bar_copy.model) if model is not None]
 
     def publish(self, model: DrafterModel, info: dict[str, Any]) -> int:
         serving_copy = clone_drafter(model).to(self.serving_dtype)
