@@ -118,6 +118,7 @@ class ChildSpec:
     cores: tuple[int, ...]
     report_every_s: float
     keep_last: int               # versions the store keeps (the demo keeps them all for its curve)
+    log_level: int = logging.WARNING  # the parent's: a spawned child starts with logging unconfigured
 
 
 def learner_report(learner: Learner, began_cpu: float, began: float, alive: bool) -> dict[str, Any]:
@@ -154,6 +155,8 @@ def run_child(spec: ChildSpec, target: Transformer, records: Any, reports: Any, 
               submissions: Any, verdicts: Any) -> None:
     """The child's whole life: pin, resume the live version, learn until told to stop."""
     began, began_cpu = time.monotonic(), time.process_time()
+    # its lines say which process wrote them: they share the server's terminal (and its progress bars)
+    logging.basicConfig(level=spec.log_level, format="%(levelname)s learner process: %(message)s")
     os.sched_setaffinity(0, spec.cores)
     torch.set_num_threads(len(spec.cores))
     store = WeightStore(spec.store_dir, keep_last=spec.keep_last)
@@ -197,7 +200,7 @@ class LearnerProcess:
         self.sink = QueueSink(self._records)
         target.share_memory()  # the child reads the server's weights, it does not copy them
         spec = ChildSpec(config, str(store_dir), fingerprint, str(serving_dtype).removeprefix("torch."),
-                         tuple(cores), report_every_s, keep_last)
+                         tuple(cores), report_every_s, keep_last, logging.getLogger().getEffectiveLevel())
         self.cores = list(cores)
         self._process = context.Process(target=run_child, args=(spec, target, self._records, self._reports,
                                                                  self._stop, self._submissions, self._verdicts),
