@@ -9,7 +9,7 @@ from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.hotswap.store import WeightStore
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner
-from specd.learner.promotion import RACE_LOST, promote
+from specd.learner.promotion import RACE_LOST, HeldVersion, promote
 from specd.model.fingerprint import TargetFingerprint
 from specd.testing import TINY, tiny_target
 from specd.transport.bus import InProcessBus
@@ -57,3 +57,18 @@ def test_intake_counts_refusals_by_reason(tmp_path: Path) -> None:
     bus.publish({"schema_version": -1})
     assert learner.intake() == 0
     assert learner.stats.refused == {RefusalReason.NOT_AN_OBJECT: 1, RefusalReason.SCHEMA: 1}
+
+
+def test_a_held_version_is_read_once_while_asked_for_and_replaced_when_another_is() -> None:
+    reads: list[int] = []
+
+    def load(version: int) -> object:
+        reads.append(version)
+        return object()
+
+    held = HeldVersion(load)  # type: ignore[arg-type]
+    first = held.get(1)
+    assert held.get(1) is first and reads == [1]
+    assert held.get(2) is not first and reads == [1, 2] and held.model is held.get(2)
+    held.drop()
+    assert held.model is None
