@@ -99,7 +99,11 @@ def feature_loss(model: FeatureDrafterModel, batch: FeatureBatch, rows: torch.Te
                  step_decay: float = 0.8, objective: str = "kl",
                  with_stats: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
     """The unrolled loss and, per step (when `with_stats`), the mean KL and how often the drafter's
-    argmax is the target's."""
+    argmax is the target's.
+
+    The output head, the label and the loss run over weighed entries only (gathered): they are
+    about half a step's work over the whole draft vocabulary, and a batch's window holds padding
+    and rows that start labelling later than the first (about a fifth of its entries)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     device = model.head.weight.device
@@ -111,22 +115,26 @@ def feature_loss(model: FeatureDrafterModel, batch: FeatureBatch, rows: torch.Te
     label_weight = batch.weights[:, 1:].to(device)
     start = unlabelled_lead(label_weight, steps)
     outputs = model.unrolled(features[:, :-1], tokens[:, 1:], steps, start=start)
+    label_weight = label_weight[:, start:]
+    # the weighed entries of the window, flattened: [n]
+    weighed = (label_weight > 0).flatten().nonzero().squeeze(-1)
+    positions = torch.arange(start, length - 1, device=device).repeat(len(label_weight))[weighed]
+    entry_weight = label_weight.flatten()[weighed]
     with torch.no_grad():
-        # at t + 1: [B, T-1-start, N]
-        target_logp = target_log_probs(features[:, 1 + start:], rows, model.config.rms_norm_eps)
+        # at t + 1: [n, N]
+        labels_at = features[:, 1 + start:].flatten(0, 1)[weighed]
+        target_logp = target_log_probs(labels_at, rows, model.config.rms_norm_eps)
         target_p = target_logp.exp()
         # KL = cross-entropy − the target's entropy, which no parameter changes
         target_entropy = -(target_p * target_logp).sum(-1)
         target_top = target_logp.argmax(-1)
-    label_weight = label_weight[:, start:]
-    positions = torch.arange(start, length - 1, device=device)
     total = torch.zeros((), device=device)
     stats: dict[str, float] = {}
     for j, state in enumerate(outputs):
-        weight = label_weight * (positions >= j)
+        weight = entry_weight * (positions >= j)
         if float(weight.sum()) == 0:
             continue
-        logits = model.logits(state).float()
+        logits = model.logits(state.flatten(0, 1)[weighed]).float()
         normaliser = weight.sum()
         if objective == "kl":
             per_position = soft_cross_entropy(logits, target_p) - target_entropy
