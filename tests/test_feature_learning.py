@@ -376,3 +376,32 @@ def test_a_loss_that_weighs_no_prompt_position_skips_the_prompts_and_is_unchange
     # one entry too late would drop chain state the labelled entries read: the loss would change
     monkeypatch.setattr(feature_signal, "unlabelled_lead", lambda weights, steps: lead + 1)
     assert not torch.allclose(loss_and_grads()[0], whole, rtol=1e-6, atol=0)
+
+
+def test_padding_and_unweighed_rows_leave_the_loss_and_its_gradients_unchanged(target) -> None:
+    model = fresh_feature_drafter(target).float().train()
+    capture = model.config.capture_layers
+    rows = label_rows(target.lm_head.weight, model.draft_ids, target.norm.weight)
+    generator = torch.Generator().manual_seed(3)
+
+    def example(length: int, first_weighed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, VOCAB, (length,), generator=generator)
+        with torch.no_grad():
+            features = target.train_features(tokens[None], capture)[0].float()
+        weights = torch.ones(length)
+        weights[:first_weighed] = 0.0
+        return tokens, features, weights
+
+    def loss_and_grads(batch: list) -> tuple[float, list[torch.Tensor]]:
+        model.zero_grad()
+        loss, _ = feature_loss(model, collate(batch), rows, steps=3)
+        loss.backward()
+        return float(loss.detach()), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    short, long, longest = example(12, 2), example(20, 4), example(26, 0)
+    unweighed = (longest[0], longest[1], torch.zeros(26))
+    alone = loss_and_grads([short, long])
+    padded = loss_and_grads([short, long, unweighed])  # a row that weighs nothing, and pads `short` further
+    assert padded[0] == pytest.approx(alone[0], rel=1e-5)
+    for a, b in zip(alone[1], padded[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
