@@ -61,8 +61,8 @@ def test_pretrain_flags_override_the_recipe_and_nothing_else() -> None:
         RECIPES["shipped"], data="sharegpt", draft_vocab=16384)
     assert config("--max-seconds", "60") == replace(PretrainConfig(), max_seconds=60.0)
     shipped = RECIPES["shipped"]
-    assert config("--recipe", "shipped", "--drafter-layers", "2", "--greedy-only", "--distill-rounds", "1") == replace(
-        shipped, drafter_layers=2, greedy_only=True, distill=replace(shipped.distill, rounds=1))
+    assert config("--recipe", "shipped", "--drafter-layers", "2", "--greedy-only", "--distill-rounds", "2") == replace(
+        shipped, drafter_layers=2, greedy_only=True, distill=replace(shipped.distill, rounds=2))
     with pytest.raises(ConfigurationError, match="batch"):
         config("--batch", "0")
     with pytest.raises(ConfigurationError, match="rounds"):

@@ -106,10 +106,12 @@ class PretrainConfig:
             raise ValueError("steps, batch, eval_every, checkpoint_every and drafter_layers must be positive")
 
 
-# The shipped drafter's recipe: `specd pretrain --recipe shipped` remakes it from nothing.
+# The shipped drafter's recipe: `specd pretrain --recipe shipped` remakes it from nothing. One round of
+# answers to every user turn and a long schedule: at equal steps more rounds or more data did not help,
+# more steps did (the accept length rose about 0.14 per doubling of steps; docs/pretraining.md).
 RECIPES: dict[str, PretrainConfig] = {
-    "shipped": PretrainConfig(data="distilled", prompt_weight=0.0, steps=2500, eval_every=100,
-                              distill=DistillConfig(rounds=3)),
+    "shipped": PretrainConfig(data="distilled", prompt_weight=0.0, steps=12000, eval_every=250,
+                              distill=DistillConfig(rounds=1, later_turns=True)),
 }
 
 
