@@ -138,12 +138,13 @@ def status(server: VllmServer) -> dict[str, Any]:
 
 def wait_for_version(server: VllmServer, learner: SpecdProcess, version: int) -> None:
     """Wait until vLLM drafts with `version`; a timeout says what vLLM's side and the learner last logged."""
-    try:
-        wait_for(lambda: status(server)["version"] == version, 60, interval=0.1, what=f"version {version} in vLLM")
-    except TimeoutError as error:
+    def explain() -> str:
         swaps = [line for line in server.log.read_text().splitlines() if "drafter version" in line]
-        raise AssertionError(f"{error}; vLLM's status {status(server)}; its swap log {swaps[-5:]}; "
-                             f"the learner's log:\n{learner.log.read_text()[-2000:]}") from None
+        return (f"vLLM's status {status(server)}; its swap log {swaps[-5:]}; "
+                f"the learner's log:\n{learner.log.read_text()[-2000:]}")
+
+    wait_for(lambda: status(server)["version"] == version, 60, interval=0.1, what=f"version {version} in vLLM",
+             explain=explain)
 
 
 @contextmanager

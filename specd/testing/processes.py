@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for(check, timeout: float = 60.0, interval: float = 0.2, what: str = "condition") -> Any:
+def wait_for(check, timeout: float = 60.0, interval: float = 0.2, what: str = "condition",
+             explain: Callable[[], str] | None = None) -> Any:
+    """Poll `check` until it returns something true; on timeout, `explain()` (if given) says what the
+    services last reported, so a failure in CI can be read without the logs that pytest prunes."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
     while time.monotonic() < deadline:
@@ -54,7 +58,8 @@ def wait_for(check, timeout: float = 60.0, interval: float = 0.2, what: str = "c
         except Exception as error:  # not up yet
             last_error = error
         time.sleep(interval)
-    raise TimeoutError(f"timed out waiting for {what} (last error: {last_error})")
+    details = f"; {explain()}" if explain is not None else ""
+    raise TimeoutError(f"timed out waiting for {what} (last error: {last_error}){details}")
 
 
 def get_json(url: str, timeout: float = 10.0) -> Any:
