@@ -19,6 +19,12 @@ leaves vLLM's cores mostly alone) for the whole run, so every configuration shar
 - `specd_full_eagle` (only with `--only`): specd adaptive with `SPECD_EAGLE_K=full` (EAGLE-3 drafts
   k every step, where the default drafts only what its rows are worth) and a learner of its own:
   the A/B for that choice, reported as the per-round ratio specd_adaptive / specd_full_eagle.
+- `specd_static` (only with `--only`): specd's plugin and hybrid drafting exactly as specd adaptive,
+  with no broker and no learner (the shipped drafter serves throughout): the hybrid's choices
+  without learning, and without a learner's process beside it.
+- `specd_plugin_only` (only with `--only`): specd's plugin with hybrid drafting off and EAGLE-3's
+  full k (`SPECD_DRAFTER=learned`, `SPECD_EAGLE_K=full`), no broker, no learner: what the plugin's
+  own bookkeeping costs beside frozen EAGLE-3, which then drafts the same.
 - `specd_custom` (only with `--only`): specd's custom_class proposer (token-level hybrid drafter)
   and a token-level learner of its own: the other route, for choosing between them.
 1. Warm-up: every server answers the same warm-up traffic (HumanEval and ShareGPT prompts,
@@ -41,6 +47,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +58,8 @@ from specd.model.bundled import bundled_target_dir
 from specd.serving.vllm.shared.launch import PluginSettings, prepare_eagle3_drafter, vllm_command
 from specd.testing.processes import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
 
-CONFIGS = ("plain", "ngram", "suffix", "eagle3_static", "specd_adaptive", "specd_full_eagle", "specd_custom")
+CONFIGS = ("plain", "ngram", "suffix", "eagle3_static", "specd_adaptive", "specd_full_eagle", "specd_static",
+           "specd_plugin_only", "specd_custom")
 DEFAULT_CONFIGS = CONFIGS[:5]
 STATIC_PEERS = ("ngram", "suffix", "eagle3_static")
 ARCTIC = Path(__file__).resolve().parent / ".deps" / "arctic-inference"
@@ -191,10 +199,11 @@ class Fleet:
         return self.vllm_only("suffix", {"method": "suffix", "num_speculative_tokens": k},
                               env={"PYTHONPATH": str(ARCTIC)})
 
-    def specd(self, name: str, route: str, eagle_k: str = "adaptive") -> VllmServer:
-        port, learner = free_port(), self.learners[name]
-        settings = PluginSettings(broker=self.broker.url, deployment=name, learner_url=learner.url,
-                                  server_id=name, route=route, eagle_k=eagle_k)
+    def specd(self, name: str, route: str, eagle_k: str = "adaptive", drafter_kind: str = "hybrid") -> VllmServer:
+        port, learner = free_port(), self.learners.get(name)
+        settings = PluginSettings(server_id=name, route=route, eagle_k=eagle_k, drafter_kind=drafter_kind)
+        if learner is not None:  # without one, no records leave the server and the shipped drafter serves
+            settings = replace(settings, broker=self.broker.url, deployment=name, learner_url=learner.url)
         env, argv = vllm_command(self.target, settings, self.args.k, port=port, extra=self.flags,
                                  drafter_dir=str(self.shipped))
         return VllmServer(self.target, port, self.folder / f"{name}.log", argv=argv, env=env)
@@ -219,6 +228,9 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
                   "disable_padded_drafter_batch": True}),  # as specd's route runs it: the same drafting
               "specd_adaptive": lambda: fleet.specd("specd_adaptive", "eagle3"),
               "specd_full_eagle": lambda: fleet.specd("specd_full_eagle", "eagle3", eagle_k="full"),
+              "specd_static": lambda: fleet.specd("specd_static", "eagle3"),
+              "specd_plugin_only": lambda: fleet.specd("specd_plugin_only", "eagle3", eagle_k="full",
+                                                       drafter_kind="learned"),
               "specd_custom": lambda: fleet.specd("specd_custom", "custom")}
     warmups = {name: fleet.start(name, makers[name], warm) for name in wanted}
     if "specd_adaptive" in fleet.servers:  # adaptive measured only once it serves something it learned

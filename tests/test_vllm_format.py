@@ -19,7 +19,8 @@ from specd.drafter.vllm_format import SPECD_CHECKPOINT, checkpoint_tensors, expo
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
 from specd.serving.vllm.eagle3 import plugin
-from specd.serving.vllm.eagle3.companion import VllmDrafterSlot, install
+from specd.serving.vllm.eagle3.companion import VllmDrafterSlot
+from specd.serving.vllm.eagle3.weights import InPlaceKernel, install, vllm_cpu_in_place_kernel
 from specd.serving.vllm.shared.launch import PluginSettings, speculative_config
 from specd.testing import tiny_target
 
@@ -110,7 +111,7 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         packed = weight.clone()
-        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         self.cpu_linear = lambda x, w, b: x @ packed.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,6 +153,53 @@ def test_install_in_eager_mode_packs_every_new_weight_again_as_vllm_does() -> No
         install(tree, new, repack)
         assert torch.equal(packed[-1], new["proj.weight"]) and torch.allclose(layer(x), x @ new["proj.weight"].T)
     assert len(packed) == 2
+
+
+def test_install_in_compiled_mode_keeps_packed_weights_in_the_same_parameter_across_versions() -> None:
+    # a stand-in packed layout (the transpose's reverse rows, of the weight's own shape): what counts is
+    # that every version is packed before it is copied, into the one parameter a compiled graph holds
+    kernel = InPlaceKernel(pack=lambda w: w.flip(0).contiguous(),
+                           linear=lambda x, w, n, b: x @ w.flip(0).T, dtypes=(torch.float32,))
+    layer = PackedLinear(torch.zeros(3, 4))
+    tree = nn.Module()
+    tree.add_module("proj", layer)
+    x = torch.randn(2, 4)
+    first = torch.randn(3, 4)
+    install(tree, {"proj.weight": first}, in_place=kernel)
+    assert layer.specd_layout == "packed" and torch.equal(layer.weight, first.flip(0))
+    weight = layer.weight
+    second = torch.randn(3, 4)
+    install(tree, {"proj.weight": second}, in_place=kernel)
+    assert layer.weight is weight and torch.allclose(layer(x), x @ second.T)
+
+
+def test_install_in_compiled_mode_serves_dtypes_the_kernel_lacks_through_a_plain_matmul() -> None:
+    kernel = InPlaceKernel(pack=lambda w: w.flip(0), linear=lambda x, w, n, b: x @ w.flip(0).T)  # bfloat16 only
+    layer = PackedLinear(torch.zeros(3, 4))
+    tree = nn.Module()
+    tree.add_module("proj", layer)
+    new = torch.randn(3, 4)
+    install(tree, {"proj.weight": new}, in_place=kernel)
+    x = torch.randn(2, 4)
+    assert layer.specd_layout == "plain" and torch.allclose(layer(x), x @ new.T)
+
+
+@pytest.mark.vllm
+def test_vllms_packed_kernel_computes_the_drafters_linear_layers_after_an_in_place_swap() -> None:
+    pytest.importorskip("vllm")
+    kernel = vllm_cpu_in_place_kernel()
+    if kernel is None:
+        pytest.skip("this CPU's vLLM has no packed-weight GEMM: compiled mode serves plain matmuls")
+    layer = PackedLinear(torch.zeros(576, 1728, dtype=torch.bfloat16))
+    tree = nn.Module()
+    tree.add_module("proj", layer)
+    x = torch.randn(4, 1728).to(torch.bfloat16)
+    for seed in (0, 1):
+        weight = torch.randn(576, 1728, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        install(tree, {"proj.weight": weight}, in_place=kernel)
+        expected = x.float() @ weight.float().T
+        assert torch.allclose(layer(x).float(), expected, rtol=0.02, atol=0.02 * float(expected.abs().max()))
+    assert layer.specd_layout == "packed"
 
 
 def test_vllms_drafter_slot_refuses_a_version_of_another_shape() -> None:

@@ -14,8 +14,8 @@ vLLM's `EagleProposer` once it has loaded, and routes the model runner's proposa
    touching the target's shared embedding. On CPU, vLLM packs linear weights into oneDNN handles
    and leaves empty parameters behind: in eager mode each swap packs the new weights again as
    vLLM does at load; in compiled mode (whose graphs keep the handles they were traced with) those
-   layers are served through a plain matmul over real parameters from load on, so every swap is
-   an in-place copy.
+   layers are served from real parameters from load on, holding vLLM's packed-weight layout where
+   it has one (bfloat16), so every swap is an in-place copy (`specd.serving.vllm.eagle3.weights`).
 3. with `SPECD_DRAFTER=hybrid` (the default), drafts per row and step from the row's context or
    the traffic table where the draft budget expects that to earn more than EAGLE-3's drafts, and
    from EAGLE-3 elsewhere (`specd.serving.vllm.eagle3.hybrid_rows`); every row's drafts are then trimmed to
@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specd.core.errors import CheckpointError
@@ -59,53 +58,13 @@ from specd.hotswap.swapper import Swapper
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.loading import read_target_head
 from specd.serving.vllm.eagle3.hybrid_rows import HybridRows
+from specd.serving.vllm.eagle3.weights import InPlaceKernel, install, vllm_cpu_in_place_kernel, vllm_cpu_repack
 from specd.serving.vllm.shared.budget import DraftBudget
 from specd.serving.vllm.shared.launch import PluginSettings
 from specd.serving.vllm.shared.policy import DraftPolicy
 from specd.serving.vllm.shared.worker_loop import PinnedSource, RequestBook, follow_versions, force_version
 
 log = logging.getLogger(__name__)
-
-
-def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
-def install(vllm_model: nn.Module, tensors: dict[str, torch.Tensor],
-            repack: Callable[[nn.Module], None] | None = None) -> None:
-    """Copy `tensors` (vLLM parameter names) into the running drafter, in place where possible.
-
-    vLLM's CPU linear layers (`cpu_linear`) compute from a packed copy of their weight and keep an
-    empty parameter: with `repack` (eager mode) each new weight is packed again the way vLLM packs
-    it at load; without (compiled mode, whose graphs keep the packed handle they were traced
-    with) such a layer is served once through a plain matmul over a real parameter, which every
-    later swap then updates in place.
-    """
-    for name, value in tensors.items():
-        module_name, _, attribute = name.rpartition(".")
-        module = vllm_model.get_submodule(module_name)
-        current = getattr(module, attribute)
-        if attribute == "weight" and hasattr(module, "cpu_linear"):
-            if repack is not None:
-                module.weight = nn.Parameter(value.to(current.dtype).clone(), requires_grad=False)
-                repack(module)
-                continue
-            if not getattr(module, "specd_plain", False):
-                module.weight = nn.Parameter(value.to(current.dtype).clone(), requires_grad=False)
-                setattr(module, "cpu_linear", _plain_linear)  # noqa: B010 (vLLM's attribute, not nn.Module's)
-                setattr(module, "specd_plain", True)  # noqa: B010
-                continue
-        if tuple(current.shape) != tuple(value.shape):
-            raise CheckpointError(f"{name}: vLLM's drafter has shape {tuple(current.shape)}, "
-                                  f"the version {tuple(value.shape)}")
-        current.data.copy_(value.to(current.dtype))
-
-
-def vllm_cpu_repack() -> Callable[[nn.Module], None]:
-    """vLLM's own packing of a CPU linear layer's weight (imported inside vLLM's worker only)."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    return lambda module: dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 class VllmDrafterSlot(HotSwapped[tuple[FeatureDrafterModel, dict[str, torch.Tensor]]]):
@@ -151,6 +110,7 @@ class Eagle3Companion:
         self.install_seconds: deque[float] = deque(maxlen=32)
         self.slot: VllmDrafterSlot | None = None
         self.repack: Callable[[nn.Module], None] | None = None
+        self.in_place: InPlaceKernel | None = None
         self.swapper: Swapper | None = None
         self.source: PinnedSource | None = None
         self.policy = DraftPolicy(DraftBudget(self.k), self.max_model_len)
@@ -179,7 +139,8 @@ class Eagle3Companion:
         version = int(read_metadata(path).get("specd_version", BUILT_IN_VERSION))  # written by export_eagle3
         compiled = int(getattr(self.proposer.vllm_config.compilation_config, "mode", 0) or 0) != 0
         self.repack = vllm_cpu_repack() if device.type == "cpu" and not compiled else None
-        install(self.proposer.model, vllm_parameters(model), self.repack)
+        self.in_place = vllm_cpu_in_place_kernel() if device.type == "cpu" and compiled else None
+        install(self.proposer.model, vllm_parameters(model), self.repack, self.in_place)
         self.slot = VllmDrafterSlot(model, version, device, self._install_tensors)
         self.source, publisher = follow_versions(self.settings)
         self.swapper = Swapper(self.source, self.slot, fingerprint, target_embedding=embed)
@@ -277,7 +238,7 @@ class Eagle3Companion:
 
     def _install_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         begin = time.perf_counter()
-        install(self.proposer.model, tensors, self.repack)
+        install(self.proposer.model, tensors, self.repack, self.in_place)
         self.install_seconds.append(time.perf_counter() - begin)
 
     # ---- the control path -------------------------------------------------------------------

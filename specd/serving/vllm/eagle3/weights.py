@@ -1,0 +1,112 @@
+"""Writing a drafter version's tensors into vLLM's running EAGLE-3 drafter, in place where the graphs need it.
+
+Contract: `install(vllm_model, tensors, repack=None, in_place=None)` copies `tensors` (vLLM
+parameter names, see `specd.drafter.vllm_format`) into the drafter's parameters. vLLM's CPU linear
+layers (`cpu_linear`) compute from a packed copy of their weight and keep an empty parameter, so
+such a layer is served in one of three ways, chosen at its first install and kept after:
+- eager mode (`repack`, vLLM's own `dispatch_cpu_unquantized_gemm`): every new weight is packed
+  again the way vLLM packs it at load;
+- compiled mode with an `InPlaceKernel` (bfloat16 on a CPU whose vLLM has the packed-weight GEMM):
+  the weight parameter holds the packed weight, a plain tensor of the weight's own shape, and
+  each later version is packed and copied into it, so the graphs (traced over that parameter)
+  see the new values and run at the packed kernel's speed;
+- otherwise (compiled float32, or no such kernel): a plain matmul over a real parameter, which
+  every later version updates in place (about 3x slower than the packed kernel for a drafter's
+  small batches on this CPU, 2026-12; correct everywhere).
+Every other tensor is copied into its parameter in place; a tensor of the wrong shape raises
+`CheckpointError` naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specd.core.errors import CheckpointError
+
+PACKED, PLAIN = "packed", "plain"   # a CPU linear layer's layout after specd's first install
+
+
+@dataclass(frozen=True)
+class InPlaceKernel:
+    """A CPU GEMM over a packed weight that keeps the weight's shape and dtype (so a new version
+    can be packed and copied into the tensor a compiled graph holds)."""
+
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+
+    def serves(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return weight.dtype in self.dtypes and bias is None
+
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def install(vllm_model: nn.Module, tensors: dict[str, torch.Tensor],
+            repack: Callable[[nn.Module], None] | None = None, in_place: InPlaceKernel | None = None) -> None:
+    """Copy `tensors` into the running drafter (see the module's contract for CPU linear layers)."""
+    for name, value in tensors.items():
+        module_name, _, attribute = name.rpartition(".")
+        module = vllm_model.get_submodule(module_name)
+        current = getattr(module, attribute)
+        cpu_layer = attribute == "weight" and hasattr(module, "cpu_linear")
+        if cpu_layer and repack is not None:
+            module.weight = nn.Parameter(value.to(current.dtype).clone(), requires_grad=False)
+            repack(module)
+            continue
+        if cpu_layer and getattr(module, "specd_layout", None) is None:
+            _first_install(module, value.to(current.dtype), in_place)
+            continue
+        if tuple(current.shape) != tuple(value.shape):
+            raise CheckpointError(f"{name}: vLLM's drafter has shape {tuple(current.shape)}, "
+                                  f"the version {tuple(value.shape)}")
+        value = value.to(current.dtype)
+        if cpu_layer and module.specd_layout == PACKED:
+            assert in_place is not None, "a packed layer's later versions need the kernel that packed it"
+            value = in_place.pack(value)
+        current.data.copy_(value)
+
+
+def _first_install(module: nn.Module, weight: torch.Tensor, in_place: InPlaceKernel | None) -> None:
+    """Serve a CPU linear layer from a real parameter from now on: packed in place, or plain."""
+    if in_place is not None and in_place.serves(weight, getattr(module, "bias", None)):
+        packed = in_place.pack(weight)
+        if packed.shape == weight.shape and packed.dtype == weight.dtype:
+            out_features, linear = weight.shape[0], in_place.linear
+            module.weight = nn.Parameter(packed, requires_grad=False)
+            setattr(module, "cpu_linear", lambda x, w, b: linear(x, w, out_features, b))  # noqa: B010
+            setattr(module, "specd_layout", PACKED)  # noqa: B010
+            return
+    module.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    setattr(module, "cpu_linear", _plain_linear)  # noqa: B010 (vLLM's attribute, not nn.Module's)
+    setattr(module, "specd_layout", PLAIN)  # noqa: B010
+
+
+def vllm_cpu_repack() -> Callable[[nn.Module], None]:
+    """vLLM's own packing of a CPU linear layer's weight (imported inside vLLM's worker only)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    return lambda module: dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def vllm_cpu_in_place_kernel() -> InPlaceKernel | None:
+    """vLLM's packed-weight GEMM (`convert_weight_packed`, `weight_packed_linear`), if this vLLM and
+    CPU have it and it agrees with a plain matmul on a small check; None otherwise."""
+    try:
+        from vllm import _custom_ops as ops
+
+        kernel = InPlaceKernel(pack=torch.ops._C.convert_weight_packed, linear=ops.weight_packed_linear_cpu)
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(64, 96, generator=generator).to(torch.bfloat16)
+        x = torch.randn(3, 96, generator=generator).to(torch.bfloat16)
+        got = kernel.linear(x, kernel.pack(weight), 64, None).float()
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    expected = F.linear(x.float(), weight.float())
+    return kernel if torch.allclose(got, expected, rtol=0.02, atol=0.05 * float(expected.abs().max())) else None
