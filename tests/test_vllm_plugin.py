@@ -400,6 +400,18 @@ def test_telemetry_reports_acceptance_totals_on_its_own_thread() -> None:
     assert publisher.last_report["versions"] == {"1": {"drafts": 2, "accepted": 2, "passes": 1, "emitted": 3}}
 
 
+def test_draft_budget_reports_the_bar_of_every_batch_size_it_measured_and_keeps_its_current_one() -> None:
+    budget = priced(priced(DraftBudget(k=4, explore_every=0), rows=8), rows=1)
+    one = budget.bar
+    budget.rows = 8
+    eight = budget.bar
+    bars = budget.bars_by_batch()
+    assert set(bars) == {1, 8} and budget.rows == 8
+    assert bars[1]["draft_bar"] == pytest.approx(one, abs=1e-4)
+    assert bars[8]["draft_bar"] == pytest.approx(eight, abs=1e-4)
+    assert bars[1]["draft_bar"] > 0 and bars[8]["drafting_bar"] == 0.0   # drafting unpriced at either size
+
+
 def test_draft_budget_prices_a_drafters_own_passes_after_the_first() -> None:
     budget = priced(DraftBudget(k=4, explore_every=0), rows=1)   # bar near 0.75 at about 150 tokens/s
     for _ in range(100):

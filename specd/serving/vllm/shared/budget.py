@@ -125,6 +125,18 @@ class DraftBudget:
             return 0.0
         return min(self.max_bar, slope * self.tokens_per_second)
 
+    def bars_by_batch(self) -> dict[int, dict[str, float]]:
+        """Per batch size seen: the verification bar and the drafting bar it has measured (for status;
+        the status's `draft_bar` and `drafting_bar` are those of the last step's batch size only)."""
+        now, bars = self.rows, {}
+        try:
+            for rows in sorted(self._fits):
+                self.rows = rows
+                bars[rows] = {"draft_bar": round(self.bar, 4), "drafting_bar": round(self.drafting_bar, 4)}
+        finally:
+            self.rows = now
+        return bars
+
     @property
     def exploring(self) -> bool:
         return self.explore_every > 0 and self.steps % self.explore_every == 0

@@ -114,6 +114,7 @@ class DraftPolicy:
         return {"learned_drafter_steps": self.learned_steps,
                 "learned_gain": self.gate.gain, "learned_cost": self.gate.cost,
                 "draft_bar": self.budget.bar, "drafting_bar": self.budget.drafting_bar,
+                "bars_by_batch": self.budget.bars_by_batch(),
                 "drafts_sent": self.drafts_sent,
                 "drafts_withheld": self.drafts_withheld,
                 "acceptance_by_source": {src: [round(a, 3) for a in self.budget.alpha(src)]
