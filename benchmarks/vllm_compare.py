@@ -55,7 +55,7 @@ from common import cell, dot_plot, field_spreads, interleaved, markdown_table, p
 
 from specd.core.traffic import TrafficItem, load_humaneval, load_sharegpt
 from specd.model.bundled import bundled_target_dir
-from specd.serving.vllm.shared.launch import PluginSettings, prepare_eagle3_drafter, vllm_command
+from specd.serving.vllm.shared.launch import EAGLE3_OPTIONS, PluginSettings, prepare_eagle3_drafter, vllm_command
 from specd.testing.processes import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
 
 CONFIGS = ("plain", "ngram", "suffix", "eagle3_static", "specd_adaptive", "specd_full_eagle", "specd_static",
@@ -225,7 +225,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
               "suffix": lambda: fleet.suffix(k),
               "eagle3_static": lambda: fleet.vllm_only("eagle3_static", {
                   "method": "eagle3", "model": str(fleet.shipped), "num_speculative_tokens": k,
-                  "disable_padded_drafter_batch": True}),  # as specd's route runs it: the same drafting
+                  **EAGLE3_OPTIONS}),  # as specd's route runs it: the same drafting
               "specd_adaptive": lambda: fleet.specd("specd_adaptive", "eagle3"),
               "specd_full_eagle": lambda: fleet.specd("specd_full_eagle", "eagle3", eagle_k="full"),
               "specd_static": lambda: fleet.specd("specd_static", "eagle3"),

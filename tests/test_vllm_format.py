@@ -228,7 +228,8 @@ def test_eagle3_route_settings_and_speculative_config() -> None:
     with pytest.raises(ConfigurationError, match="SPECD_ROUTE"):
         PluginSettings.from_env({"SPECD_ROUTE": "medusa"})
     assert speculative_config(3, "eagle3", "/d") == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3,
-                                                      "disable_padded_drafter_batch": True}
+                                                      "disable_padded_drafter_batch": True,
+                                                      "use_local_argmax_reduction": True}
     with pytest.raises(ConfigurationError, match="exported drafter folder"):
         speculative_config(3, "eagle3")
 

@@ -142,6 +142,14 @@ def parse_schedule(text: str, k: int) -> Schedule:
     return schedule
 
 
+# vLLM options of the eagle3 route (frozen EAGLE-3 in benchmarks/vllm_compare.py runs with the same):
+# - unpadded drafting runs after vLLM's bookkeeping on CPU-side tokens, which the companion reads;
+# - the greedy draft is the argmax of the draft vocabulary's logits mapped to a target id, not the
+#   argmax of a full-vocabulary row filled with -inf around them (the same token, without building
+#   and scanning 49152 logits per drafting pass).
+EAGLE3_OPTIONS = {"disable_padded_drafter_batch": True, "use_local_argmax_reduction": True}
+
+
 def speculative_config(k: int, route: str = "custom", drafter_dir: str | None = None,
                        per_batch_size: Schedule | None = None) -> dict[str, object]:
     """vLLM's --speculative-config for a route; "eagle3" needs the exported drafter folder.
@@ -153,9 +161,7 @@ def speculative_config(k: int, route: str = "custom", drafter_dir: str | None = 
         return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k, **schedule}
     if route != "eagle3" or drafter_dir is None:
         raise ConfigurationError(f"route {route!r}: choose custom, or eagle3 with an exported drafter folder")
-    # unpadded drafting runs after vLLM's bookkeeping on CPU-side tokens: the companion reads them
-    return {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": k,
-            "disable_padded_drafter_batch": True, **schedule}
+    return {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": k, **EAGLE3_OPTIONS, **schedule}
 
 
 def vllm_command(target: str, settings: PluginSettings, k: int = 4, host: str = "127.0.0.1", port: int = 8000,
