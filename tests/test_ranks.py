@@ -66,6 +66,10 @@ def rank_body(rank: int, port: int, folder: str) -> None:
     gathered = group.sync(mine[:2] if rank == 1 else [], trainer.weights_epoch, model)
     out = {"after_step": after_step, "adopted": weights_digest(model), "gathered": [r.record_id for r in gathered]}
     Path(folder, f"rank-{rank}.pkl").write_bytes(pickle.dumps(out))
+    # both ranks past every collective before either tears gloo down: under a full CI run's load one
+    # rank aborted in teardown once more ("terminate called without an active exception", 2026-12-03)
+    # with the store already hosted here; a barrier leaves no work in flight when the group closes
+    torch.distributed.barrier()
     group.close()
 
 
