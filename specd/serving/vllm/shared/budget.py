@@ -104,11 +104,14 @@ class DraftBudget:
     @property
     def drafting_bar(self) -> float:
         """What one more drafting pass costs, in tokens per row it drafts for (0 until measured)."""
-        fit = self._drafting.get(self.rows)
+        return self._drafting_bar_at(self.rows)
+
+    def _drafting_bar_at(self, rows: int) -> float:
+        fit, rate = self._drafting.get(rows), self._rates.get(rows)
         slope = fit.slope if fit is not None else None
-        if slope is None or self.tokens_per_second is None:
+        if slope is None or rate is None:
             return 0.0
-        return slope * self.tokens_per_second / max(self.rows, 1)
+        return slope * rate / max(rows, 1)
 
     def observe_drafts(self, source: str, drafted: int, accepted: int) -> None:
         """A row's verified drafts: the first `accepted` were accepted, the next one (if any) rejected."""
@@ -120,22 +123,20 @@ class DraftBudget:
     @property
     def bar(self) -> float:
         """The acceptance chance a draft needs to pay for its verification (0 until measured)."""
-        slope = self.step_time.slope
-        if slope is None or self.tokens_per_second is None:
+        return self._bar_at(self.rows)
+
+    def _bar_at(self, rows: int) -> float:
+        fit, rate = self._fits.get(rows), self._rates.get(rows)
+        slope = fit.slope if fit is not None else None
+        if slope is None or rate is None:
             return 0.0
-        return min(self.max_bar, slope * self.tokens_per_second)
+        return min(self.max_bar, slope * rate)
 
     def bars_by_batch(self) -> dict[int, dict[str, float]]:
         """Per batch size seen: the verification bar and the drafting bar it has measured (for status;
         the status's `draft_bar` and `drafting_bar` are those of the last step's batch size only)."""
-        now, bars = self.rows, {}
-        try:
-            for rows in sorted(self._fits):
-                self.rows = rows
-                bars[rows] = {"draft_bar": round(self.bar, 4), "drafting_bar": round(self.drafting_bar, 4)}
-        finally:
-            self.rows = now
-        return bars
+        return {rows: {"draft_bar": round(self._bar_at(rows), 4), "drafting_bar": round(self._drafting_bar_at(rows), 4)}
+                for rows in sorted(self._fits)}
 
     @property
     def exploring(self) -> bool:
