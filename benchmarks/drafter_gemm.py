@@ -19,12 +19,21 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from common import cell, markdown_table, parser, spread, write_result
+from safetensors import safe_open
 
-# (out, in) of the shipped 1-layer drafter's linear layers (fc reads four captured layers; qkv reads the
-# token's embedding beside the hidden state)
-SHAPES = {"fc": (576, 2304), "qkv": (960, 1152), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-          "draft head (8192 ids)": (8192, 576)}
+from specd.drafter.pretrained import SHIPPED_DRAFTER
+
+# the shipped drafter's linear layers, by the names of its file's tensors
+LAYERS = {"fc": "fc.weight", "qkv": "attn.qkv.weight", "o": "attn.o.weight", "gate_up": "mlp.gate_up.weight",
+          "down": "mlp.down.weight", "draft head": "head.weight"}
 ROWS = (1, 8, 40)
+
+
+def shipped_shapes() -> dict[str, tuple[int, int]]:
+    """(out, in) of each linear layer, read from the shipped drafter's file."""
+    with safe_open(str(SHIPPED_DRAFTER), "pt") as tensors:
+        shapes = {name: tensors.get_slice(key).get_shape() for name, key in LAYERS.items()}
+    return {name: (int(shape[0]), int(shape[1])) for name, shape in shapes.items()}
 
 
 def per_call_us(call: Callable[[], torch.Tensor], calls: int) -> float:
@@ -47,8 +56,9 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     times: dict[str, dict[str, list[float]]] = {}
     deviation: dict[str, float] = {}
+    shapes = shipped_shapes()
     for rows in ROWS:
-        for name, (n, k) in SHAPES.items():
+        for name, (n, k) in shapes.items():
             weight = (torch.randn(n, k, generator=generator) * k ** -0.5).to(torch.bfloat16)
             x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
             handle, packed = ops.create_onednn_mm(weight.t(), 32), torch.ops._C.convert_weight_packed(weight)
@@ -63,7 +73,7 @@ def main() -> None:
             plain = F.linear(x.float(), weight.float())
             got = kernels["packed"]().float()
             deviation[key] = float((got - plain).abs().max() / plain.abs().max())
-    result = {"threads": args.threads, "shapes": {name: list(shape) for name, shape in SHAPES.items()},
+    result = {"threads": args.threads, "shapes": {name: list(shape) for name, shape in shapes.items()},
               "microseconds": {key: {kernel: spread(values) for kernel, values in row.items()}
                                for key, row in times.items()},
               "packed_max_relative_deviation": deviation}
