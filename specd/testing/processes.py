@@ -58,7 +58,12 @@ def wait_for(check, timeout: float = 60.0, interval: float = 0.2, what: str = "c
         except Exception as error:  # not up yet
             last_error = error
         time.sleep(interval)
-    details = f"; {explain()}" if explain is not None else ""
+    details = ""
+    if explain is not None:
+        try:
+            details = f"; {explain()}"
+        except Exception as error:  # the timeout stays the failure, whatever the explanation hit
+            details = f"; explaining it failed: {error!r}"
     raise TimeoutError(f"timed out waiting for {what} (last error: {last_error}){details}")
 
 
