@@ -170,7 +170,12 @@ def test_greedy_outputs_with_vllms_eagle3_serving_specds_drafter_equal_plain_vll
 @torch.no_grad()
 def test_vllms_drafts_are_what_specds_own_drafter_computes(eagle3: VllmServer, smollm2: LoadedTarget) -> None:
     with eagle3_alone(eagle3):
-        ask_all(eagle3, PROMPTS[:3], MAX_TOKENS)
+        # one request at a time: when requests share steps, vLLM's CPU drafting makes chained drafts
+        # (chain positions >= 1) that differ from run to run with the steps' make-up, at times by whole
+        # row spreads (measured: 1.6; the first draft of each chain always agreed). Alone, the drafts
+        # are the same in every run, so this checks the export, not vLLM's batched chains.
+        for prompt in PROMPTS[:3]:
+            ask_all(eagle3, [prompt], MAX_TOKENS)
     model = load_pretrained(SHIPPED_DRAFTER, smollm2.model, smollm2.fingerprint).float()
     same = total = 0
     misses = []  # (chain position, gap below specd's best in row spreads, specd's rank, sequence length, record)
@@ -195,9 +200,9 @@ def test_vllms_drafts_are_what_specds_own_drafter_computes(eagle3: VllmServer, s
                         rank = int((row > row[where[0, 0]]).sum()) if len(where) else len(row)
                         misses.append((j, round(gap, 3), rank, length, record["record_id"][:8]))
     # float32 rounding differs between vLLM's kernels and specd's and grows along a chain (each draft feeds the
-    # drafter's own state to the next), so a near tie may go either way. Measured over CI runs: at most 3 of ~100
-    # drafts, 0.02-0.19 of the row's spread below specd's best (one noted as its third choice; the top-three bound
-    # is a judgement). A wrong feature layer or offset disagrees on most drafts and by whole spreads.
+    # drafter's own state to the next), so a near tie may go either way. Measured alone: the same 4 of 99 drafts
+    # in every run, 0.05-0.10 of the row's spread below specd's best (the top-three bound is a judgement). A wrong
+    # feature layer or offset disagrees on most drafts and by whole spreads.
     assert total > 50 and same >= 0.95 * total, (same, total, misses)
     assert all(gap < NEAR_TIE and rank < 3 for _, gap, rank, _, _ in misses), misses
 
