@@ -225,6 +225,25 @@ def test_force_version_only_pins_and_the_swapper_thread_fetches(store: WeightSto
     assert swapper.check_once() is True and flaky.fetches == [4]
 
 
+def test_a_version_counts_as_prepared_only_once_it_is_offered_to_the_drafter(store: WeightStore) -> None:
+    # a test (or an operator) that waits for `prepared_version` then sends a request must find the
+    # version pending for the drafter's next step, however long the drafter takes to prepare it
+    store.set_live(3)
+    drafter = serving()
+    swapper = Swapper(LocalStore(store), drafter, FINGERPRINT)
+    seen_while_offering: list[int | None] = []
+    real_offer = drafter.offer
+
+    def watched_offer(model: Any, version: int) -> None:
+        seen_while_offering.append(swapper.prepared_version)
+        real_offer(model, version)
+
+    drafter.offer = watched_offer  # type: ignore[method-assign]
+    assert swapper.check_once() is True
+    assert seen_while_offering == [None] and swapper.prepared_version == 3
+    assert drafter.apply_pending() and drafter.version == 3
+
+
 def test_an_unexpected_failure_restarts_the_swapper_thread_and_is_counted(store: WeightStore) -> None:
     store.set_live(1)
     swapper = Swapper(LocalStore(store), serving(), FINGERPRINT, poll_seconds=0.01)

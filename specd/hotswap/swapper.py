@@ -125,7 +125,9 @@ class Swapper:
             return False
         begin = time.perf_counter()
         try:
-            model = self._load_checked(live)
+            # offered before it counts as prepared: whoever sees `prepared_version` can rely on the
+            # drafter's next step serving it (preparing for a server may take a while, e.g. packing)
+            self.drafter.offer(self._load_checked(live), live)
         except TRANSIENT as error:
             self._retry_later(live, error)
             return False
@@ -134,7 +136,6 @@ class Swapper:
             return False
         self.retrying.clear()
         self._wanted = live
-        self.drafter.offer(model, live)
         self.prepared.append(SwapEvent(live, time.perf_counter() - begin))
         log.info("drafter version %s ready; it takes over at the next step", live)
         self._prune()
