@@ -5,6 +5,7 @@ the launch settings. vLLM itself serving the export is in test_vllm_eagle3.py.""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
 from specd.serving.vllm.eagle3 import plugin
 from specd.serving.vllm.eagle3.companion import VllmDrafterSlot
-from specd.serving.vllm.eagle3.weights import InPlaceKernel, install, vllm_cpu_in_place_kernel
+from specd.serving.vllm.eagle3.weights import InPlaceKernel, Prepared, install, prepare, vllm_cpu_in_place_kernel
 from specd.serving.vllm.shared.launch import PluginSettings, speculative_config
 from specd.testing import tiny_target
 
@@ -140,19 +141,27 @@ def test_install_in_eager_mode_packs_every_new_weight_again_as_vllm_does() -> No
     layer = PackedLinear(torch.zeros(3, 4))
     tree = nn.Module()
     tree.add_module("proj", layer)
-    packed: list[torch.Tensor] = []
+    packed: list[tuple[str, torch.Tensor]] = []  # (thread, weight) of every packing
 
     def repack(module: nn.Module) -> None:  # stands in for vLLM's dispatch_cpu_unquantized_gemm
         weight = module.weight.detach().clone()
-        packed.append(weight)
+        packed.append((threading.current_thread().name, weight))
         module.cpu_linear = lambda x, w, b: x @ weight.T
 
     x = torch.randn(2, 4)
-    for _ in range(2):
-        new = {"proj.weight": torch.randn(3, 4)}
-        install(tree, new, repack)
-        assert torch.equal(packed[-1], new["proj.weight"]) and torch.allclose(layer(x), x @ new["proj.weight"].T)
-    assert len(packed) == 2
+    first = {"proj.weight": torch.randn(3, 4)}
+    install(tree, first, repack)  # as at attach, on the decoding thread
+    assert torch.equal(packed[-1][1], first["proj.weight"]) and torch.allclose(layer(x), x @ first["proj.weight"].T)
+    # a swap: vLLM's packing runs where the version is prepared, installing only hands the layer its result
+    new = {"proj.weight": torch.randn(3, 4)}
+    prepared: list[Prepared] = []
+    swapper = threading.Thread(target=lambda: prepared.append(prepare(tree, new, repack=repack)), name="swapper")
+    swapper.start()
+    swapper.join()
+    assert torch.allclose(layer(x), x @ first["proj.weight"].T), "preparing changed the serving layer"
+    install(tree, prepared[0], repack)
+    assert [thread for thread, _ in packed] == ["MainThread", "swapper"]
+    assert torch.allclose(layer(x), x @ new["proj.weight"].T) and torch.equal(layer.weight, new["proj.weight"])
 
 
 def test_install_in_compiled_mode_keeps_packed_weights_in_the_same_parameter_across_versions() -> None:
@@ -171,6 +180,35 @@ def test_install_in_compiled_mode_keeps_packed_weights_in_the_same_parameter_acr
     second = torch.randn(3, 4)
     install(tree, {"proj.weight": second}, in_place=kernel)
     assert layer.weight is weight and torch.allclose(layer(x), x @ second.T)
+
+
+def test_a_prepared_version_is_packed_on_the_preparing_thread_and_only_copied_at_install() -> None:
+    packing_threads: list[str] = []
+
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        packing_threads.append(threading.current_thread().name)
+        return weight.flip(0).contiguous()
+
+    kernel = InPlaceKernel(pack=pack, linear=lambda x, w, n, b: x @ w.flip(0).T, dtypes=(torch.float32,))
+    layer = PackedLinear(torch.zeros(3, 4))
+    tree = nn.Module()
+    tree.add_module("proj", layer)
+    tree.register_parameter("norm", nn.Parameter(torch.ones(4), requires_grad=False))
+    install(tree, {"proj.weight": torch.randn(3, 4), "norm": torch.ones(4)}, in_place=kernel)
+    new = {"proj.weight": torch.randn(3, 4, dtype=torch.float64), "norm": torch.full((4,), 2.0)}
+    prepared: list[Prepared] = []
+    swapper = threading.Thread(target=lambda: prepared.append(prepare(tree, new, kernel)), name="swapper")
+    swapper.start()
+    swapper.join()
+    assert packing_threads == ["MainThread", "swapper"]  # the first install's, then the swapper's
+    weight = layer.weight
+    install(tree, prepared[0], in_place=kernel)
+    assert packing_threads == ["MainThread", "swapper"], "install packed the prepared weight again"
+    x = torch.randn(2, 4)
+    assert layer.weight is weight and torch.allclose(layer(x), x @ new["proj.weight"].float().T)
+    assert torch.equal(tree.norm, new["norm"])
+    with pytest.raises(CheckpointError, match="shape"):  # a wrong shape is refused before the decoding thread
+        prepare(tree, {"proj.weight": torch.randn(5, 4)}, kernel)
 
 
 def test_install_in_compiled_mode_serves_dtypes_the_kernel_lacks_through_a_plain_matmul() -> None:

@@ -12,10 +12,12 @@ vLLM's `EagleProposer` once it has loaded, and routes the model runner's proposa
    (sha256, fingerprint, names, shapes, finite values) and converted off the decoding thread;
    installing copies them into the running drafter's parameters between two steps, never
    touching the target's shared embedding. On CPU, vLLM packs linear weights into oneDNN handles
-   and leaves empty parameters behind: in eager mode each swap packs the new weights again as
-   vLLM does at load; in compiled mode (whose graphs keep the handles they were traced with) those
-   layers are served from real parameters from load on, holding vLLM's packed-weight layout where
-   it has one (bfloat16), so every swap is an in-place copy (`specd.serving.vllm.eagle3.weights`).
+   and leaves empty parameters behind: in eager mode the swapper's thread packs each new weight
+   as vLLM does at load and installing hands the layers their new handles; in compiled mode
+   (whose graphs keep the handles they were traced with) those layers are served from real
+   parameters from load on, holding vLLM's packed-weight layout where it has one (bfloat16), so
+   every swap is an in-place copy of weights the swapper's thread already packed
+   (`specd.serving.vllm.eagle3.weights`).
 3. with `SPECD_DRAFTER=hybrid` (the default), drafts per row and step from the row's context or
    the traffic table where the draft budget expects that to earn more than EAGLE-3's drafts, and
    from EAGLE-3 elsewhere (`specd.serving.vllm.eagle3.hybrid_rows`); every row's drafts are then trimmed to
@@ -58,7 +60,14 @@ from specd.hotswap.swapper import Swapper
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.loading import read_target_head
 from specd.serving.vllm.eagle3.hybrid_rows import HybridRows
-from specd.serving.vllm.eagle3.weights import InPlaceKernel, install, vllm_cpu_in_place_kernel, vllm_cpu_repack
+from specd.serving.vllm.eagle3.weights import (
+    InPlaceKernel,
+    Prepared,
+    install,
+    prepare,
+    vllm_cpu_in_place_kernel,
+    vllm_cpu_repack,
+)
 from specd.serving.vllm.shared.budget import DraftBudget
 from specd.serving.vllm.shared.launch import PluginSettings
 from specd.serving.vllm.shared.policy import DraftPolicy
@@ -67,27 +76,30 @@ from specd.serving.vllm.shared.worker_loop import PinnedSource, RequestBook, fol
 log = logging.getLogger(__name__)
 
 
-class VllmDrafterSlot(HotSwapped[tuple[FeatureDrafterModel, dict[str, torch.Tensor]]]):
+class VllmDrafterSlot(HotSwapped[tuple[FeatureDrafterModel, dict[str, torch.Tensor] | Prepared]]):
     """What the swapper hands versions to: checks them and converts them to vLLM's tensors on its
-    thread; `installer` writes them into vLLM's drafter on the decoding thread, between steps."""
+    thread (with `preparer`, also cast and packed as vLLM's drafter holds them); `installer` writes
+    them into vLLM's drafter on the decoding thread, between steps."""
 
     serves = FeatureDrafterModel
 
     def __init__(self, model: FeatureDrafterModel, version: int, device: torch.device,
-                 installer: Callable[[dict[str, torch.Tensor]], None] | None = None) -> None:
+                 installer: Callable[[dict[str, torch.Tensor] | Prepared], None] | None = None,
+                 preparer: Callable[[dict[str, torch.Tensor]], Prepared] | None = None) -> None:
         super().__init__(version)
-        self.model, self.device, self.installer = model, device, installer
+        self.model, self.device, self.installer, self.preparer = model, device, installer, preparer
 
     def check_compatible(self, model: DrafterModel) -> None:
         if not isinstance(model, FeatureDrafterModel) or model.config != self.model.config:
             raise CheckpointError("vLLM's drafter takes versions of its own shape only (the same layers, "
                                   "captured layers and draft vocabulary); this version differs")
 
-    def prepare(self, model: DrafterModel) -> tuple[FeatureDrafterModel, dict[str, torch.Tensor]]:
+    def prepare(self, model: DrafterModel) -> tuple[FeatureDrafterModel, dict[str, torch.Tensor] | Prepared]:
         assert isinstance(model, FeatureDrafterModel)
-        return model, {name: tensor.to(self.device) for name, tensor in vllm_parameters(model).items()}
+        tensors = {name: tensor.to(self.device) for name, tensor in vllm_parameters(model).items()}
+        return model, self.preparer(tensors) if self.preparer is not None else tensors
 
-    def install(self, payload: tuple[FeatureDrafterModel, dict[str, torch.Tensor]]) -> None:
+    def install(self, payload: tuple[FeatureDrafterModel, dict[str, torch.Tensor] | Prepared]) -> None:
         model, tensors = payload
         if self.installer is not None:
             self.installer(tensors)
@@ -141,7 +153,8 @@ class Eagle3Companion:
         self.repack = vllm_cpu_repack() if device.type == "cpu" and not compiled else None
         self.in_place = vllm_cpu_in_place_kernel() if device.type == "cpu" and compiled else None
         install(self.proposer.model, vllm_parameters(model), self.repack, self.in_place)
-        self.slot = VllmDrafterSlot(model, version, device, self._install_tensors)
+        self.slot = VllmDrafterSlot(model, version, device, self._install_tensors,
+                                    lambda tensors: prepare(self.proposer.model, tensors, self.in_place, self.repack))
         self.source, publisher = follow_versions(self.settings)
         self.swapper = Swapper(self.source, self.slot, fingerprint, target_embedding=embed)
         self.swapper.check_once()
@@ -236,7 +249,7 @@ class Eagle3Companion:
         if self.slot.apply_pending():
             log.info("vLLM's drafter now serves version %s", self.slot.version)
 
-    def _install_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _install_tensors(self, tensors: dict[str, torch.Tensor] | Prepared) -> None:
         begin = time.perf_counter()
         install(self.proposer.model, tensors, self.repack, self.in_place)
         self.install_seconds.append(time.perf_counter() - begin)
