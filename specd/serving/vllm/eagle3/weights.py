@@ -92,12 +92,13 @@ def _repacked(weight: torch.Tensor, repack: Callable[[nn.Module], None]) -> nn.M
 def install(vllm_model: nn.Module, tensors: dict[str, torch.Tensor] | Prepared,
             repack: Callable[[nn.Module], None] | None = None, in_place: InPlaceKernel | None = None) -> None:
     """Copy `tensors` into the running drafter (see the module's contract for CPU linear layers)."""
+    prepared = isinstance(tensors, Prepared)
     if isinstance(tensors, Prepared):
         for name, layer in tensors.layers.items():
             module, _ = _owner(vllm_model, name)
             module.weight, module.cpu_linear = layer.weight, layer.cpu_linear
-    prepared = isinstance(tensors, Prepared)
-    for name, value in (tensors.tensors if isinstance(tensors, Prepared) else tensors).items():
+        tensors = tensors.tensors
+    for name, value in tensors.items():
         module, attribute = _owner(vllm_model, name)
         current = getattr(module, attribute)
         cpu_layer = attribute == "weight" and hasattr(module, "cpu_linear")
