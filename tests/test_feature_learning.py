@@ -21,7 +21,8 @@ from specd.core.records import FeatureBlock, StepRecord, TrajectoryRecord, valid
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.hotswap.store import WeightStore
 from specd.learner.config import LearnerConfig
-from specd.learner.feature_signal import collate, feature_loss, label_rows, soft_cross_entropy, target_log_probs
+from specd.learner.feature_signal import collate, feature_loss, label_rows
+from specd.learner.head_loss import head_cross_entropy, target_labels
 from specd.learner.learner import Learner
 from specd.learner.objectives import FeatureObjective
 from specd.model.fingerprint import TargetFingerprint
@@ -233,7 +234,8 @@ def test_misses_weigh_more_at_the_prediction_of_the_replacement_token(target) ->
         one_hot = torch.zeros(len(tokens))
         one_hot[i] = 1.0
         loss, _ = feature_loss(model, collate([(tokens, features, one_hot)]), rows, steps=1)
-        label = target_log_probs(features[i], rows, model.config.rms_norm_eps)
+        last = features[i, -rows.shape[1]:]
+        label = F.log_softmax(F.rms_norm(last, (len(last),), eps=model.config.rms_norm_eps) @ rows.T, dim=-1)
         assert int(model.draft_ids[label.argmax()]) == ids[i + 1]  # the target's choice: the replacement
         with torch.no_grad():
             entry = model.unrolled(features[None, :-1], tokens[None, 1:], 1)[0][0, i - 1]
@@ -309,17 +311,37 @@ def test_gate_rejects_a_candidate_with_non_finite_weights(tmp_path: Path, target
     assert learner.evaluate(learner.model)["passed"] is True
 
 
-def test_the_written_out_soft_cross_entropy_has_autograds_value_and_gradient() -> None:
+def test_the_fused_head_cross_entropy_has_autograds_value_gradients_and_argmax_across_chunks() -> None:
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 5, 17, generator=generator, dtype=torch.float64, requires_grad=True)
-    target_p = torch.softmax(torch.randn(3, 5, 17, generator=generator, dtype=torch.float64), dim=-1)
-    upstream = torch.randn(3, 5, generator=generator, dtype=torch.float64)
-    written = soft_cross_entropy(logits, target_p)
-    (written_grad,) = torch.autograd.grad((written * upstream).sum(), logits)
-    reference = -(target_p * F.log_softmax(logits, dim=-1)).sum(-1)
-    (reference_grad,) = torch.autograd.grad((reference * upstream).sum(), logits)
-    torch.testing.assert_close(written, reference)
-    torch.testing.assert_close(written_grad, reference_grad)
+    x = torch.randn(11, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(17, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    target_p = torch.softmax(torch.randn(11, 17, generator=generator, dtype=torch.float64), dim=-1).float()
+    row_weight = torch.rand(11, generator=generator, dtype=torch.float64).float()
+    row_weight[3] = 0.0  # a row no label weighs: it adds nothing and gets no gradient
+    fused_x, fused_weight = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    total, per_row, top = head_cross_entropy(fused_x, fused_weight, target_p, row_weight, chunk_rows=4)
+    (2.5 * total).backward()  # backward scales the gradients made in the forward pass
+    logits = x @ weight.T
+    reference_rows = -(target_p.double() * F.log_softmax(logits, dim=-1)).sum(-1)
+    reference = (reference_rows * row_weight.double()).sum()
+    (2.5 * reference).backward()
+    torch.testing.assert_close(total.double(), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(per_row.double(), reference_rows.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(top, logits.argmax(-1))
+    assert x.grad is not None and weight.grad is not None and fused_x.grad is not None
+    torch.testing.assert_close(fused_x.grad.double(), x.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fused_weight.grad.double(), weight.grad, rtol=1e-4, atol=1e-5)
+    assert float(fused_x.grad[3].abs().max()) == 0.0
+
+
+def test_the_target_labels_are_its_float32_distribution_entropy_and_argmax_across_chunks() -> None:
+    generator = torch.Generator().manual_seed(1)
+    states, rows = torch.randn(9, 6, generator=generator), torch.randn(17, 6, generator=generator)
+    p, entropy, top = target_labels(states, rows, eps=1e-5, chunk_rows=4)
+    logp = F.log_softmax(F.rms_norm(states, (6,), eps=1e-5) @ rows.T, dim=-1)
+    torch.testing.assert_close(p, logp.exp())
+    torch.testing.assert_close(entropy, -(logp.exp() * logp).sum(-1))
+    assert torch.equal(top, logp.argmax(-1))
 
 
 def test_the_memory_breakdown_counts_carried_features_once_and_recomputed_ones_in_the_cache(tmp_path: Path,

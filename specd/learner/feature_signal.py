@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from specd.drafter.feature_model import FeatureDrafterModel
+from specd.learner.head_loss import head_cross_entropy, target_labels
 
 OBJECTIVES = ("kl", "accept")
 
@@ -65,36 +66,6 @@ def label_rows(lm_head: torch.Tensor, draft_ids: torch.Tensor, final_norm: torch
     return lm_head.detach().float()[draft_ids.to(lm_head.device)] * final_norm.detach().float().to(lm_head.device)
 
 
-def target_log_probs(features: torch.Tensor, rows: torch.Tensor, eps: float) -> torch.Tensor:
-    """The target's log-distribution over the draft vocabulary from features [.., F] (last chunk),
-    in float32 even under autocast: it is the label."""
-    last = features[..., -rows.shape[1]:].float()
-    with torch.autocast(last.device.type, enabled=False):
-        return F.log_softmax(F.rms_norm(last, (last.shape[-1],), eps=eps) @ rows.float().T, dim=-1)
-
-
-class _SoftCrossEntropy(torch.autograd.Function):
-    """−Σ p log softmax(z) per row, with the gradient (softmax(z) − p) · g written out: autograd's
-    version keeps log q, p − log q and their products alive over the whole draft vocabulary and
-    costs about a third of a pretraining step in element-wise passes."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
-        logq = F.log_softmax(logits, dim=-1)
-        ctx.save_for_backward(logq, target_p)
-        return -(target_p * logq).sum(-1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        logq, target_p = ctx.saved_tensors
-        return (logq.exp() - target_p) * grad.unsqueeze(-1), None
-
-
-def soft_cross_entropy(logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
-    """Per-row cross-entropy of float32 `logits` against the distribution `target_p` (rows sum to 1)."""
-    return _SoftCrossEntropy.apply(logits, target_p)
-
-
 def feature_loss(model: FeatureDrafterModel, batch: FeatureBatch, rows: torch.Tensor, steps: int,
                  step_decay: float = 0.8, objective: str = "kl",
                  with_stats: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
@@ -121,32 +92,31 @@ def feature_loss(model: FeatureDrafterModel, batch: FeatureBatch, rows: torch.Te
     positions = torch.arange(start, length - 1, device=device).repeat(len(label_weight))[weighed]
     entry_weight = label_weight.flatten()[weighed]
     with torch.no_grad():
-        # at t + 1: [n, N]
-        labels_at = features[:, 1 + start:].flatten(0, 1)[weighed]
-        target_logp = target_log_probs(labels_at, rows, model.config.rms_norm_eps)
-        target_p = target_logp.exp()
+        # at t + 1: [n, hidden], the last captured layer's states
+        labels_at = features[:, 1 + start:].flatten(0, 1)[weighed][..., -rows.shape[1]:]
         # KL = cross-entropy − the target's entropy, which no parameter changes
-        target_entropy = -(target_p * target_logp).sum(-1)
-        target_top = target_logp.argmax(-1)
+        target_p, target_entropy, target_top = target_labels(labels_at, rows, model.config.rms_norm_eps)
     total = torch.zeros((), device=device)
     stats: dict[str, float] = {}
     for j, state in enumerate(outputs):
         weight = entry_weight * (positions >= j)
-        if float(weight.sum()) == 0:
-            continue
-        logits = model.logits(state.flatten(0, 1)[weighed]).float()
         normaliser = weight.sum()
+        if float(normaliser) == 0:
+            continue
+        normed = model.norm(state.flatten(0, 1)[weighed])
         if objective == "kl":
-            per_position = soft_cross_entropy(logits, target_p) - target_entropy
-            kl = per_position.detach()
+            weighed_ce, cross_entropy, drafted = head_cross_entropy(normed, model.head.weight, target_p, weight)
+            step_loss = (weighed_ce - (weight * target_entropy).sum()) / normaliser
+            kl = cross_entropy - target_entropy
         else:
-            logq = F.log_softmax(logits, dim=-1)
+            logq = F.log_softmax(model.head(normed).float(), dim=-1)
             overlap = torch.minimum(target_p, logq.exp()).sum(-1)
-            per_position = -torch.log(overlap.clamp(min=1e-6))
-            kl = (target_p * (target_logp - logq.detach())).sum(-1)
-        total = total + step_decay ** j * (per_position * weight).sum() / normaliser
+            step_loss = (-torch.log(overlap.clamp(min=1e-6)) * weight).sum() / normaliser
+            kl = -(target_p * logq.detach()).sum(-1) - target_entropy
+            drafted = logq.detach().argmax(-1)
+        total = total + step_decay ** j * step_loss
         if with_stats:
             stats[f"kl{j + 1}"] = float((kl * weight).sum() / normaliser)
-            agree = torch.eq(logits.detach().argmax(-1), target_top).float()
+            agree = torch.eq(drafted, target_top).float()
             stats[f"top1_{j + 1}"] = float((agree * weight).sum() / normaliser)
     return total, stats
