@@ -116,6 +116,24 @@ def test_more_rounds_continue_a_folder_with_new_sampled_answers_to_the_same_prom
     with pytest.raises(ValueError, match="temperature"):
         DistillConfig(rounds=2, temperature=0.0)
 
+
+def test_a_continuations_data_is_new_sampled_answers_to_a_seeded_draw_of_the_prompts(loaded, prompts, tmp_path,
+                                                                                      monkeypatch) -> None:
+    real = distill_module.generate_examples
+    rounds_made: list[int] = []
+    monkeypatch.setattr(distill_module, "generate_examples",
+                        lambda *a, **k: rounds_made.append(a[5]) or real(*a, **k))
+    config = DistillConfig(**{**SMALL.__dict__, "rounds": 2, "first_round": 1, "sample": 4})
+    examples = distill(loaded, config, CAPTURE, tmp_path, prompts)
+    assert rounds_made == [1, 1]  # round 0 is neither made nor read: 4 prompts, 3 a shard
+    assert len(examples) == 4 and all(e.temperature == pytest.approx(SMALL.temperature) for e in examples)
+    drawn = [next(i for i, p in enumerate(prompts) if p.ids == e.tokens[:e.prompt_length].tolist()) for e in examples]
+    assert drawn == sorted(set(drawn)) and drawn != [0, 1, 2, 3]  # a draw kept in file order, not the first ones
+    assert key(distill(loaded, config, CAPTURE, tmp_path / "again", prompts)) == key(examples)  # the same draw
+    for bad in ({"first_round": 2}, {"sample": 0}):
+        with pytest.raises(ValueError, match="first_round"):
+            DistillConfig(**{**SMALL.__dict__, "rounds": 2, **bad})
+
 # ---- the data ranges -------------------------------------------------------------------------------
 
 def fake_file(count: int):

@@ -129,6 +129,35 @@ def test_pretrain_resumes_from_its_checkpoint_without_recomputing_features(pretr
     assert isinstance(model, FeatureDrafterModel)
 
 
+def test_pretrain_continues_a_version_file_from_its_weights_and_keeps_its_manifest_as_the_parent(
+        pretrained, tmp_path: Path) -> None:
+    loaded, first = pretrained["loaded"], pretrained["out"]
+    out, work = tmp_path / "continued.safetensors", tmp_path / "work"
+    # at learning rate 0 the continued file is its parent's weights: training started from them
+    manifest = pretrain(loaded, replace(TINY_PRETRAIN, steps=2, learning_rate=0.0), work, out, COMMAND, parent=first)
+    embedding = loaded.model.embed.weight
+    before = load_drafter(first, loaded.fingerprint, target_embedding=embedding)
+    after = load_drafter(out, loaded.fingerprint, target_embedding=embedding)
+    assert before.state_dict().keys() == after.state_dict().keys()
+    assert all(torch.equal(before.state_dict()[name], tensor) for name, tensor in after.state_dict().items())
+    parent = manifest["parent"]
+    assert parent["file_sha256"] == hashlib.sha256(first.read_bytes()).hexdigest()
+    assert parent["command"] == COMMAND and parent["held_out"] == pretrained["manifest"]["held_out"]
+    assert "curve" not in parent  # the parent's file keeps its curve; the chain keeps its commands and figures
+    assert manifest["settings"]["parent"] == parent["file_sha256"]
+    assert check_manifest(out, required=True) == manifest
+
+    # a work folder never resumes onto another start
+    with pytest.raises(ConfigurationError, match="started with other settings"):
+        pretrain(loaded, replace(TINY_PRETRAIN, steps=2), work, tmp_path / "other.safetensors", COMMAND)
+    with pytest.raises(ConfigurationError, match="cannot continue from"):
+        pretrain(loaded, TINY_PRETRAIN, tmp_path / "work2", tmp_path / "other.safetensors", COMMAND,
+                 parent=tmp_path / "missing.safetensors")
+    with pytest.raises(ConfigurationError, match="draft ids"):
+        pretrain(loaded, replace(TINY_PRETRAIN, drafter_layers=2), tmp_path / "work3", tmp_path / "other.safetensors",
+                 COMMAND, parent=first)
+
+
 # ---- the day-0 drafter: pretrained when it fits, from scratch otherwise ---------------------------
 
 DRAFT_VOCAB = 64

@@ -37,6 +37,9 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--init", choices=INITS, default=None,
                    help="the drafter layer's starting weights: random (default), or the target's last layer's "
                         "attention and MLP (output projections damped)")
+    p.add_argument("--init-from", default=None, metavar="FILE",
+                   help="continue training this version file (one `specd pretrain` made, for this target) "
+                        "instead of starting a new drafter; its manifest is kept in the new one's")
     p.add_argument("--greedy-only", action="store_true", default=None,
                    help="distilled: train on the greedy answers only, not the sampled ones")
     p.add_argument("--prompt-weight", type=float, default=None,
@@ -44,6 +47,11 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
                         "on the answers alone and skips the prompts' cost)")
     p.add_argument("--distill-rounds", type=int, default=None,
                    help="distilled: answers generated per prompt (the recipe's rounds; fewer reads the first ones)")
+    p.add_argument("--first-round", type=int, default=None,
+                   help="distilled: leave out the rounds before this one (with --init-from: train on new answers "
+                        "only, not those the file was trained on)")
+    p.add_argument("--distill-sample", type=int, default=None, metavar="N",
+                   help="distilled: answer a seeded draw of N of the prompts (default: all)")
     p.add_argument("--later-turns", action="store_true", default=None,
                    help="distilled: also answer every later user turn of the training conversations, its "
                         "context's earliest exchanges dropped until it fits (about 3x the prompts)")
@@ -67,8 +75,11 @@ def pretrain_config(args: argparse.Namespace):
     overrides = {name: getattr(args, flag) for flag, name in PRETRAIN_FLAGS.items() if getattr(args, flag) is not None}
     try:
         config = recipe(args.recipe, **overrides) if args.recipe else replace(PretrainConfig(), **overrides)
-        if args.distill_rounds is not None:
-            config = replace(config, distill=replace(config.distill, rounds=args.distill_rounds))
+        distill = {name: value for name, value in (("rounds", args.distill_rounds),
+                                                    ("first_round", args.first_round),
+                                                    ("sample", args.distill_sample)) if value is not None}
+        if distill:
+            config = replace(config, distill=replace(config.distill, **distill))
         if args.later_turns:
             config = replace(config, distill=replace(config.distill, later_turns=True))
         return config
@@ -88,7 +99,8 @@ def run_pretrain(args: argparse.Namespace) -> int:
     logging.getLogger("specd").setLevel(logging.INFO)
     config = pretrain_config(args)
     command = "specd " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    manifest = pretrain(LoadedTarget.load(args.target), config, Path(args.work), Path(args.out), command)
+    parent = Path(args.init_from) if args.init_from else None
+    manifest = pretrain(LoadedTarget.load(args.target), config, Path(args.work), Path(args.out), command, parent)
     held_out = manifest["held_out"]
     print(f"wrote {args.out}: held-out accept length {held_out['accept_length']:.3f} on evaluation prompts "
           f"(validation {held_out['validation']['accept_length']:.3f}, k = {held_out['k']}) after "

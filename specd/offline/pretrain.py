@@ -12,6 +12,10 @@ Contract: everything lives in one work folder and every stage resumes where it s
    progress written as .tmp and renamed together), with the held-out accept length (k =
    `eval_k`, greedy, simulated exactly) on both sets every `eval_every` steps in `curve.json`.
    `max_seconds` stops training at a time budget (for arms compared at equal time).
+Training starts from a new drafter, or continues an earlier version file (`parent`: one made by
+`specd pretrain`, its manifest checked); the settings then hold that file's sha256 (a work folder
+never resumes onto another start) and the manifest holds the parent's own, so the chain of
+commands from nothing to the file is on record.
 The result is a drafter version file (fp16, no embedding) whose metadata and the `.json` beside
 it hold the manifest: the command, settings, data and evaluation hashes, tokens, steps, seed, the
 held-out accept lengths and the curve. `RECIPES["shipped"]` is the recipe of the shipped file.
@@ -33,7 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from specd.core.errors import ConfigurationError
+from specd.core.errors import CheckpointError, ConfigurationError
 from specd.core.traffic import EVALUATION_START, TRAINING_RANGE, VALIDATION_RANGE
 from specd.drafter.checkpoint import save_drafter
 from specd.drafter.feature_model import (
@@ -42,6 +46,7 @@ from specd.drafter.feature_model import (
     init_from_target_layer,
     new_feature_drafter,
 )
+from specd.drafter.pretrained import check_manifest, load_pretrained
 from specd.learner.feature_signal import collate, feature_loss, label_rows
 from specd.learner.simulation import simulated_counts
 from specd.model.target import DTYPES, LoadedTarget
@@ -73,6 +78,7 @@ class PretrainConfig:
     draft_vocab: int = 8192
     drafter_layers: int = 1        # decoder layers of the drafter (EAGLE-3: one)
     init: str = "random"           # the first layer's start: "random", or "target_layer" (the target's last)
+    parent: str | None = None      # the sha256 of the version file training continues (set by `pretrain`)
     steps: int = 4000
     batch_size: int = 8
     learning_rate: float = 6e-4
@@ -280,9 +286,30 @@ def held_out_sets(loaded: LoadedTarget, config: PretrainConfig, capture: tuple[i
                                work / f"{name}.safetensors") for name, span in spans.items()}
 
 
+def continued(loaded: LoadedTarget, parent: Path) -> tuple[FeatureDrafterModel, dict[str, Any]]:
+    """The drafter in version file `parent` and its manifest with the file's sha256 (its curve left
+    out); ConfigurationError if it is not a `specd pretrain` file made for this target."""
+    try:
+        model = load_pretrained(parent, loaded.model, loaded.fingerprint, require_manifest=True)
+        manifest = check_manifest(parent, required=True)
+    except CheckpointError as error:
+        raise ConfigurationError(f"cannot continue from {parent}: {error}") from None
+    assert manifest is not None
+    record = {key: value for key, value in manifest.items() if key != "curve"}
+    return model, {**record, "file_sha256": hashlib.sha256(parent.read_bytes()).hexdigest()}
+
+
 def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path, command: str,
-             from_model: FeatureDrafterModel | None = None) -> dict[str, Any]:
-    """Run (or resume) every stage and write the version file `out`; returns its manifest."""
+             parent: Path | None = None) -> dict[str, Any]:
+    """Run (or resume) every stage and write the version file `out`; returns its manifest. With
+    `parent`, training continues that version file's drafter (its draft vocabulary and layers)."""
+    from_model, parent_manifest = continued(loaded, parent) if parent is not None else (None, None)
+    if from_model is not None and parent_manifest is not None:
+        shape = (from_model.config.draft_vocab_size, from_model.config.num_layers)
+        if shape != (min(config.draft_vocab, loaded.model.config.vocab_size), config.drafter_layers):
+            raise ConfigurationError(f"{parent} has {shape[0]} draft ids and {shape[1]} layer(s); the settings ask "
+                                     f"for {config.draft_vocab} and {config.drafter_layers}")
+        config = replace(config, parent=parent_manifest["file_sha256"])
     work.mkdir(parents=True, exist_ok=True)
     settings = work / "config.json"
     if settings.is_file():
@@ -301,9 +328,11 @@ def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path
     capture = (from_model.config if from_model is not None else
                FeatureDrafterConfig.for_target(target.config, config.draft_vocab)).capture_layers
     corpus = training_corpus(loaded, config, capture, work)
-    model = from_model or new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight,
-                                              target.norm.weight, corpus.draft_ids, seed=config.seed,
-                                              num_layers=config.drafter_layers)
+    if from_model is not None:
+        model = from_model.float()
+    else:
+        model = new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight, target.norm.weight,
+                                    corpus.draft_ids, seed=config.seed, num_layers=config.drafter_layers)
     if from_model is None and config.init == "target_layer":
         init_from_target_layer(model, cast(Block, target.blocks[-1]))
     held_out = held_out_sets(loaded, config, capture, work)
@@ -325,6 +354,7 @@ def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path
             "accept_length": last["evaluation_accept_length"],
         },
         "curve": trainer.curve,
+        **({"parent": parent_manifest} if parent_manifest is not None else {}),
     }
     save_drafter(trainer.model, out, loaded.fingerprint, extra={"manifest": json.dumps(manifest)},
                  dtype=torch.float16)
