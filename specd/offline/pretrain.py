@@ -286,43 +286,48 @@ def held_out_sets(loaded: LoadedTarget, config: PretrainConfig, capture: tuple[i
                                work / f"{name}.safetensors") for name, span in spans.items()}
 
 
-def continued(loaded: LoadedTarget, parent: Path) -> tuple[FeatureDrafterModel, dict[str, Any]]:
+def continued(loaded: LoadedTarget, parent: Path, config: PretrainConfig) -> tuple[FeatureDrafterModel, dict[str, Any]]:
     """The drafter in version file `parent` and its manifest with the file's sha256 (its curve left
-    out); ConfigurationError if it is not a `specd pretrain` file made for this target."""
+    out); ConfigurationError if it is not a `specd pretrain` file made for this target, or its draft
+    vocabulary and layers are not the ones `config` asks for."""
     try:
         model = load_pretrained(parent, loaded.model, loaded.fingerprint, require_manifest=True)
         manifest = check_manifest(parent, required=True)
     except CheckpointError as error:
         raise ConfigurationError(f"cannot continue from {parent}: {error}") from None
     assert manifest is not None
+    shape = (model.config.draft_vocab_size, model.config.num_layers)
+    if shape != (min(config.draft_vocab, loaded.model.config.vocab_size), config.drafter_layers):
+        raise ConfigurationError(f"{parent} has {shape[0]} draft ids and {shape[1]} layer(s); the settings ask "
+                                 f"for {config.draft_vocab} and {config.drafter_layers}")
     record = {key: value for key, value in manifest.items() if key != "curve"}
     return model, {**record, "file_sha256": hashlib.sha256(parent.read_bytes()).hexdigest()}
+
+
+def claim_work_folder(work: Path, config: PretrainConfig) -> None:
+    """Write `config` into `work`; ConfigurationError if the folder was started with other settings
+    (a new budget of steps or time is a continuation, not other settings)."""
+    work.mkdir(parents=True, exist_ok=True)
+    settings = work / "config.json"
+    if settings.is_file():
+        budget = ("steps", "max_seconds", "eval_every", "checkpoint_every")
+        # a setting added since the folder was started reads as its default (what that run used)
+        saved = as_settings(config_from_settings(json.loads(settings.read_text())))
+        if {k: v for k, v in saved.items() if k not in budget} != \
+                {k: v for k, v in as_settings(config).items() if k not in budget}:
+            raise ConfigurationError(f"{work} was started with other settings ({settings}): use another work "
+                                     f"folder, or the same settings")
+    settings.write_text(json.dumps(as_settings(config), indent=1))
 
 
 def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path, command: str,
              parent: Path | None = None) -> dict[str, Any]:
     """Run (or resume) every stage and write the version file `out`; returns its manifest. With
     `parent`, training continues that version file's drafter (its draft vocabulary and layers)."""
-    from_model, parent_manifest = continued(loaded, parent) if parent is not None else (None, None)
-    if from_model is not None and parent_manifest is not None:
-        shape = (from_model.config.draft_vocab_size, from_model.config.num_layers)
-        if shape != (min(config.draft_vocab, loaded.model.config.vocab_size), config.drafter_layers):
-            raise ConfigurationError(f"{parent} has {shape[0]} draft ids and {shape[1]} layer(s); the settings ask "
-                                     f"for {config.draft_vocab} and {config.drafter_layers}")
+    from_model, parent_manifest = continued(loaded, parent, config) if parent is not None else (None, None)
+    if parent_manifest is not None:
         config = replace(config, parent=parent_manifest["file_sha256"])
-    work.mkdir(parents=True, exist_ok=True)
-    settings = work / "config.json"
-    if settings.is_file():
-        saved = json.loads(settings.read_text())
-        # the stages already written keep theirs; a new budget (steps, time) is a continuation
-        budget = ("steps", "max_seconds", "eval_every", "checkpoint_every")
-        # a setting added since the folder was started reads as its default (what that run used)
-        saved = as_settings(config_from_settings(saved))
-        if {k: v for k, v in saved.items() if k not in budget} != \
-                {k: v for k, v in as_settings(config).items() if k not in budget}:
-            raise ConfigurationError(f"{work} was started with other settings ({settings}): use another work "
-                                     f"folder, or the same settings")
-    settings.write_text(json.dumps(as_settings(config), indent=1))
+    claim_work_folder(work, config)
     torch.manual_seed(config.seed)
     target = loaded.model
     capture = (from_model.config if from_model is not None else
