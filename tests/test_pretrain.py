@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import specd.offline.corpus as pretrain_data
-import specd.offline.pretrain as pretrain_module
+import specd.offline.training_loop as training_loop
 from specd.core.errors import CheckpointError, ConfigurationError
 from specd.drafter.checkpoint import load_drafter, read_metadata, save_drafter
 from specd.drafter.feature_model import FeatureDrafterModel, init_from_target_layer, new_feature_drafter
@@ -99,7 +99,7 @@ def test_pretrain_resumes_from_its_checkpoint_without_recomputing_features(pretr
     stamps = {path: path.stat().st_mtime_ns for path in [*shards, work / "validation.safetensors",
                                                          work / "evaluation.safetensors", work / "data.safetensors"]}
     calls = {"features": 0, "loss": 0}
-    real_loss = pretrain_module.feature_loss
+    real_loss = training_loop.feature_loss
 
     def counted_features(*args, **kwargs):
         calls["features"] += 1
@@ -113,7 +113,7 @@ def test_pretrain_resumes_from_its_checkpoint_without_recomputing_features(pretr
         raise AssertionError("a resumed run re-read the conversations")
 
     monkeypatch.setattr(pretrain_data, "target_features", counted_features)
-    monkeypatch.setattr(pretrain_module, "feature_loss", counted_loss)
+    monkeypatch.setattr(training_loop, "feature_loss", counted_loss)
     monkeypatch.setattr(pretrain_data, "iter_training_conversations", no_conversations)
     out = tmp_path / "drafter.safetensors"
     first = pretrained["manifest"]
@@ -156,6 +156,37 @@ def test_pretrain_continues_a_version_file_from_its_weights_and_keeps_its_manife
     with pytest.raises(ConfigurationError, match="draft ids"):
         pretrain(loaded, replace(TINY_PRETRAIN, drafter_layers=2), tmp_path / "work3", tmp_path / "other.safetensors",
                  COMMAND, parent=first)
+
+
+def test_keeping_the_best_writes_the_weights_of_the_best_validation_point_across_a_resume(
+        pretrained, tmp_path: Path, monkeypatch) -> None:
+    work = tmp_path / "work"
+    shutil.copytree(pretrained["work"], work, ignore=shutil.ignore_patterns("train-state*", "optimizer*", "progress*",
+                                                                             "curve*", "config.json"))
+    # validation peaks at step 2 of 0, 2, 4, 6; evaluation (asked second at each point) never chooses
+    validation = iter([1.5, 1.8, 1.7, 1.6])
+    weights_at: dict[int, dict[str, torch.Tensor]] = {}
+    asked = {"count": 0}
+
+    def scripted(model, sequences, k) -> float:
+        asked["count"] += 1
+        if asked["count"] % 2 == 0:
+            return 1.0
+        weights_at[len(weights_at)] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        return next(validation, 1.0)  # after training: the written file's figures
+
+    monkeypatch.setattr(training_loop, "held_out_accept_length", scripted)
+    config = replace(TINY_PRETRAIN, keep="best", learning_rate=1e-2)
+    loaded, out = pretrained["loaded"], tmp_path / "best.safetensors"
+    pretrain(loaded, replace(config, steps=4), work, out, COMMAND)
+    manifest = pretrain(loaded, replace(config, steps=6), work, out, COMMAND)  # resumed: step 2's weights reloaded
+    assert manifest["steps"] == 6 and manifest["kept_step"] == 2
+    assert manifest["held_out"]["validation"]["in_training"] == 1.8
+    best = weights_at[1]
+    assert not torch.equal(best["fc.weight"], weights_at[3]["fc.weight"])  # training moved on after it
+    written = load_drafter(out, loaded.fingerprint, target_embedding=loaded.model.embed.weight).state_dict()
+    assert written.keys() == best.keys()
+    assert all(torch.equal(tensor, best[name].to(torch.float16).to(tensor.dtype)) for name, tensor in written.items())
 
 
 # ---- the day-0 drafter: pretrained when it fits, from scratch otherwise ---------------------------
@@ -412,11 +443,19 @@ def test_a_work_folder_started_before_a_setting_existed_resumes_with_its_default
 
 def test_the_shipped_drafter_names_its_recipe_data_hashes_and_figure() -> None:
     manifest = check_manifest(SHIPPED_DRAFTER, required=True)
-    assert manifest is not None and manifest["command"].startswith("specd pretrain --recipe shipped")
-    # the shipped file is what its recipe makes: same settings, nothing hand-made
-    assert config_from_settings(manifest["settings"]) == RECIPES["shipped"]
-    assert "own responses" in manifest["data"]["source"]
-    assert manifest["held_out"]["accept_length"] == manifest["held_out"]["evaluation"]["accept_length"]
+    assert manifest is not None and manifest["command"].startswith("specd pretrain --recipe shipped-2 ")
+    # the shipped file is what its two recipes make: the same settings, nothing hand-made
+    parent = manifest["parent"]
+    assert replace(config_from_settings(manifest["settings"]), parent=None) == RECIPES["shipped-2"]
+    assert manifest["settings"]["parent"] == parent["file_sha256"]
+    assert parent["command"].startswith("specd pretrain --recipe shipped ")
+    assert config_from_settings(parent["settings"]) == RECIPES["shipped"]
+    for stage in (manifest, parent):
+        assert "own responses" in stage["data"]["source"]
+        assert stage["held_out"]["accept_length"] == stage["held_out"]["evaluation"]["accept_length"]
+    # both stages are judged on the same held-out prompts
+    assert {name: manifest["held_out"][name]["sha256"] for name in ("validation", "evaluation")} == \
+        {name: parent["held_out"][name]["sha256"] for name in ("validation", "evaluation")}
     assert SHIPPED_DRAFTER.stat().st_size <= 32 * 2**20
 
 
@@ -464,7 +503,7 @@ def test_batches_come_from_one_length_bucket_and_cover_every_example() -> None:
     import itertools
     import random
 
-    from specd.offline.pretrain import length_buckets, sample_batch
+    from specd.offline.training_loop import length_buckets, sample_batch
 
     rng = random.Random(3)
     lengths = [rng.randrange(10, 500) for _ in range(203)]
@@ -481,7 +520,7 @@ def test_where_prompts_weigh_nothing_a_bucket_holds_examples_that_start_labellin
     import itertools
     import random
 
-    from specd.offline.pretrain import first_labelled, length_buckets
+    from specd.offline.training_loop import first_labelled, length_buckets
 
     rng = random.Random(5)
     prompts = [rng.randrange(5, 300) for _ in range(150)]

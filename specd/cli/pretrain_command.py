@@ -16,18 +16,20 @@ PRETRAIN_FLAGS = {"data": "data", "conversations": "conversations", "max_length"
                   "init": "init",
                   "prompt_weight": "prompt_weight",
                   "steps": "steps", "batch": "batch_size", "lr": "learning_rate", "unroll": "unroll",
-                  "objective": "objective", "eval_every": "eval_every", "seed": "seed", "max_seconds": "max_seconds"}
+                  "objective": "objective", "eval_every": "eval_every", "seed": "seed", "max_seconds": "max_seconds",
+                  "keep": "keep"}
 
 
 def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
-    from specd.offline.pretrain import INITS, RECIPES
+    from specd.offline.pretrain import INITS, KEEPS, RECIPES
 
     p = sub.add_parser("pretrain", help="train a feature drafter offline (by default on the target's own responses)")
     p.add_argument("--out", required=True, help="the version file to write (a .json manifest goes beside it)")
     p.add_argument("--work", required=True, help="work folder: generated data, features, checkpoints; rerun to resume")
     p.add_argument("--target", default=None)
     p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
-                   help="a named recipe (shipped: the bundled drafter's); the flags below override it")
+                   help="a named recipe (shipped, then shipped-2 with --init-from: the bundled drafter's two "
+                        "stages); the flags below override it")
     p.add_argument("--data", choices=["distilled", "sharegpt"], default=None,
                    help="distilled: the target's own responses (default); sharegpt: ShareGPT's own text")
     p.add_argument("--conversations", type=int, default=None, help="sharegpt: conversations read")
@@ -61,6 +63,9 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--unroll", type=int, default=None, help="drafting steps trained per position")
     p.add_argument("--objective", choices=["kl", "accept"], default=None)
     p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--keep", choices=KEEPS, default=None,
+                   help="the weights written: the last (default), or those of the evaluation point with the best "
+                        "validation accept length")
     p.add_argument("--max-seconds", type=float, default=None, help="stop training after this many training seconds")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=None)
@@ -92,7 +97,7 @@ def run_pretrain(args: argparse.Namespace) -> int:
 
     import torch
 
-    from specd.offline.pretrain import pretrain
+    from specd.offline.pretrain import RECIPE_PARENTS, pretrain
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -100,6 +105,10 @@ def run_pretrain(args: argparse.Namespace) -> int:
     config = pretrain_config(args)
     command = "specd " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     parent = Path(args.init_from) if args.init_from else None
+    stage_of = RECIPE_PARENTS.get(args.recipe)
+    if stage_of is not None and parent is None:
+        raise ConfigurationError(f"recipe {args.recipe} continues a version file made by --recipe {stage_of}: "
+                                 f"give that file with --init-from")
     manifest = pretrain(LoadedTarget.load(args.target), config, Path(args.work), Path(args.out), command, parent)
     held_out = manifest["held_out"]
     print(f"wrote {args.out}: held-out accept length {held_out['accept_length']:.3f} on evaluation prompts "

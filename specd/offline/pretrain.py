@@ -8,17 +8,22 @@ Contract: everything lives in one work folder and every stage resumes where it s
 2. `validation.safetensors` (from `traffic.VALIDATION_RANGE`, chooses settings) and
    `evaluation.safetensors` (from `traffic.EVALUATION_START` on, reports the figure): held-out
    first user turns with the target's own greedy continuations and their features;
-3. training, checkpointed atomically every `checkpoint_every` steps (weights, optimiser and
-   progress written as .tmp and renamed together), with the held-out accept length (k =
-   `eval_k`, greedy, simulated exactly) on both sets every `eval_every` steps in `curve.json`.
-   `max_seconds` stops training at a time budget (for arms compared at equal time).
+3. training (`specd.offline.training_loop`), checkpointed atomically every `checkpoint_every`
+   steps (weights, optimiser and progress written as .tmp and renamed together), with the
+   held-out accept length (k = `eval_k`, greedy, simulated exactly) on both sets every
+   `eval_every` steps in `curve.json`.
+   `max_seconds` stops training at a time budget (for arms compared at equal time). With
+   `keep="best"` the file holds the weights of the evaluation point with the best validation
+   accept length (kept in memory and written with each checkpoint) instead of the last ones.
 Training starts from a new drafter, or continues an earlier version file (`parent`: one made by
 `specd pretrain`, its manifest checked); the settings then hold that file's sha256 (a work folder
 never resumes onto another start) and the manifest holds the parent's own, so the chain of
 commands from nothing to the file is on record.
 The result is a drafter version file (fp16, no embedding) whose metadata and the `.json` beside
 it hold the manifest: the command, settings, data and evaluation hashes, tokens, steps, seed, the
-held-out accept lengths and the curve. `RECIPES["shipped"]` is the recipe of the shipped file.
+held-out accept lengths of the file as written (and in training, in float32) and the curve.
+The shipped file is made in two stages: `RECIPES["shipped"]` from nothing, then
+`RECIPES["shipped-2"]` from that file (`RECIPE_PARENTS`).
 """
 
 from __future__ import annotations
@@ -27,15 +32,11 @@ import copy
 import hashlib
 import json
 import logging
-import random
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
 import torch
-from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
 from specd.core.errors import CheckpointError, ConfigurationError
 from specd.core.traffic import EVALUATION_START, TRAINING_RANGE, VALIDATION_RANGE
@@ -47,8 +48,7 @@ from specd.drafter.feature_model import (
     new_feature_drafter,
 )
 from specd.drafter.pretrained import check_manifest, load_pretrained
-from specd.learner.feature_signal import collate, feature_loss, label_rows
-from specd.learner.simulation import simulated_counts
+from specd.learner.feature_signal import label_rows
 from specd.model.target import DTYPES, LoadedTarget
 from specd.model.transformer import Block
 from specd.offline.corpus import (
@@ -61,11 +61,13 @@ from specd.offline.corpus import (
     tensor_hash,
 )
 from specd.offline.distill import DistillConfig
+from specd.offline.training_loop import Trainer, held_out_accept_length
 
 log = logging.getLogger(__name__)
 
 
 INITS = ("random", "target_layer")
+KEEPS = ("last", "best")
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class PretrainConfig:
     eval_every: int = 250
     checkpoint_every: int = 50
     max_seconds: float | None = None  # stop training after this many training seconds
+    keep: str = "last"             # the weights written: the last, or the best on validation ("best")
     shard_size: int = 64
     seed: int = 0
     distill: DistillConfig = field(default_factory=DistillConfig)
@@ -101,6 +104,8 @@ class PretrainConfig:
     def __post_init__(self) -> None:
         if self.init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+        if self.keep not in KEEPS:
+            raise ValueError(f"keep must be one of {KEEPS}, got {self.keep!r}")
         if self.precision not in ("bfloat16", "float32"):
             raise ValueError(f"precision must be bfloat16 or float32, got {self.precision!r}")
         if self.data not in SOURCES:
@@ -112,13 +117,22 @@ class PretrainConfig:
             raise ValueError("steps, batch, eval_every, checkpoint_every and drafter_layers must be positive")
 
 
-# The shipped drafter's recipe: `specd pretrain --recipe shipped` remakes it from nothing. One round of
-# answers to every user turn and a long schedule: at equal steps more rounds or more data did not help,
-# more steps did (the accept length rose about 0.14 per doubling of steps; docs/pretraining.md).
+# The shipped drafter's first stage: `specd pretrain --recipe shipped` from nothing. One round of answers
+# to every user turn and a long schedule: at equal steps more rounds or more data did not help, more
+# steps did (the accept length rose about 0.14 per doubling of steps; docs/pretraining.md).
+_STAGE_1 = PretrainConfig(data="distilled", prompt_weight=0.0, steps=12000, eval_every=250,
+                          distill=DistillConfig(rounds=1, later_turns=True))
 RECIPES: dict[str, PretrainConfig] = {
-    "shipped": PretrainConfig(data="distilled", prompt_weight=0.0, steps=12000, eval_every=250,
-                              distill=DistillConfig(rounds=1, later_turns=True)),
+    "shipped": _STAGE_1,
+    # the second stage continues the first's file (--init-from) on new sampled answers to a draw of its
+    # prompts, at the learning rate the first ended on (at 2e-4 the validation accept length fell after
+    # 500 steps), keeping the weights best on validation: a few passes over new data peak, then
+    # memorise it (docs/measurements.md, "The shipped drafter's second stage")
+    "shipped-2": replace(_STAGE_1, steps=1500, learning_rate=6e-5, eval_every=250, keep="best",
+                         distill=replace(_STAGE_1.distill, rounds=2, first_round=1, sample=2112)),
 }
+# a stage's recipe continues a version file its parent recipe made: `--init-from` is required
+RECIPE_PARENTS = {"shipped-2": "shipped"}
 
 
 def as_settings(config: PretrainConfig) -> dict[str, Any]:
@@ -129,135 +143,6 @@ def config_from_settings(settings: dict[str, Any]) -> PretrainConfig:
     fields = dict(settings)
     fields["distill"] = DistillConfig(**fields["distill"])
     return PretrainConfig(**fields)
-
-
-def held_out_accept_length(model: FeatureDrafterModel, held_out: HeldOut, k: int) -> float:
-    was_training = model.training
-    model.eval()
-    counts = simulated_counts(model, held_out, k)
-    model.train(was_training)
-    return counts.accept_length or 0.0
-
-
-def length_buckets(lengths: list[int], batch_size: int, per_bucket: int = 8,
-                   starts: list[int] | None = None) -> list[list[int]]:
-    """Example indices by length, cut into buckets of about `per_bucket` batches: a batch drawn from
-    one bucket pads little (padded positions cost as much as real ones). With `starts` (each
-    example's first labelled entry) they are ordered by it first: where prompts weigh 0, a batch's
-    rows then start labelling together and the loss skips their common unlabelled lead."""
-    first = starts or [0] * len(lengths)
-    order = sorted(range(len(lengths)), key=lambda i: (first[i], lengths[i], i))
-    size = max(batch_size, batch_size * per_bucket)
-    return [order[i:i + size] for i in range(0, len(order), size)]
-
-
-def first_labelled(weights: torch.Tensor) -> int:
-    """An example's first entry whose label weighs anything (`weights[i]` weighs entry i - 1)."""
-    weighed = (weights[1:] > 0).nonzero()
-    return int(weighed[0]) if len(weighed) else len(weights)
-
-
-def sample_batch(buckets: list[list[int]], batch_size: int, rng: random.Random) -> list[int]:
-    """A bucket chosen in proportion to its size, then `batch_size` examples from it: every example
-    is as likely as any other to be drawn."""
-    bucket = rng.choices(buckets, weights=[len(b) for b in buckets])[0]
-    return rng.sample(bucket, min(batch_size, len(bucket)))
-
-
-class Trainer:
-    """The training loop over a corpus held in memory, resumable from the work folder."""
-
-    def __init__(self, model: FeatureDrafterModel, rows: torch.Tensor, config: PretrainConfig, work: Path) -> None:
-        self.model, self.rows, self.config, self.work = model.float().train(), rows, config, work
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
-                                           weight_decay=0.0)
-        self.step = 0
-        self.tokens = 0
-        self.curve: list[dict[str, Any]] = []
-        self.seconds = 0.0
-        self._resume()
-
-    def _resume(self) -> None:
-        state = self.work / "train-state.safetensors"
-        if not state.is_file():
-            return
-        self.model.load_state_dict(load_file(str(state)), strict=True)
-        self.optimizer.load_state_dict(torch.load(self.work / "optimizer.pt", weights_only=True))
-        progress = json.loads((self.work / "progress.json").read_text())
-        self.step, self.tokens, self.seconds = progress["step"], progress["tokens"], progress["seconds"]
-        self.curve = progress["curve"]
-        log.info("resuming at step %d (%d tokens trained)", self.step, self.tokens)
-
-    def checkpoint(self) -> None:
-        """Weights, optimiser and progress of one step, replaced together (progress last: it names the step)."""
-        save_file({n: t.detach().contiguous() for n, t in self.model.state_dict().items()},
-                  str(self.work / "train-state.tmp"))
-        torch.save(self.optimizer.state_dict(), self.work / "optimizer.tmp")
-        (self.work / "progress.tmp").write_text(json.dumps(
-            {"step": self.step, "tokens": self.tokens, "seconds": self.seconds, "curve": self.curve}))
-        for name in ("train-state.safetensors", "optimizer.pt", "progress.json"):
-            stem = name.split(".")[0]
-            (self.work / f"{stem}.tmp").replace(self.work / name)
-
-    def learning_rate(self) -> float:
-        cfg = self.config
-        if self.step < cfg.warmup_steps:
-            return cfg.learning_rate * (self.step + 1) / cfg.warmup_steps
-        # linear decay to a tenth: late steps refine, they do not undo
-        done = (self.step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return cfg.learning_rate * (1 - 0.9 * min(1.0, done))
-
-    @property
-    def out_of_time(self) -> bool:
-        return self.config.max_seconds is not None and self.seconds >= self.config.max_seconds
-
-    def run(self, corpus: TrainingCorpus, held_out: dict[str, HeldOut]) -> None:
-        cfg = self.config
-        buckets = length_buckets([len(seq) for seq in corpus.sequences], cfg.batch_size,
-                                 starts=[first_labelled(weights) for weights in corpus.weights])
-        if not self.curve:
-            self._evaluate(held_out)
-        progress = tqdm(total=cfg.steps, initial=self.step, desc="pretraining", unit="step")
-        while self.step < cfg.steps and not self.out_of_time:
-            begin = time.perf_counter()
-            # each step's batch depends on the seed and the step alone: a resumed run trains as an unbroken one
-            picked = sample_batch(buckets, cfg.batch_size, random.Random(cfg.seed * 1_000_003 + self.step))
-            batch = collate([(corpus.sequences[i], corpus.features[i], corpus.weights[i]) for i in picked])
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.learning_rate()
-            # the per-step statistics cost an argmax over the draft vocabulary: only curve points need them
-            wanted = (self.step + 1) % cfg.eval_every == 0 or self.step + 1 == cfg.steps
-            with torch.autocast(self.rows.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bfloat16"):
-                loss, stats = feature_loss(self.model, batch, self.rows, cfg.unroll, cfg.step_decay, cfg.objective,
-                                           with_stats=wanted)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.optimizer.step()
-            self.step += 1
-            self.tokens += batch.num_tokens
-            self.seconds += time.perf_counter() - begin
-            progress.update()
-            progress.set_postfix(loss=f"{float(loss.detach()):.3f}",
-                                 tok_s=f"{self.tokens / max(self.seconds, 1e-9):.0f}")
-            last = self.step == cfg.steps or self.out_of_time
-            if self.step % cfg.eval_every == 0 or last:
-                self._evaluate(held_out, stats)
-            if self.step % cfg.checkpoint_every == 0 or last:
-                self.checkpoint()
-        progress.close()
-
-    def _evaluate(self, held_out: dict[str, HeldOut], stats: dict[str, float] | None = None) -> None:
-        point: dict[str, Any] = {"step": self.step, "tokens": self.tokens, "seconds": round(self.seconds, 1)}
-        for name, sequences in held_out.items():
-            point[f"{name}_accept_length"] = round(held_out_accept_length(self.model, sequences,
-                                                                          self.config.eval_k), 4)
-        point.update({k: round(v, 4) for k, v in (stats or {}).items()})
-        self.curve.append(point)
-        figures = ", ".join(f"{name} {point[f'{name}_accept_length']:.3f}" for name in held_out)
-        log.info("step %d: held-out accept length %s", self.step, figures)
-        tqdm.write(f"step {self.step} tokens {self.tokens} ({self.seconds:.0f} s): held-out accept length {figures}")
-        (self.work / "curve.json").write_text(json.dumps(self.curve, indent=1))
 
 
 def generation_target(loaded: LoadedTarget, dtype: str) -> LoadedTarget:
@@ -344,24 +229,30 @@ def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path
     rows = label_rows(target.lm_head.weight, model.draft_ids, target.norm.weight)
     trainer = Trainer(model, rows, config, work)
     trainer.run(corpus, held_out)
-    last = trainer.curve[-1]
+    last, kept = trainer.kept_point, trainer.kept_model()
+    # the figures of the file as written (fp16 weights), which is what serves; the curve's are float32
+    as_written = copy.deepcopy(kept).half().float()
+    figures = {name: round(held_out_accept_length(as_written, sets, config.eval_k), 4)
+               for name, sets in held_out.items()}
     manifest = {
         "kind": "feature", "command": command, "seed": config.seed, "settings": as_settings(config),
         "data": {"source": corpus.description, "examples": len(corpus.sequences), "tokens": corpus.num_tokens,
                  "conversations": f"{TRAINING_RANGE.start}-{TRAINING_RANGE.stop - 1}",
                  "sha256": tensor_hash(corpus.sequences), "draft_vocab_coverage": corpus.coverage},
-        "steps": trainer.step, "tokens_trained": trainer.tokens, "training_seconds": round(trainer.seconds, 1),
+        "steps": trainer.step, "kept_step": last["step"], "tokens_trained": trainer.tokens,
+        "training_seconds": round(trainer.seconds, 1),
         "held_out": {
             "k": config.eval_k,
             **{name: {"prompts": len(sets), "sha256": tensor_hash([t for t, _, _ in sets]),
-                      "accept_length": last[f"{name}_accept_length"]} for name, sets in held_out.items()},
+                      "accept_length": figures[name], "in_training": last[f"{name}_accept_length"]}
+               for name, sets in held_out.items()},
             # the figure a drafter is reported by: evaluation prompts it never trained or was tuned on
-            "accept_length": last["evaluation_accept_length"],
+            "accept_length": figures["evaluation"],
         },
         "curve": trainer.curve,
         **({"parent": parent_manifest} if parent_manifest is not None else {}),
     }
-    save_drafter(trainer.model, out, loaded.fingerprint, extra={"manifest": json.dumps(manifest)},
+    save_drafter(kept, out, loaded.fingerprint, extra={"manifest": json.dumps(manifest)},
                  dtype=torch.float16)
     manifest_file = {**manifest, "file_sha256": hashlib.sha256(out.read_bytes()).hexdigest()}
     out.with_suffix(".json").write_text(json.dumps(manifest_file, indent=1))
