@@ -1,10 +1,11 @@
 """Which loss trains the feature drafter better: forward KL or the acceptance objective.
 
 Both start from the same day-0 drafter (`new_feature_drafter`, the same seed) and train on the
-same cached target features of ShareGPT conversations past the evaluation reserve (the first
-stages of `specd pretrain`, in their own work folder), with the same batches in the same order,
-for `--steps` steps; every `--eval-every` steps each is scored by its exact greedy accept length
-(k = 4) on held-out prompts' own greedy continuations. Objectives: "kl" = KL(p_target || q) at
+same cached target features of ShareGPT conversations of the training range (the first
+stages of `specd pretrain --data sharegpt`, in their own work folder), with the same batches in
+the same order, for `--steps` steps; every `--eval-every` steps each is scored by its exact greedy
+accept length (k = 4) on the validation prompts' own greedy continuations (the split that chooses
+settings; the evaluation split is left alone). Objectives: "kl" = KL(p_target || q) at
 every position and unrolled step; "accept" = −log Σ_x min(p(x), q(x)), the log of the chance that
 a sampled draft is accepted. The default in `PretrainConfig.objective` follows this benchmark.
 Writes out/objectives.json and prints the curves side by side.
@@ -19,10 +20,11 @@ from typing import Any
 import torch
 from common import markdown_table, parser, write_result
 
-from specd.drafter.feature_model import new_feature_drafter
+from specd.drafter.feature_model import FeatureDrafterConfig, new_feature_drafter
 from specd.learner.feature_signal import collate, feature_loss, label_rows
 from specd.model.target import LoadedTarget
-from specd.offline.pretrain import PretrainConfig, eval_set, extract_features, held_out_accept_length, prepare_data
+from specd.offline.pretrain import PretrainConfig, held_out_sets, training_corpus
+from specd.offline.training_loop import held_out_accept_length
 
 OBJECTIVES = ("kl", "accept")
 
@@ -39,15 +41,15 @@ def main() -> None:
     torch.set_num_threads(1)
     loaded = LoadedTarget.load()
     target = loaded.model
-    config = PretrainConfig(conversations=args.conversations, max_length=256, eval_prompts=12, eval_tokens=64,
-                            shard_size=50)
+    config = PretrainConfig(data="sharegpt", conversations=args.conversations, max_length=256, eval_prompts=12,
+                            eval_tokens=64, shard_size=50)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    corpus = prepare_data(loaded, config, work)
+    capture = FeatureDrafterConfig.for_target(target.config, config.draft_vocab).capture_layers
+    corpus = training_corpus(loaded, config, capture, work)
     day0 = new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight, target.norm.weight,
                                corpus.draft_ids, seed=0)
-    features = extract_features(loaded, corpus, day0.config.capture_layers, config, work)
-    evaluation = eval_set(loaded, day0.config.capture_layers, config, work)
+    validation = held_out_sets(loaded, config, capture, work)["validation"]
     rows = label_rows(target.lm_head.weight, day0.draft_ids, target.norm.weight)
     models = {name: day0.clone().float().train() for name in OBJECTIVES}
     optimisers = {name: torch.optim.AdamW(m.parameters(), lr=args.lr, betas=(0.9, 0.95)) for name, m in models.items()}
@@ -56,12 +58,12 @@ def main() -> None:
     for step in range(args.steps + 1):
         if step % args.eval_every == 0:
             for name, model in models.items():
-                curves[name].append({"step": step, "accept_length": held_out_accept_length(model, evaluation, 4)})
+                curves[name].append({"step": step, "accept_length": held_out_accept_length(model, validation, 4)})
             print(step, {name: curve[-1]["accept_length"] for name, curve in curves.items()}, flush=True)
         if step == args.steps:
             break
         picked = rng.sample(range(len(corpus.sequences)), args.batch)
-        batch = collate([(corpus.sequences[i], features[i], torch.ones(len(corpus.sequences[i]))) for i in picked])
+        batch = collate([(corpus.sequences[i], corpus.features[i], corpus.weights[i]) for i in picked])
         for name, model in models.items():
             loss, stats = feature_loss(model, batch, rows, config.unroll, config.step_decay, name)
             optimisers[name].zero_grad(set_to_none=True)
