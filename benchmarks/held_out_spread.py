@@ -22,7 +22,7 @@ from common import parser, write_result
 from specd.drafter.pretrained import load_pretrained
 from specd.learner.simulation import simulated_counts
 from specd.model.target import LoadedTarget
-from specd.offline.corpus import held_out_set
+from specd.offline.corpus import load_held_out
 
 
 def per_prompt(model, held_out, k: int) -> np.ndarray:
@@ -58,7 +58,7 @@ def main() -> int:
         path = work / f"{name}.safetensors"
         if not path.is_file():
             raise SystemExit(f"{path}: no held-out set there (run `specd pretrain` with this work folder first)")
-        held_out = held_out_set(loaded, range(0), 0, 0, (), path)  # cached: read as written
+        held_out = load_held_out(path)
         figures = {drafter: per_prompt(load_pretrained(Path(drafter), loaded.model, loaded.fingerprint), held_out,
                                        args.k) for drafter in args.drafters}
         rng = np.random.default_rng(args.seed)

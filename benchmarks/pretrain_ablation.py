@@ -90,12 +90,11 @@ def at_seconds(curve: list[dict[str, Any]], seconds: float, axis: str = "seconds
 
 
 def accept_by_k(drafter: Path, work: Path, ks: list[int]) -> dict[str, dict[str, float]]:
-    from safetensors.torch import load_file
-
     from specd.drafter.checkpoint import load_drafter
     from specd.drafter.feature_model import FeatureDrafterModel
     from specd.learner.simulation import simulated_counts
     from specd.model.target import LoadedTarget
+    from specd.offline.corpus import load_held_out
 
     loaded = LoadedTarget.load()
     # any drafter file, the earlier shipped one too (whose manifest predates the hashes)
@@ -103,9 +102,7 @@ def accept_by_k(drafter: Path, work: Path, ks: list[int]) -> dict[str, dict[str,
     assert isinstance(model, FeatureDrafterModel), f"{drafter} is not a feature drafter"
     figures: dict[str, dict[str, float]] = {}
     for name in ("validation", "evaluation"):
-        stored = load_file(str(work / f"{name}.safetensors"))
-        count = sum(1 for key in stored if key.startswith("tokens"))
-        sets = [(stored[f"tokens{i}"], stored[f"features{i}"], int(stored[f"prompt{i}"][0])) for i in range(count)]
+        sets = load_held_out(work / f"{name}.safetensors")
         figures[name] = {str(k): round(simulated_counts(model, sets, k).accept_length or 0.0, 4) for k in ks}
     return figures
 

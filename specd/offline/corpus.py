@@ -213,6 +213,11 @@ def held_out_set(loaded: LoadedTarget, span: range, count: int, max_tokens: int,
         partial = path.with_suffix(".partial")
         save_file(tensors, str(partial))
         partial.replace(path)
+    return load_held_out(path)
+
+
+def load_held_out(path: Path) -> HeldOut:
+    """A held-out set as `held_out_set` wrote it."""
     stored = load_file(str(path))
     total = sum(1 for name in stored if name.startswith("tokens"))
     return [(stored[f"tokens{i}"], stored[f"features{i}"], int(stored[f"prompt{i}"][0])) for i in range(total)]
