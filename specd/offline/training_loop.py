@@ -78,9 +78,10 @@ class Trainer:
         self.tokens = 0
         self.curve: list[dict[str, Any]] = []
         self.seconds = 0.0
-        # keep="best": the weights of the curve point with the best validation accept length
-        self.best_step: int | None = None
+        # keep="best": the weights of `kept_point` (the curve's best on validation), and whether the
+        # work folder's copy is behind them
         self.best_state: dict[str, torch.Tensor] | None = None
+        self.best_unsaved = False
         self._resume()
 
     def _resume(self) -> None:
@@ -92,8 +93,7 @@ class Trainer:
         progress = json.loads((self.work / "progress.json").read_text())
         self.step, self.tokens, self.seconds = progress["step"], progress["tokens"], progress["seconds"]
         self.curve = progress["curve"]
-        self.best_step = progress.get("best_step")
-        if self.best_step is not None:
+        if self.config.keep == "best" and (self.work / "best.safetensors").is_file():
             self.best_state = load_file(str(self.work / "best.safetensors"))
         log.info("resuming at step %d (%d tokens trained)", self.step, self.tokens)
 
@@ -103,12 +103,12 @@ class Trainer:
                   str(self.work / "train-state.tmp"))
         torch.save(self.optimizer.state_dict(), self.work / "optimizer.tmp")
         files = ["train-state.safetensors", "optimizer.pt", "progress.json"]
-        if self.best_state is not None:
+        if self.best_state is not None and self.best_unsaved:
             save_file(self.best_state, str(self.work / "best.tmp"))
             files.insert(0, "best.safetensors")
+            self.best_unsaved = False
         (self.work / "progress.tmp").write_text(json.dumps(
-            {"step": self.step, "tokens": self.tokens, "seconds": self.seconds, "curve": self.curve,
-             "best_step": self.best_step}))
+            {"step": self.step, "tokens": self.tokens, "seconds": self.seconds, "curve": self.curve}))
         for name in files:
             stem = name.split(".")[0]
             (self.work / f"{stem}.tmp").replace(self.work / name)
@@ -163,9 +163,10 @@ class Trainer:
 
     @property
     def kept_point(self) -> dict[str, Any]:
-        """The curve point of the weights the version file holds."""
-        if self.config.keep == "best" and self.best_step is not None:
-            return next(point for point in self.curve if point["step"] == self.best_step)
+        """The curve point of the weights the version file holds: the last, or the first of the best
+        on validation."""
+        if self.config.keep == "best":
+            return max(self.curve, key=lambda point: point["validation_accept_length"])
         return self.curve[-1]
 
     def kept_model(self) -> FeatureDrafterModel:
@@ -180,10 +181,9 @@ class Trainer:
                                                                           self.config.eval_k), 4)
         point.update({k: round(v, 4) for k, v in (stats or {}).items()})
         self.curve.append(point)
-        if self.config.keep == "best" and (self.best_step is None or point["validation_accept_length"] >
-                                           self.kept_point["validation_accept_length"]):
-            self.best_step = self.step
+        if self.config.keep == "best" and self.kept_point is point:
             self.best_state = {n: t.detach().clone().contiguous() for n, t in self.model.state_dict().items()}
+            self.best_unsaved = True
         figures = ", ".join(f"{name} {point[f'{name}_accept_length']:.3f}" for name in held_out)
         log.info("step %d: held-out accept length %s", self.step, figures)
         tqdm.write(f"step {self.step} tokens {self.tokens} ({self.seconds:.0f} s): held-out accept length {figures}")
