@@ -66,14 +66,17 @@ def test_pretrain_flags_override_the_recipe_and_nothing_else() -> None:
     # the second stage's recipe is the first's with the flags the shipped file's second stage was run with
     assert config("--recipe", "shipped", "--distill-rounds", "2", "--first-round", "1", "--distill-sample", "2112",
                   "--steps", "1500", "--lr", "6e-5", "--keep", "best") == RECIPES["shipped-2"]
+    assert config("--recipe", "shipped", "--distill-rounds", "3", "--first-round", "2", "--steps", "3000",
+                  "--lr", "6e-5", "--keep", "best") == RECIPES["shipped-3"]
     with pytest.raises(ConfigurationError, match="batch"):
         config("--batch", "0")
     with pytest.raises(ConfigurationError, match="rounds"):
         config("--distill-rounds", "0")
 
 
-def test_a_second_stage_recipe_without_the_file_it_continues_is_refused(tmp_path, capsys) -> None:
-    code = main(["pretrain", "--recipe", "shipped-2", "--out", str(tmp_path / "d.safetensors"),
+@pytest.mark.parametrize("recipe", ["shipped-2", "shipped-3"])
+def test_a_later_stage_recipe_without_the_file_it_continues_is_refused(recipe, tmp_path, capsys) -> None:
+    code = main(["pretrain", "--recipe", recipe, "--out", str(tmp_path / "d.safetensors"),
                  "--work", str(tmp_path / "work")])
     assert code == 2
     assert "--init-from" in capsys.readouterr().err

@@ -32,7 +32,7 @@ from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import ModelConfig, Transformer
 from specd.offline.distill import DistillConfig
-from specd.offline.pretrain import RECIPES, PretrainConfig, config_from_settings, pretrain
+from specd.offline.pretrain import RECIPE_PARENTS, RECIPES, PretrainConfig, config_from_settings, pretrain
 from specd.testing import TINY, tiny_loaded_target, tiny_target
 
 TINY_PRETRAIN = PretrainConfig(data="sharegpt", conversations=4, max_length=48, steps=4, batch_size=2, eval_prompts=2,
@@ -443,19 +443,28 @@ def test_a_work_folder_started_before_a_setting_existed_resumes_with_its_default
 
 def test_the_shipped_drafter_names_its_recipe_data_hashes_and_figure() -> None:
     manifest = check_manifest(SHIPPED_DRAFTER, required=True)
-    assert manifest is not None and manifest["command"].startswith("specd pretrain --recipe shipped-2 ")
-    # the shipped file is what its two recipes make: the same settings, nothing hand-made
-    parent = manifest["parent"]
-    assert replace(config_from_settings(manifest["settings"]), parent=None) == RECIPES["shipped-2"]
-    assert manifest["settings"]["parent"] == parent["file_sha256"]
-    assert parent["command"].startswith("specd pretrain --recipe shipped ")
-    assert config_from_settings(parent["settings"]) == RECIPES["shipped"]
-    for stage in (manifest, parent):
+    assert manifest is not None
+    # the shipped file is what its recipes make, stage on stage: the same settings, nothing hand-made
+    stage: dict | None = manifest
+    recipes = []
+    while stage is not None:
+        recipe = stage["command"].split()[3]
+        assert stage["command"].startswith(f"specd pretrain --recipe {recipe} ")
         assert "own responses" in stage["data"]["source"]
         assert stage["held_out"]["accept_length"] == stage["held_out"]["evaluation"]["accept_length"]
-    # both stages are judged on the same held-out prompts
-    assert {name: manifest["held_out"][name]["sha256"] for name in ("validation", "evaluation")} == \
-        {name: parent["held_out"][name]["sha256"] for name in ("validation", "evaluation")}
+        parent = stage.get("parent")
+        if recipe in RECIPE_PARENTS:
+            assert parent is not None and parent["command"].split()[3] == RECIPE_PARENTS[recipe]
+            assert stage["settings"]["parent"] == parent["file_sha256"]
+            # every stage is judged on the same held-out prompts
+            assert {name: stage["held_out"][name]["sha256"] for name in ("validation", "evaluation")} == \
+                {name: parent["held_out"][name]["sha256"] for name in ("validation", "evaluation")}
+        else:
+            assert parent is None
+        assert replace(config_from_settings(stage["settings"]), parent=None) == RECIPES[recipe]
+        recipes.append(recipe)
+        stage = parent
+    assert recipes[-1] == "shipped" and len(recipes) >= 2
     assert SHIPPED_DRAFTER.stat().st_size <= 32 * 2**20
 
 

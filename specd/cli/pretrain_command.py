@@ -28,8 +28,8 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--work", required=True, help="work folder: generated data, features, checkpoints; rerun to resume")
     p.add_argument("--target", default=None)
     p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
-                   help="a named recipe (shipped, then shipped-2 with --init-from: the bundled drafter's two "
-                        "stages); the flags below override it")
+                   help="a named recipe (shipped, then shipped-2 and shipped-3, each with --init-from the file "
+                        "the stage before made: the bundled drafter's stages); the flags below override it")
     p.add_argument("--data", choices=["distilled", "sharegpt"], default=None,
                    help="distilled: the target's own responses (default); sharegpt: ShareGPT's own text")
     p.add_argument("--conversations", type=int, default=None, help="sharegpt: conversations read")

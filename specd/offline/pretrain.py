@@ -22,8 +22,8 @@ commands from nothing to the file is on record.
 The result is a drafter version file (fp16, no embedding) whose metadata and the `.json` beside
 it hold the manifest: the command, settings, data and evaluation hashes, tokens, steps, seed, the
 held-out accept lengths of the file as written (and in training, in float32) and the curve.
-The shipped file is made in two stages: `RECIPES["shipped"]` from nothing, then
-`RECIPES["shipped-2"]` from that file (`RECIPE_PARENTS`).
+The shipped file is made in three stages: `RECIPES["shipped"]` from nothing, then
+`RECIPES["shipped-2"]` from that file and `RECIPES["shipped-3"]` from stage 2's (`RECIPE_PARENTS`).
 """
 
 from __future__ import annotations
@@ -130,9 +130,13 @@ RECIPES: dict[str, PretrainConfig] = {
     # memorise it (docs/measurements.md, "The shipped drafter's second stage")
     "shipped-2": replace(_STAGE_1, steps=1500, learning_rate=6e-5, eval_every=250, keep="best",
                          distill=replace(_STAGE_1.distill, rounds=2, first_round=1, sample=2112)),
+    # the third continues the second's file on a third sampled answer to every training prompt (round 2,
+    # about three times stage 2's new data, so twice its steps at the same rate), again keeping the best
+    "shipped-3": replace(_STAGE_1, steps=3000, learning_rate=6e-5, eval_every=250, keep="best",
+                         distill=replace(_STAGE_1.distill, rounds=3, first_round=2)),
 }
 # a stage's recipe continues a version file its parent recipe made: `--init-from` is required
-RECIPE_PARENTS = {"shipped-2": "shipped"}
+RECIPE_PARENTS = {"shipped-2": "shipped", "shipped-3": "shipped-2"}
 
 
 def as_settings(config: PretrainConfig) -> dict[str, Any]:
