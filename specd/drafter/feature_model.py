@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specd.model.packed_linear import PackedLinear
 from specd.model.transformer import MLP, Attention, Block, KVCache, ModelConfig, apply_rope, rope_tables
 
 
@@ -130,7 +131,7 @@ class FeatureDrafterModel(nn.Module):
         # gets its own RMS norm before the fusion so that no layer drowns the others
         self.fc_norms = nn.ModuleList(nn.RMSNorm(hidden, eps=config.rms_norm_eps)
                                       for _ in config.capture_layers)
-        self.fc = nn.Linear(config.feature_size, hidden, bias=False)
+        self.fc = PackedLinear(config.feature_size, hidden, bias=False)
         self.input_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
         self.hidden_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
         self.attn = Attention(layer, input_size=2 * hidden)
@@ -138,7 +139,7 @@ class FeatureDrafterModel(nn.Module):
         self.mlp = MLP(layer)
         self.deeper_layers = nn.ModuleList(Block(layer) for _ in range(config.num_layers - 1))
         self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.head = PackedLinear(hidden, config.draft_vocab_size, bias=False)
         if draft_ids is None:
             draft_ids = torch.arange(config.draft_vocab_size)
         self.register_buffer("draft_ids", draft_ids.to(torch.long).clone())

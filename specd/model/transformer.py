@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specd.model.packed_linear import PackedLinear
+
 LogitsFor = Literal["all", "last", "none"]
 # queries per row up to which attention over the cache is two plain matmuls (`attend_few`) instead
 # of torch's CPU flash kernel: decoding and verification. For one query per row at batch 64 in
@@ -128,8 +130,8 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         # q, k and v fused into one matmul: fewer, larger kernels are what a CPU decode step needs
         # (a feature drafter's layer reads [embedding, state] side by side: twice the width)
-        self.qkv = nn.Linear(input_size or config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qkv = PackedLinear(input_size or config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o = PackedLinear(q_size, config.hidden_size, bias=False)
         self.q_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
 
@@ -182,8 +184,8 @@ def attend_few(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up = PackedLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = PackedLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -206,7 +208,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.output_size, bias=False)
+        self.lm_head = PackedLinear(config.hidden_size, config.output_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -1,0 +1,101 @@
+"""PackedLinear: oneDNN-packed inference that matches nn.Linear and never serves a stale weight."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specd.model import packed_linear
+from specd.model.packed_linear import PackedLinear
+
+needs_onednn = pytest.mark.skipif(not packed_linear.packing_enabled(), reason="this torch has no oneDNN")
+
+
+def _layer(seed: int = 0, bias: bool = False) -> PackedLinear:
+    torch.manual_seed(seed)
+    return PackedLinear(48, 80, bias=bias)
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 48), (2, 48), (3, 48), (4, 5, 48), (1, 2, 48), (2, 1, 48)])
+def test_inference_matches_nn_linear_for_every_row_count(shape: tuple[int, ...]) -> None:
+    layer = _layer(bias=True)
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        out = layer(x)
+    assert layer._packed is not None, "the packed path was not taken"
+    assert out.shape == (*shape[:-1], 80)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_non_contiguous_input_is_multiplied_correctly() -> None:
+    layer = _layer()
+    x = torch.randn(3, 6, 48)[:, 1:4]
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_an_in_place_weight_write_is_served_at_once() -> None:
+    layer, x = _layer(), torch.randn(4, 48)
+    with torch.no_grad():
+        layer(x)
+        layer.weight.copy_(torch.randn(80, 48))  # what a hot swap or an optimizer step does
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_replaced_weight_tensor_is_served_at_once() -> None:
+    layer, x = _layer(), torch.randn(4, 48)
+    with torch.no_grad():
+        layer(x)
+        layer.weight = torch.nn.Parameter(torch.randn(80, 48))  # what tying embeddings does
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_training_takes_gradients_through_the_plain_product() -> None:
+    layer, x = _layer(), torch.randn(4, 48, requires_grad=True)
+    layer(x).square().sum().backward()
+    reference = _layer()
+    x_ref = x.detach().clone().requires_grad_(True)
+    F.linear(x_ref, reference.weight).square().sum().backward()
+    assert layer._packed is None
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_a_frozen_layer_still_passes_gradients_to_its_input() -> None:
+    layer = _layer().requires_grad_(False)
+    x = torch.randn(4, 48, requires_grad=True)
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, 48))
+
+
+@needs_onednn
+def test_a_packed_layer_can_be_copied_and_pickled() -> None:
+    layer, x = _layer(), torch.randn(4, 48)
+    with torch.no_grad():
+        expected = layer(x)
+        copied = copy.deepcopy(layer)
+        unpickled = pickle.loads(pickle.dumps(layer))
+        torch.testing.assert_close(copied(x), expected)
+        torch.testing.assert_close(unpickled(x), expected)
+    assert set(layer.state_dict()) == {"weight"}
+
+
+def test_packing_switched_off_uses_the_plain_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed_linear, "_PACKING", False)
+    layer, x = _layer(), torch.randn(4, 48)
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+    assert layer._packed is None
+
+
+def test_the_environment_switch_turns_packing_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECD_PACKED_LINEAR", "0")
+    assert not packed_linear.packing_enabled()
