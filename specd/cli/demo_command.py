@@ -18,7 +18,10 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--traffic", default=None, help="JSONL traffic file (default: ShareGPT then HumanEval)")
     p.add_argument("--requests", type=int, default=40, help="requests to replay (default 40)")
     p.add_argument("--max-tokens", type=int, default=64, help="output budget per request (default 64)")
-    p.add_argument("--batch", type=int, default=4, help="requests decoded together (default 4)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="requests decoded together (default 1: one request at a time, where a verification pass "
+                        "costs what a one-token pass does on a CPU; at 4 a pass is compute-bound and drafting "
+                        "pays less)")
     p.add_argument("-k", type=int, default=None,
                    help="fix k drafts per step (for drafter comparisons: accept length then measures the drafter); "
                         "default: the lookahead controller picks k per step, up to 4 (the faster setting here)")

@@ -74,7 +74,10 @@ DEMO_LEARNER = LearnerConfig(holdout_every=4, gate_min_held_out=3, publish_every
 @dataclass(frozen=True)
 class DemoConfig:
     max_tokens: int = 64
-    max_batch: int = 4
+    # one request at a time: speculation buys latency, and on a CPU in float32 a pass over k + 1
+    # tokens of one row costs what a pass over 1 does, while at batch 4 it is compute-bound
+    # (docs/measurements.md, "The main job at batch 1")
+    max_batch: int = 1
     k: int = 4
     # the same kind (context matching, a traffic table of its own) for the adaptive and the static run
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
