@@ -20,7 +20,7 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="output budget per request (default 64)")
     p.add_argument("--batch", type=int, default=1,
                    help="requests decoded together (default 1: one request at a time, where a verification pass "
-                        "costs what a one-token pass does on a CPU; at 4 a pass is compute-bound and drafting "
+                        "costs about 1.15 one-token passes on a CPU; at 4 a pass is compute-bound and drafting "
                         "pays less)")
     p.add_argument("-k", type=int, default=None,
                    help="fix k drafts per step (for drafter comparisons: accept length then measures the drafter); "

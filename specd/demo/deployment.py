@@ -75,7 +75,7 @@ DEMO_LEARNER = LearnerConfig(holdout_every=4, gate_min_held_out=3, publish_every
 class DemoConfig:
     max_tokens: int = 64
     # one request at a time: speculation buys latency, and on a CPU in float32 a pass over k + 1
-    # tokens of one row costs what a pass over 1 does, while at batch 4 it is compute-bound
+    # tokens of one row costs about 1.15 passes over 1, while at batch 4 it is compute-bound
     # (docs/measurements.md, "The main job at batch 1")
     max_batch: int = 1
     k: int = 4

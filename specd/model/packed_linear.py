@@ -1,25 +1,29 @@
-"""A linear layer that multiplies through oneDNN's prepacked weight when no gradient is wanted.
+"""A linear layer that multiplies through a prepared copy of its weight when no gradient is wanted.
 
 Contract: `PackedLinear` is an `nn.Linear` (same parameters, same state dict, same autograd). When
 no gradient is needed (inference mode, `no_grad`, or neither input nor weight requires one), the
-weight and input are float32 on the CPU and this torch has oneDNN, the forward multiplies through a
-copy of the weight that oneDNN reordered once into its blocked layout; otherwise it is `F.linear`.
-The copy is remade whenever the weight changes (another tensor, or an in-place write that moves its
-version counter), so hot-swapped or trained weights are never served stale. `SPECD_PACKED_LINEAR=0`
-in the environment turns packing off (for measuring what it buys).
+weight and input are float32 on the CPU and this torch has oneDNN, the forward multiplies one row
+through a transposed copy of the weight (MKL's matrix-vector product) and more rows through a copy
+that oneDNN reordered once into its blocked layout; otherwise it is `F.linear`. A copy is remade
+whenever the weight changes (another tensor, or an in-place write that moves its version counter),
+so hot-swapped or trained weights are never served stale. `SPECD_PACKED_LINEAR=0` in the
+environment turns both copies off (for measuring what they buy).
 
 Why: `F.linear` on the CPU calls MKL's sgemm, which repacks the weight on every call and, below 4
 rows, runs one matrix-vector product per row. SmolLM2-135M's 49152-row output layer took 10, 23, 34
 and 17 ms for 1, 2, 3 and 4 rows that way, and 7.5, 9.0, 6.6 and 6.1 ms packed (one thread, AMD EPYC,
 2026-12-04). A verification pass multiplies k + 1 rows a request, so that cliff decided whether
 drafting paid. oneDNN's packed product also gives a row the same bits however many rows share the
-call (from 2 rows up in every layer measured; MKL's changes below 4 rows), so verification agrees with
-one-token decoding at least as well as before.
+call (from 2 rows up in every layer measured; MKL's changes below 4 rows). For one row, MKL over a
+transposed copy is the fastest of the three (the output layer in 5.0 ms; a whole one-token pass
+at batch 1 in 44 ms against 56 packed and 58 plain), and the decoding it times is the baseline
+speculation is measured against, so it gets the fastest path there is.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,14 +45,21 @@ def _version_of(weight: torch.Tensor) -> int:
 
 
 class PackedLinear(nn.Linear):
-    """`nn.Linear` whose no-gradient float32 CPU forward uses a cached oneDNN-packed weight."""
+    """`nn.Linear` whose no-gradient float32 CPU forward uses a cached layout of its weight: one row
+    through a transposed copy, more rows through oneDNN's packed one."""
 
-    _packed: tuple[torch.Tensor, int, int, torch.Tensor] | None = None  # (weight, version, ptr, packed)
+    # layout name -> (weight, its version, its data pointer, the copy in that layout)
+    _layouts: dict[str, tuple[torch.Tensor, int, int, torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed_weight(x)
-        if packed is None:
+        if not self._may_pack(x):
             return F.linear(x, self.weight, self.bias)
+        if x.numel() == x.shape[-1]:
+            # one row (decoding one request without drafts): MKL's matrix-vector product over an
+            # [in, out] copy beats both F.linear and oneDNN (a SmolLM2-135M pass: 44 against 56-58 ms)
+            out = torch.matmul(x, self._layout("transposed", _transposed))
+            return out if self.bias is None else out + self.bias
+        packed = self._layout("packed", _onednn_packed)
         if x.numel() == 2 * x.shape[-1]:
             # oneDNN streams the weight slower for 2 rows than for 3 (a SmolLM2-135M pass: 63 against
             # 52 ms); a third row, dropped after, gives the 2 rows the same bits faster
@@ -57,26 +68,38 @@ class PackedLinear(nn.Linear):
             return out[:2].reshape(*x.shape[:-1], out.shape[-1])
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
-    def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _may_pack(self, x: torch.Tensor) -> bool:
         weight = self.weight
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if (wants_grad or x.dtype != torch.float32 or weight.dtype != torch.float32
-                or x.device.type != "cpu" or weight.device.type != "cpu" or not _PACKING):
-            return None
+        return not (wants_grad or x.dtype != torch.float32 or weight.dtype != torch.float32
+                    or x.device.type != "cpu" or weight.device.type != "cpu" or not _PACKING)
+
+    def _layout(self, name: str, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        weight = self.weight
         version, pointer = _version_of(weight), weight.data_ptr()
-        cached = self._packed
+        if self._layouts is None:
+            self._layouts = {}
+        cached = self._layouts.get(name)
         if cached is not None and cached[0] is weight and cached[1] == version and cached[2] == pointer:
             return cached[3]
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self._packed = (weight, version, pointer, packed)
-        return packed
+            copy = make(weight.detach())
+        self._layouts[name] = (weight, version, pointer, copy)
+        return copy
 
     def __getstate__(self) -> dict[str, object]:
-        # oneDNN's packed tensor has no storage to copy or pickle; a copy packs its own weight
+        # oneDNN's packed tensor has no storage to copy or pickle; a copy makes its own layouts
         state = dict(super().__getstate__())
-        state.pop("_packed", None)
+        state.pop("_layouts", None)
         return state
+
+
+def _transposed(weight: torch.Tensor) -> torch.Tensor:
+    return weight.t().contiguous()
+
+
+def _onednn_packed(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
 _PACKING = packing_enabled()
