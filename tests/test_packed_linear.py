@@ -9,8 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specd.drafter.feature_drafter import FeatureDrafter
+from specd.drafter.feature_model import new_feature_drafter
 from specd.model import packed_linear
-from specd.model.packed_linear import PackedLinear
+from specd.model.packed_linear import PackedLinear, prepare_layouts
+from specd.testing import tiny_target
 
 needs_onednn = pytest.mark.skipif(not packed_linear.packing_enabled(), reason="this torch has no oneDNN")
 
@@ -102,3 +105,29 @@ def test_packing_switched_off_uses_the_plain_product(monkeypatch: pytest.MonkeyP
 def test_the_environment_switch_turns_packing_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECD_PACKED_LINEAR", "0")
     assert not packed_linear.packing_enabled()
+
+
+@needs_onednn
+def test_prepared_layouts_are_the_ones_inference_then_uses() -> None:
+    model = torch.nn.Sequential(_layer(), torch.nn.ReLU(), PackedLinear(80, 16))
+    prepare_layouts(model)
+    made = {id(layer): {name: entry[3] for name, entry in (layer._layouts or {}).items()}
+            for layer in model if isinstance(layer, PackedLinear)}
+    assert all(set(layouts) == {"transposed", "packed"} for layouts in made.values())
+    with torch.inference_mode():
+        model(torch.randn(1, 48))
+        model(torch.randn(4, 48))
+    for layer in model:
+        if isinstance(layer, PackedLinear):
+            assert layer._layouts is not None
+            assert all(layer._layouts[name][3] is copy for name, copy in made[id(layer)].items())
+
+
+@needs_onednn
+def test_a_swapped_in_version_is_prepared_on_the_offering_thread() -> None:
+    target = tiny_target(dtype=torch.float32)
+    first, second = (new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight, target.norm.weight,
+                                         torch.arange(target.config.vocab_size), seed=seed) for seed in (0, 1))
+    drafter = FeatureDrafter(first, version=1)
+    drafter.offer(second, version=2)
+    assert all(layer._layouts for layer in second.modules() if isinstance(layer, PackedLinear))

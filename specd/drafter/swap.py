@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cas
 
 from specd.core.errors import BadWeights
 from specd.drafter.base import Drafter
+from specd.model.packed_linear import prepare_layouts
 
 if TYPE_CHECKING:
     from specd.drafter.checkpoint import DrafterModel
@@ -87,7 +88,9 @@ class HotSwapped(Generic[Payload]):
                              f"not {type(model).__name__}")
 
     def prepare(self, model: DrafterModel) -> Payload:
-        """What `install` takes, made on the offering thread (by default the model itself)."""
+        """What `install` takes, made on the offering thread (by default the model itself, its
+        linear layers' inference layouts made here rather than in the first step that uses them)."""
+        prepare_layouts(model)
         return cast(Payload, model)
 
     def offer(self, model: DrafterModel, version: int) -> None:

@@ -39,6 +39,7 @@ from specd.engine.prefill import InProgress, follow, run_chunk
 from specd.engine.request import SamplingParams, Sequence
 from specd.engine.verification import Verdict, verify_greedy, verify_sampled
 from specd.model.distributions import target_probs
+from specd.model.packed_linear import prepare_layouts
 from specd.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,11 @@ class Engine:
         self.drafter = drafter
         if drafter is not None:
             drafter.bind(config.max_batch, max_seq, self.device)
+        # the linear layers' inference layouts, made now rather than in the first request's steps
+        prepare_layouts(target)
+        drafter_model = getattr(drafter, "model", None)
+        if isinstance(drafter_model, torch.nn.Module):
+            prepare_layouts(drafter_model)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # index = slot
         self.prefilling: InProgress | None = None  # in slot len(running), until its prompt is in the cache
