@@ -35,6 +35,7 @@ from specd.drafter.factory import DrafterSpec, initial_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams, record_from_sequence
 from specd.hotswap.store import WeightStore
+from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner
 from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus
@@ -63,13 +64,13 @@ def make_records(loaded: LoadedTarget, items: list[TrafficItem], max_tokens: int
             for s in seqs]
 
 
-def run_arm(loaded: LoadedTarget, learning_rate: float, anchor_pull: float, seed: int,
+def run_arm(loaded: LoadedTarget, base: LearnerConfig, learning_rate: float, anchor_pull: float, seed: int,
             train: list[TrajectoryRecord], held_out: dict[str, list[TrajectoryRecord]], per_round: int,
             steps_per_round: int) -> dict[str, Any]:
     torch.manual_seed(seed)
     initial = initial_model(loaded.model, DrafterSpec(), seed=seed, fingerprint=loaded.fingerprint)
     # the demo's settings; the gate and publishing are off: this sweep holds out its own records
-    config = replace(DEMO_LEARNER, feature_learning_rate=learning_rate, anchor_pull=anchor_pull, duty_cycle=1.0,
+    config = replace(base, feature_learning_rate=learning_rate, anchor_pull=anchor_pull, duty_cycle=1.0,
                      seed=seed, holdout_every=10**9, publish_every_steps=10**9, publish_every_seconds=math.inf)
     embedding = loaded.model.embed.weight
     with tempfile.TemporaryDirectory(prefix="demo-sweep-") as tmp:
@@ -111,6 +112,9 @@ def main() -> None:
                    help="chat records trained on before the code ones (the demo serves 20), and as many held out")
     p.add_argument("--per-round", type=int, default=4)
     p.add_argument("--steps-per-round", type=int, default=10)
+    p.add_argument("--recent-share", type=float, default=DEMO_LEARNER.recent_share,
+                   help="share of every batch drawn from the newest records")
+    p.add_argument("--recent-records", type=int, default=DEMO_LEARNER.recent_records)
     p.add_argument("--max-tokens", type=int, default=DemoConfig.max_tokens)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
@@ -122,7 +126,8 @@ def main() -> None:
     chat = make_records(loaded, chat_items, args.max_tokens) if chat_items else []
     train = chat[:args.chat_records] + records[:args.records]
     held_out = {"humaneval": records[args.records:], "sharegpt": chat[args.chat_records:]}
-    arms = [run_arm(loaded, float(rate), float(pull), seed, train, held_out, args.per_round, args.steps_per_round)
+    base = replace(DEMO_LEARNER, recent_share=args.recent_share, recent_records=args.recent_records)
+    arms = [run_arm(loaded, base, float(rate), float(pull), seed, train, held_out, args.per_round, args.steps_per_round)
             for seed in range(args.repeats) for pull in args.anchor_pulls.split(",") for rate in args.rates.split(",")]
     rows = []
     for setting in sorted({(a["learning_rate"], a["anchor_pull"]) for a in arms}):

@@ -66,9 +66,14 @@ __all__ = ["DEMO_LEARNER", "MODES", "DemoConfig", "encode", "run_demo"]
 # chat (held-out 1.81 at day 0, 1.70 after 20 records): every weight is pulled 3% of the way back
 # to day 0's after each step (`anchor_pull`), which kept chat at 1.79 and code at 1.72 against 1.74
 # (the same sweep with `--chat-records 20`: demo_learner_sweep_anchor.json).
+# Trained on a few records, a version loses some of the first domain for a while, so a gate that
+# weighed every held-out record alike (5 of them chat, 1-2 code) refused the versions trained on 2-8
+# code records (demo_deployment_b1.json: 2.10-2.17 against live's 2.24-2.27) and the first one after
+# the shift went live two rounds after it. The gate weighs each domain by its share of the newest 8
+# records (`gate_traffic_window`): a version is judged on the traffic it is about to serve.
 DEMO_LEARNER = LearnerConfig(holdout_every=4, gate_min_held_out=3, publish_every_steps=4,
                              publish_every_seconds=10.0, recent_records=16, precision="bfloat16",
-                             feature_learning_rate=1.5e-4, anchor_pull=0.03)
+                             feature_learning_rate=1.5e-4, anchor_pull=0.03, gate_traffic_window=8)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,9 @@ class LearnerConfig:
     publish_every_seconds: float = 15.0
     gate_margin: float = 0.05       # a candidate may trail the live version by this much accept length
     gate_min_held_out: int = 4      # below this many held-out records the gate waits: no evidence, no pass
+    # > 0: the gate weighs each domain's held-out records by its share of the newest this many records
+    # (`specd.learner.gate`), so that after a shift a candidate is judged on the traffic it will serve
+    gate_traffic_window: int = 0
     hold_after_rollback_s: float = 60.0  # after someone else changes the live version, publish nothing this long
     # the canary (`specd.learner.shadow`): the live version against its predecessor, replayed on the
     # same records (every `canary_every`-th), per domain; a rollback needs `canary_min_records`
@@ -73,6 +76,8 @@ class LearnerConfig:
             raise ConfigurationError(f"holdout_every must be at least 1, got {self.holdout_every}")
         if self.precision not in ("float32", "bfloat16"):
             raise ConfigurationError(f"precision must be float32 or bfloat16, got {self.precision!r}")
+        if self.gate_traffic_window < 0:
+            raise ConfigurationError(f"gate_traffic_window must be 0 (off) or positive, got {self.gate_traffic_window}")
         if self.gate_min_held_out < 1:
             raise ConfigurationError(f"gate_min_held_out must be at least 1 (the gate never passes a candidate "
                                      f"without held-out evidence), got {self.gate_min_held_out}")

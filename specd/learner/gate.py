@@ -28,12 +28,20 @@ distribution after the request's temperature and top-p) whichever drafter served
   too, so the argmax replayed against the recorded draw is an unbiased estimate (one draw, not
   the expectation: noisier than on greedy records, but evidence).
 Candidate and live are replayed on the same records, so both sides see the same traffic.
+
+With `traffic_window` > 0 the verdict judges the traffic the candidate is about to serve: the
+gate remembers the domains of the newest `traffic_window` records taken (held out or not), replays
+each domain's held-out records apart, and weighs each domain's accept length by its share of that
+window (domains with no held-out record, or absent from the window, weigh nothing; with none left,
+every domain weighs alike). After a shift in traffic a version that learned the new domain is then
+judged on it, not on a held-out set still made mostly of the old one; while the mix holds, the
+verdict is the plain one's, domain by domain. With 0 every held-out record weighs the same.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -46,16 +54,21 @@ AcceptLength = Callable[[DrafterModel, list[TrajectoryRecord]], float]
 
 
 class Gate:
-    def __init__(self, every: int, capacity: int, min_held_out: int, margin: float) -> None:
+    def __init__(self, every: int, capacity: int, min_held_out: int, margin: float, traffic_window: int = 0) -> None:
         self.every, self.min_held_out, self.margin = every, min_held_out, margin
         self.held_out: deque[TrajectoryRecord] = deque(maxlen=capacity)
+        self.recent_domains: deque[str | None] = deque(maxlen=max(traffic_window, 1))
+        self.traffic_window = traffic_window
         self._lock = threading.Lock()
         # the live and bar sides of the last verdict: (model, held-out record ids, its accept length);
         # the same version on the same held-out set needs no second replay
         self._memos: dict[str, tuple[DrafterModel, tuple[str, ...], float]] = {}
 
     def hold_out(self, record: TrajectoryRecord, index: int) -> bool:
-        """Keep the `index`-th record taken (counting from 1) if it is its turn; True if it was kept."""
+        """Keep the `index`-th record taken (counting from 1) if it is its turn; True if it was kept.
+        Every record's domain joins the traffic window, kept or not."""
+        with self._lock:
+            self.recent_domains.append(record.domain)
         if index % self.every:
             return False
         with self._lock:
@@ -89,9 +102,11 @@ class Gate:
         if len(records) < self.min_held_out:
             return {"passed": False, "reason": f"{len(records)} held-out records, the gate needs {self.min_held_out}",
                     "held_out_records": len(records)}
-        ours = accept_length(candidate, records)
-        theirs = self._replayed("live", live, records, accept_length)
-        floor = self._replayed("bar", bar, records, accept_length) if bar is not None else theirs
+        shares = self.domain_shares(records)
+        ours = _weighted(shares, lambda domain, group: accept_length(candidate, group))
+        theirs = _weighted(shares, lambda domain, group: self._replayed(f"live {domain}", live, group, accept_length))
+        floor = (_weighted(shares, lambda domain, group: self._replayed(f"bar {domain}", bar, group, accept_length))
+                 if bar is not None else theirs)
         reference = max(theirs, floor)
         passed = ours >= reference - self.margin
         if passed:
@@ -100,9 +115,26 @@ class Gate:
             reason = f"accept length {ours:.3f} is worse than live {theirs:.3f} beyond the margin"
         else:
             reason = f"accept length {ours:.3f} is worse than the bar {floor:.3f} beyond the margin"
+        weights = {"domain_weights": {str(domain): round(weight, 4) for domain, (weight, _) in shares.items()}
+                   } if self.traffic_window > 0 else {}
         return {"passed": passed, "reason": reason, "candidate": ours, "live": theirs, "bar": floor,
                 "improved": ours >= reference, "held_out_records": len(records),
-                "sampled_records": sum(1 for r in records if r.temperature > 0)}
+                "sampled_records": sum(1 for r in records if r.temperature > 0), **weights}
+
+    def domain_shares(self, records: list[TrajectoryRecord]) -> dict[str | None, tuple[float, list[TrajectoryRecord]]]:
+        """Each held-out domain's weight in the verdict and its records (one group, weight 1, when
+        `traffic_window` is 0)."""
+        if self.traffic_window <= 0:
+            return {None: (1.0, records)}
+        groups: dict[str | None, list[TrajectoryRecord]] = {}
+        for record in records:
+            groups.setdefault(record.domain, []).append(record)
+        with self._lock:
+            seen = Counter(self.recent_domains)
+        total = sum(seen[domain] for domain in groups)
+        if total == 0:  # the window holds none of the held-out domains: judge them alike
+            return {domain: (1 / len(groups), group) for domain, group in groups.items()}
+        return {domain: (seen[domain] / total, group) for domain, group in groups.items() if seen[domain]}
 
     def _replayed(self, side: str, model: DrafterModel | None, records: list[TrajectoryRecord],
                   accept_length: AcceptLength) -> float:
@@ -115,3 +147,8 @@ class Gate:
         value = accept_length(model, records)
         self._memos[side] = (model, ids, value)  # holds `model`, so `is` cannot match a recycled object
         return value
+
+
+def _weighted(shares: dict[str | None, tuple[float, list[TrajectoryRecord]]],
+              replay: Callable[[str | None, list[TrajectoryRecord]], float]) -> float:
+    return sum(weight * replay(domain, group) for domain, (weight, group) in shares.items())
