@@ -412,6 +412,41 @@ def test_draft_budget_reports_the_bar_of_every_batch_size_it_measured_and_keeps_
     assert bars[1]["draft_bar"] > 0 and bars[8]["drafting_bar"] == 0.0   # drafting unpriced at either size
 
 
+def test_a_batch_size_not_yet_priced_borrows_the_nearest_measured_one() -> None:
+    budget = priced(DraftBudget(k=4, explore_every=0), rows=7)
+    for step in range(200):  # at batch 2 a verified token costs 1 ms, not 5
+        budget.observe_step(0.010 + 0.001 * (8 + step % 5), 8 + step % 5, emitted_tokens=9, rows=2)
+    budget.rows = 7
+    seven = budget.bar
+    for rows in (8, 6):   # 8: seen, but every step verified the same count (no slope); 6: never seen
+        for _ in range(50):
+            budget.observe_step(0.2, 40, emitted_tokens=9, rows=rows)
+        budget.rows = rows
+        assert budget.bar == pytest.approx(seven), "an unmeasured price is not free: it is the nearest one's"
+    budget.rows = 2
+    two = budget.bar
+    budget.rows = 3
+    assert budget.bar == pytest.approx(two) and two < seven - 0.2   # 2 is nearer than 7: its cheaper price
+    assert DraftBudget(k=4).bar == 0.0            # nothing measured anywhere: everything goes
+
+
+def test_verification_is_priced_without_the_drafters_own_passes() -> None:
+    budget = DraftBudget(k=4, explore_every=0)
+    for step in range(200):
+        # 20 ms a step plus 2 ms a verified token; the drafter stands down (no passes) on the steps
+        # where context drafts fill the batch, which verify the most tokens
+        verified = 8 + 4 * (step % 3)
+        drafting = 0.0 if step % 3 == 2 else 0.030
+        budget.observe_step(0.020 + 0.002 * verified + drafting, verified, emitted_tokens=9, rows=8,
+                            drafting_seconds=drafting)
+    assert budget.step_time.slope == pytest.approx(0.002, rel=1e-3)
+    confounded = DraftBudget(k=4, explore_every=0)
+    for step in range(200):
+        verified, drafting = 8 + 4 * (step % 3), (0.0 if step % 3 == 2 else 0.030)
+        confounded.observe_step(0.020 + 0.002 * verified + drafting, verified, emitted_tokens=9, rows=8)
+    assert confounded.step_time.slope < 0.001, "what the fit said before: a verified token nearly free"
+
+
 def test_draft_budget_prices_a_drafters_own_passes_after_the_first() -> None:
     budget = priced(DraftBudget(k=4, explore_every=0), rows=1)   # bar near 0.75 at about 150 tokens/s
     for _ in range(100):
@@ -426,5 +461,6 @@ def test_draft_budget_prices_a_drafters_own_passes_after_the_first() -> None:
     assert budget.drafting_bar == pytest.approx(0.004 * budget.tokens_per_second, rel=1e-3)
     assert budget.keep("learned", 4) == 4                         # verification alone: all four pay
     assert budget.keep("learned", 4, drafting=True) == 1          # the first is free, the others are not
-    budget.rows = 8                                                # unmeasured at batch 8: no price yet
-    assert budget.drafting_bar == 0.0
+    one = budget.drafting_bar
+    budget.rows = 8                          # unmeasured at batch 8: batch 1's price, the only one measured
+    assert budget.drafting_bar == pytest.approx(one) and one > 0

@@ -17,12 +17,19 @@ A drafter that runs one pass per draft (vLLM's EAGLE-3) also pays its own time: 
 fits the seconds one more drafting pass adds, and `keep(..., drafting=True)` raises the bar of
 every draft after the first (the first comes from the pass that feeds the drafter's cache, which
 runs anyway) by that time in tokens, shared by the rows the pass drafts for.
+The step time that prices verification is the step's wall time less the drafter's own passes
+in it (`observe_step`'s `drafting_seconds`): otherwise steps where context drafts let EAGLE-3 stand
+down (fewer passes, as many verified tokens) make a verified token look free. A batch size whose
+price is not measured yet (a fit needs steps of different counts) borrows the nearest measured
+batch size's bar instead of sending everything.
 `LearnedDrafterSwitch` decides whether the learned drafter runs at all: only while the tokens it is
 expected to add are worth more than its own time, probing otherwise at a rate that keeps probes
 near 1% of the time.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 
 class RunningFit:
@@ -65,6 +72,7 @@ class DraftBudget:
         self._drafting: dict[int, RunningFit] = {}  # a drafting pass's seconds, per batch size
         self.rows = 1                     # the batch size now (set by the caller each step)
         self.steps = 0
+        self.last_drafting_seconds = 0.0  # the drafter's passes at the last step (inside the next step's time)
 
     def _counts(self, source: str) -> tuple[list[float], list[float]]:
         if source not in self.reached:  # a new source starts from the prior, worth two observations
@@ -84,13 +92,15 @@ class DraftBudget:
     def tokens_per_second(self) -> float | None:
         return self._rates.get(self.rows)
 
-    def observe_step(self, seconds: float, verified_tokens: int, emitted_tokens: int, rows: int = 1) -> None:
-        """One engine step of `rows` rows: its wall time, tokens it verified (rows + drafts) and emitted."""
+    def observe_step(self, seconds: float, verified_tokens: int, emitted_tokens: int, rows: int = 1,
+                     drafting_seconds: float = 0.0) -> None:
+        """One engine step of `rows` rows: its wall time, of which `drafting_seconds` were the
+        drafter's own passes, and the tokens it verified (rows + drafts) and emitted."""
         if seconds <= 0 or verified_tokens <= 0:
             return
         self.steps += 1
         self.rows = rows
-        self.step_time.add(verified_tokens, seconds)
+        self.step_time.add(verified_tokens, max(seconds - drafting_seconds, 0.0))
         rate, previous = emitted_tokens / seconds, self._rates.get(rows)
         self._rates[rows] = rate if previous is None else (1 - self.decay) * previous + self.decay * rate
 
@@ -100,6 +110,7 @@ class DraftBudget:
         fit needs steps of different counts: a drafter that always drafts k stays unpriced."""
         if passes >= 0 and seconds > 0:
             self._drafting.setdefault(self.rows, RunningFit(self.decay)).add(passes, seconds)
+            self.last_drafting_seconds = seconds
 
     @property
     def drafting_bar(self) -> float:
@@ -107,10 +118,13 @@ class DraftBudget:
         return self._drafting_bar_at(self.rows)
 
     def _drafting_bar_at(self, rows: int) -> float:
+        return _nearest_measured(rows, self._drafting, self._drafting_price)
+
+    def _drafting_price(self, rows: int) -> float | None:
         fit, rate = self._drafting.get(rows), self._rates.get(rows)
         slope = fit.slope if fit is not None else None
         if slope is None or rate is None:
-            return 0.0
+            return None
         return slope * rate / max(rows, 1)
 
     def observe_drafts(self, source: str, drafted: int, accepted: int) -> None:
@@ -126,15 +140,19 @@ class DraftBudget:
         return self._bar_at(self.rows)
 
     def _bar_at(self, rows: int) -> float:
+        return _nearest_measured(rows, self._fits, self._verification_price)
+
+    def _verification_price(self, rows: int) -> float | None:
         fit, rate = self._fits.get(rows), self._rates.get(rows)
         slope = fit.slope if fit is not None else None
         if slope is None or rate is None:
-            return 0.0
+            return None
         return min(self.max_bar, slope * rate)
 
     def bars_by_batch(self) -> dict[int, dict[str, float]]:
-        """Per batch size seen: the verification bar and the drafting bar it has measured (for status;
-        the status's `draft_bar` and `drafting_bar` are those of the last step's batch size only)."""
+        """Per batch size seen: the verification bar and the drafting bar it uses, measured there or
+        borrowed from the nearest measured size (for status; the status's `draft_bar` and
+        `drafting_bar` are those of the last step's batch size only)."""
         return {rows: {"draft_bar": round(self._bar_at(rows), 4), "drafting_bar": round(self._drafting_bar_at(rows), 4)}
                 for rows in sorted(self._fits)}
 
@@ -163,6 +181,16 @@ class DraftBudget:
                 break
             kept += 1
         return kept
+
+
+def _nearest_measured(rows: int, sizes: Iterable[int], price: Callable[[int], float | None]) -> float:
+    """`price(rows)`, or where it is unmeasured that of the nearest batch size among `sizes` that
+    is measured (the larger on a tie: a bar never drops for lack of a measurement); 0 when none is."""
+    for size in sorted({rows, *sizes}, key=lambda size: (abs(size - rows), -size)):
+        value = price(size)
+        if value is not None:
+            return value
+    return 0.0
 
 
 class ShadowBook:

@@ -5,7 +5,8 @@ drafter's gate and the shadow book (see `budget`), and is driven once per vLLM s
 - `observe(request_ids, sampled, tracker, now)` right after `StepTracker.observe` read the step:
   the drafts verified at this step update their source's acceptance, held-back drafts the
   target's tokens have now settled are scored the same way, and a steady decode step's wall time
-  (since the previous `observe`) is fitted against the tokens it verified;
+  (since the previous `observe`), less the drafter's own passes in it, is fitted against the
+  tokens it verified;
 - `use_learned()` before drafting: the gate's decision (only asked when the drafter has a
   learned part it can switch off);
 - `choose(request_ids, candidates, lengths, sampled)` after drafting: per row, the leading drafts
@@ -71,7 +72,9 @@ class DraftPolicy:
         if steady and previous is not None:
             verified = sum(1 + verified_drafts.get(request_id, 0) for request_id in request_ids)
             self._step_seconds, self._emitted = now - previous, sum(len(s) for s in sampled)
-            self.budget.observe_step(self._step_seconds, verified, self._emitted, len(request_ids))
+            # the drafter's passes at the step before ran inside this interval: not verification's price
+            self.budget.observe_step(self._step_seconds, verified, self._emitted, len(request_ids),
+                                     drafting_seconds=self.budget.last_drafting_seconds)
 
     def use_learned(self) -> bool:
         """Whether the learned drafter runs at this step."""
