@@ -70,7 +70,9 @@ __all__ = ["DEMO_LEARNER", "MODES", "DemoConfig", "encode", "run_demo"]
 # weighed every held-out record alike (5 of them chat, 1-2 code) refused the versions trained on 2-8
 # code records (demo_deployment_b1.json: 2.10-2.17 against live's 2.24-2.27) and the first one after
 # the shift went live two rounds after it. The gate weighs each domain by its share of the newest 8
-# records (`gate_traffic_window`): a version is judged on the traffic it is about to serve.
+# records (`gate_traffic_window`): a version is judged on the traffic it is about to serve. In the
+# demo that did not bring the first version forward (still after 8 code records: judged on 1-2
+# held-out code records the verdict is noise of about 0.1; docs/measurements.md).
 DEMO_LEARNER = LearnerConfig(holdout_every=4, gate_min_held_out=3, publish_every_steps=4,
                              publish_every_seconds=10.0, recent_records=16, precision="bfloat16",
                              feature_learning_rate=1.5e-4, anchor_pull=0.03, gate_traffic_window=8)

@@ -34,8 +34,9 @@ gate remembers the domains of the newest `traffic_window` records taken (held ou
 each domain's held-out records apart, and weighs each domain's accept length by its share of that
 window (domains with no held-out record, or absent from the window, weigh nothing; with none left,
 every domain weighs alike). After a shift in traffic a version that learned the new domain is then
-judged on it, not on a held-out set still made mostly of the old one; while the mix holds, the
-verdict is the plain one's, domain by domain. With 0 every held-out record weighs the same.
+judged on it, not on a held-out set still made mostly of the old one; while the mix holds, each
+domain weighs about what its share of the held-out set gave it. With 0 every held-out record
+weighs the same (one replay of the whole set).
 """
 
 from __future__ import annotations
