@@ -58,8 +58,8 @@ class Gate:
     def __init__(self, every: int, capacity: int, min_held_out: int, margin: float, traffic_window: int = 0) -> None:
         self.every, self.min_held_out, self.margin = every, min_held_out, margin
         self.held_out: deque[TrajectoryRecord] = deque(maxlen=capacity)
-        self.recent_domains: deque[str | None] = deque(maxlen=max(traffic_window, 1))
         self.traffic_window = traffic_window
+        self.recent_domains: deque[str | None] = deque(maxlen=traffic_window or None)  # kept only when weighing
         self._lock = threading.Lock()
         # the live and bar sides of the last verdict: (model, held-out record ids, its accept length);
         # the same version on the same held-out set needs no second replay
@@ -67,9 +67,10 @@ class Gate:
 
     def hold_out(self, record: TrajectoryRecord, index: int) -> bool:
         """Keep the `index`-th record taken (counting from 1) if it is its turn; True if it was kept.
-        Every record's domain joins the traffic window, kept or not."""
-        with self._lock:
-            self.recent_domains.append(record.domain)
+        With a traffic window, every record's domain joins it, kept or not."""
+        if self.traffic_window > 0:
+            with self._lock:
+                self.recent_domains.append(record.domain)
         if index % self.every:
             return False
         with self._lock:
