@@ -27,6 +27,10 @@ leaves vLLM's cores mostly alone) for the whole run, so every configuration shar
   own bookkeeping costs beside frozen EAGLE-3, which then drafts the same.
 - `specd_custom` (only with `--only`): specd's custom_class proposer (token-level hybrid drafter)
   and a token-level learner of its own: the other route, for choosing between them.
+- A static peer at another k than `-k` is named with it (`--only ...,ngram@8,suffix@8`) and counts as
+  a static peer of its own, so the best static peer is the best of every k measured. `--specd-k`
+  gives specd's servers a larger vLLM k than `-k`: context and table rows may then send up to it,
+  EAGLE-3 still drafts at most `-k` (`SPECD_EAGLE_MAX`).
 1. Warm-up: every server answers the same warm-up traffic (HumanEval and ShareGPT prompts,
    greedy, 8 in flight); specd adaptive's records reach the learner.
 2. Measurement: `--repeats` rounds; in each round every configuration (order rotated) answers
@@ -192,19 +196,21 @@ class Fleet:
         return VllmServer(self.target, free_port(), self.folder / f"{name}.log", speculative=speculative,
                           extra=self.flags, env=env)
 
-    def suffix(self, k: int) -> VllmServer:
+    def suffix(self, k: int, name: str = "suffix") -> VllmServer:
         if not (ARCTIC / "arctic_inference" / "suffix_decoding").is_dir():
             raise RuntimeError(f"vLLM's suffix method needs arctic-inference, not built here ({ARCTIC} is missing): "
                                f"run scripts/build-arctic-inference")
-        return self.vllm_only("suffix", {"method": "suffix", "num_speculative_tokens": k},
+        return self.vllm_only(name, {"method": "suffix", "num_speculative_tokens": k},
                               env={"PYTHONPATH": str(ARCTIC)})
 
     def specd(self, name: str, route: str, eagle_k: str = "adaptive", drafter_kind: str = "hybrid") -> VllmServer:
         port, learner = free_port(), self.learners.get(name)
-        settings = PluginSettings(server_id=name, route=route, eagle_k=eagle_k, drafter_kind=drafter_kind)
+        reach = self.args.specd_k or self.args.k  # beyond -k, only context and table rows draft more (EAGLE-3: -k)
+        settings = PluginSettings(server_id=name, route=route, eagle_k=eagle_k, drafter_kind=drafter_kind,
+                                  eagle_max=self.args.k if reach > self.args.k else 0)
         if learner is not None:  # without one, no records leave the server and the shipped drafter serves
             settings = replace(settings, broker=self.broker.url, deployment=name, learner_url=learner.url)
-        env, argv = vllm_command(self.target, settings, self.args.k, port=port, extra=self.flags,
+        env, argv = vllm_command(self.target, settings, reach, port=port, extra=self.flags,
                                  drafter_dir=str(self.shipped))
         return VllmServer(self.target, port, self.folder / f"{name}.log", argv=argv, env=env)
 
@@ -216,22 +222,39 @@ class Fleet:
         self.broker.stop()
 
 
+def at_k(name: str) -> bool:
+    """'ngram@8' names a k; 'ngram' and 'ngram@x' do not."""
+    return name.count("@") == 1 and name.split("@")[1].isdigit() and int(name.split("@")[1]) > 0
+
+
+def static_peer(name: str) -> bool:
+    """'ngram', 'ngram@8', 'eagle3_static' ... (a static peer, at the run's k or at one of --peer-k)."""
+    return name.split("@")[0] in STATIC_PEERS
+
+
+def peer_makers(fleet: Fleet, k: int, named_k: bool = False) -> dict[str, Callable[[], VllmServer]]:
+    """The static peers at `k` drafts a step (the server's name says k where it is not the run's)."""
+    at = "" if k == fleet.args.k and not named_k else f"@{k}"
+    return {f"ngram{at}": lambda: fleet.vllm_only(f"ngram{at}", {"method": "ngram", "num_speculative_tokens": k,
+                                                                "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+            f"suffix{at}": lambda: fleet.suffix(k, f"suffix{at}"),
+            f"eagle3_static{at}": lambda: fleet.vllm_only(f"eagle3_static{at}", {
+                "method": "eagle3", "model": str(fleet.shipped), "num_speculative_tokens": k,
+                **EAGLE3_OPTIONS})}  # as specd's route runs it: the same drafting
+
+
 def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
             rounds: list[dict[int, list[Prompt]]]) -> dict[str, Any]:
-    k = args.k
     makers = {"plain": lambda: fleet.vllm_only("plain", None),
-              "ngram": lambda: fleet.vllm_only("ngram", {"method": "ngram", "num_speculative_tokens": k,
-                                                         "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
-              "suffix": lambda: fleet.suffix(k),
-              "eagle3_static": lambda: fleet.vllm_only("eagle3_static", {
-                  "method": "eagle3", "model": str(fleet.shipped), "num_speculative_tokens": k,
-                  **EAGLE3_OPTIONS}),  # as specd's route runs it: the same drafting
+              **peer_makers(fleet, args.k),
               "specd_adaptive": lambda: fleet.specd("specd_adaptive", "eagle3"),
               "specd_full_eagle": lambda: fleet.specd("specd_full_eagle", "eagle3", eagle_k="full"),
               "specd_static": lambda: fleet.specd("specd_static", "eagle3"),
               "specd_plugin_only": lambda: fleet.specd("specd_plugin_only", "eagle3", eagle_k="full",
                                                        drafter_kind="learned"),
               "specd_custom": lambda: fleet.specd("specd_custom", "custom")}
+    for k in {int(name.split("@")[1]) for name in wanted if "@" in name}:
+        makers.update(peer_makers(fleet, k, named_k=True))
     warmups = {name: fleet.start(name, makers[name], warm) for name in wanted}
     if "specd_adaptive" in fleet.servers:  # adaptive measured only once it serves something it learned
         learner = fleet.learners["specd_adaptive"].url
@@ -257,7 +280,8 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
     fields = ("tokens_per_s", "accept_length", "same_as_plain", *(f"{f}_{d}" for d in DOMAINS
                                                                   for f in ("tokens_per_s", "accept_length")))
     ratios = {f"{key} / {base_of(key, base)}": paired(runs, key, base_of(key, base), "tokens_per_s")
-              for key in runs for base in ("plain", *STATIC_PEERS)
+              for key in runs for base in ("plain", *sorted({key.rsplit(" ", 1)[0] for key in runs
+                                                            if static_peer(key.rsplit(" ", 1)[0])}))
               if base_of(key, base) in runs and not key.startswith(base + " ")}
     versus_frozen = {}  # adaptive against the frozen drafter, per domain (tokens/s per domain: batch 1 only)
     for b in BATCHES:
@@ -271,8 +295,9 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
     summary = field_spreads(runs, fields)
     versus_best = {}
     for b in BATCHES:
-        peers = {p: summary[f"{p} b{b}"]["tokens_per_s"]["median"] for p in STATIC_PEERS
-                 if f"{p} b{b}" in summary and summary[f"{p} b{b}"]["tokens_per_s"]["median"] is not None}
+        peers = {key.rsplit(" ", 1)[0]: s["tokens_per_s"]["median"] for key, s in summary.items()
+                 if key.endswith(f" b{b}") and static_peer(key.rsplit(" ", 1)[0])
+                 and s["tokens_per_s"]["median"] is not None}
         if peers and f"specd_adaptive b{b}" in runs:
             best = max(peers, key=lambda p: peers[p])
             versus_best[f"b{b}"] = {"best_static_peer": best,
@@ -297,6 +322,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=32, help="warm-up requests every server answers first")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens for every drafter (default 4)")
+    p.add_argument("--specd-k", type=int, default=None,
+                   help="num_speculative_tokens for specd's servers (default -k): the most drafts a context or "
+                        "table row may send; EAGLE-3 still drafts at most -k")
     p.add_argument("--compiled", action="store_true", help="let vLLM compile (its default) instead of eager")
     p.add_argument("--dtype", default="float32",
                    help="vLLM's dtype (default float32; vLLM's own default for SmolLM2 is bfloat16)")
@@ -305,9 +333,15 @@ def main() -> None:
     p.add_argument("--wait-for-version", type=float, default=600,
                    help="seconds to wait after warm-up for the adaptive learner's first version")
     p.add_argument("--only", default=None,
-                   help=f"comma-separated subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
+                   help=f"comma-separated subset of {','.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)}); a "
+                        f"static peer at another k than -k is named with it, e.g. ngram@8")
     args = p.parse_args()
-    wanted = [c for c in CONFIGS if c in args.only.split(",")] if args.only else list(DEFAULT_CONFIGS)
+    named = args.only.split(",") if args.only else list(DEFAULT_CONFIGS)
+    unknown = [name for name in named if name not in CONFIGS and not (static_peer(name) and at_k(name))]
+    if unknown:
+        raise SystemExit(f"--only: unknown configurations {unknown} (choose from {', '.join(CONFIGS)}, or a "
+                         f"static peer at another k, e.g. ngram@8)")
+    wanted = [c for c in CONFIGS if c in named] + [c for c in named if "@" in c]
     warm, rounds = prompt_sets(args)
     folder = Path(tempfile.mkdtemp(prefix="specd-vllm-bench-"))
     fleet = Fleet(args, folder, wanted)

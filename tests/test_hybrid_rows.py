@@ -88,3 +88,24 @@ def test_records_name_their_drafting_source_and_an_unnamed_source_is_the_learned
         raw["steps"][0]["source"] = bad
         with pytest.raises(RecordRefused, match="source"):
             validate_record(raw, 100)
+
+
+def test_eagle3_drafts_no_more_than_its_cap_while_context_rows_may_reach_vllms_k(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from specd.serving.vllm.eagle3.companion import Eagle3Companion
+
+    monkeypatch.setenv("SPECD_EAGLE_MAX", "4")
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=8, model="drafter"),
+                             model_config=SimpleNamespace(max_model_len=64, model="target"))
+    companion = Eagle3Companion(SimpleNamespace(vllm_config=config))
+    assert companion.k == 8 and companion.hybrid.k == 8
+    long_repeat = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 3, 7, 8, 9]   # context proposes 8 drafts
+    tokens, lengths = rows(long_repeat, FRESH)
+    offers = companion.hybrid.offers(tokens, lengths)
+    assert offers[0] == ([10, 11, 12, 13, 14, 15, 16, 3], "context3")
+    assert companion._eagle_k(offers, rows=2, scheduled=8) == 4     # unmeasured: everything EAGLE-3 may draft
+    assert companion._eagle_k([], rows=2, scheduled=8) == 4         # hybrid off: the cap still holds
+    assert companion._eagle_k(offers, rows=2, scheduled=2) == 2     # vLLM's own k for the step stays the limit
+    tokens, lengths = rows(long_repeat, long_repeat[1:])
+    assert companion._eagle_k(companion.hybrid.offers(tokens, lengths), rows=2, scheduled=8) == 0

@@ -144,7 +144,7 @@ def test_stop_index_mirrors_vllms_stop_rules() -> None:
 
 def test_plugin_settings_round_trip_and_refuse_bad_values() -> None:
     settings = PluginSettings(broker="mqtt://127.0.0.1:1884", learner_url="http://127.0.0.1:8100", version=3,
-                              domain="code", drafter_kind="learned", route="custom", eagle_k="full")
+                              domain="code", drafter_kind="learned", route="custom", eagle_k="full", eagle_max=4)
     assert PluginSettings.from_env(settings.to_env()) == settings
     assert PluginSettings.from_env({}).eagle_k == "adaptive"
     with pytest.raises(ValueError, match="SPECD_EAGLE_K"):
@@ -177,6 +177,18 @@ def test_vllm_command_runs_specds_proposer_extension_and_metrics(capsys) -> None
     assert "needs --broker" in capsys.readouterr().err
     assert main(["vllm", "--print", "--store", "/s", "-k", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
+
+
+def test_context_k_lets_context_rows_reach_further_than_eagle3s_drafts(capsys) -> None:
+    assert main(["vllm", "--print", "--json", "--store", "/tmp/store", "-k", "4", "--context-k", "8"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    spec = json.loads(printed["argv"][printed["argv"].index("--speculative-config") + 1])
+    assert spec["num_speculative_tokens"] == 8 and printed["env"]["SPECD_EAGLE_MAX"] == "4"
+    assert PluginSettings.from_env(printed["env"]).eagle_max == 4
+    assert main(["vllm", "--print", "--json", "--store", "/tmp/store", "-k", "4"]) == 0
+    assert "SPECD_EAGLE_MAX" not in json.loads(capsys.readouterr().out)["env"]   # no reach beyond k: no cap
+    assert main(["vllm", "--print", "--store", "/s", "--context-k", "8", "--route", "custom"]) == 2
+    assert "eagle3 route" in capsys.readouterr().err
 
 
 def test_vllms_own_draft_count_per_batch_size_is_passed_through(capsys) -> None:
@@ -215,6 +227,18 @@ def test_draft_budget_explores_so_an_estimate_can_recover() -> None:
         budget.observe_step(0.02, 2, 1)
         decisions.append(budget.keep("learned", 2))
     assert sorted(decisions) == [0, 0, 0, 2]               # one step in four sends them anyway
+
+
+def test_draft_budget_explores_less_often_the_more_rows_a_step_verifies() -> None:
+    budget = DraftBudget(k=2, explore_every=4)
+    for step in range(40):
+        budget.observe_step(0.01 + 0.01 * (1 + step % 3), 1 + step % 3, emitted_tokens=1, rows=2)
+        budget.observe_drafts("learned", drafted=2, accepted=0)
+    decisions = []
+    for step in range(16):
+        budget.observe_step(0.01 + 0.01 * (1 + step % 3), 1 + step % 3, emitted_tokens=1, rows=2)
+        decisions.append(budget.keep("learned", 2))
+    assert sorted(decisions) == [0] * 14 + [2, 2]          # one step in eight: every row's drafts, twice the work
 
 
 def test_stop_index_skips_tokens_already_checked() -> None:

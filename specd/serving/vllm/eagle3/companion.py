@@ -214,12 +214,15 @@ class Eagle3Companion:
         draft and send for a learned row, its drafting passes priced in (it sends all k while
         unmeasured, and at its exploring steps)."""
         # drafts with probabilities (seen at an earlier step) are vLLM's to verify: EAGLE-3 drafts them all
-        if self.settings.eagle_k != "adaptive" or not offers or self.hybrid_stood_aside:
+        if self.hybrid_stood_aside:
             return scheduled
-        if self.hybrid.context_serves_every_row(offers, self.policy.budget):
+        reach = min(scheduled, self.settings.eagle_max or scheduled)  # context rows may draft more than EAGLE-3
+        if self.settings.eagle_k != "adaptive" or not offers:
+            return reach
+        if self.hybrid.context_serves_every_row(offers, self.policy.budget, reach):
             return 0
         self.policy.budget.rows = rows  # the price of a verified token depends on the batch size
-        return min(scheduled, self.policy.budget.keep(LEARNED_SOURCE, scheduled, drafting=True))
+        return self.policy.budget.keep(LEARNED_SOURCE, reach, drafting=True)
 
     def _vllm_drafts(self, vllm_propose: Any, runner: Any, scheduler_output: Any, sampled: Any, eagle_k: int,
                      *args: Any, **kwargs: Any) -> Any:

@@ -45,9 +45,12 @@ class HybridRows:
         return [continuation(token_rows[row, max(0, int(length) - self.window):int(length)], self.k, self.table,
                              self.max_n, self.min_n) for row, length in enumerate(lengths)]
 
-    def context_serves_every_row(self, offers: Sequence[tuple[list[int], str]], budget: DraftBudget) -> bool:
-        """Whether every row's continuation is expected to earn at least what k EAGLE-3 drafts would."""
-        return bool(offers) and all(self._context_pays(found, source, self.k, budget) for found, source in offers)
+    def context_serves_every_row(self, offers: Sequence[tuple[list[int], str]], budget: DraftBudget,
+                                 learned_drafts: int | None = None) -> bool:
+        """Whether every row's continuation is expected to earn at least what EAGLE-3's drafts would
+        (`learned_drafts` of them: k unless EAGLE-3 is capped below it)."""
+        reach = self.k if learned_drafts is None else learned_drafts
+        return bool(offers) and all(self._context_pays(found, source, reach, budget) for found, source in offers)
 
     @staticmethod
     def _context_pays(found: list[int], source: str, learned_drafts: int, budget: DraftBudget) -> bool:

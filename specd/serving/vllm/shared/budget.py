@@ -12,7 +12,9 @@ more verification time than it returns. On a CPU at batch 8 verification is comp
 the bar is high; at batch 1 it is nearly free and the bar is low. Drafts held back are not lost
 for learning: `ShadowBook` scores them against the tokens the target then produced, so an
 estimate below the bar keeps being measured at no verification cost (and every
-`explore_every`-th step sends everything anyway, to keep the step-time fit honest).
+`explore_every`-th step per row of the batch sends everything anyway, to keep the step-time fit
+honest: at batch 8 such a step verifies every row's k drafts, about twice a normal step's work, so
+it comes 8 times less often than at batch 1).
 A drafter that runs one pass per draft (vLLM's EAGLE-3) also pays its own time: `observe_drafting`
 fits the seconds one more drafting pass adds, and `keep(..., drafting=True)` raises the bar of
 every draft after the first (the first comes from the pass that feeds the drafter's cache, which
@@ -158,7 +160,7 @@ class DraftBudget:
 
     @property
     def exploring(self) -> bool:
-        return self.explore_every > 0 and self.steps % self.explore_every == 0
+        return self.explore_every > 0 and self.steps % (self.explore_every * max(self.rows, 1)) == 0
 
     def expected_accepted(self, source: str, sent: int) -> float:
         """Expected accepted tokens among `sent` leading drafts from `source`."""

@@ -38,6 +38,9 @@ def add_vllm_parser(sub: Any) -> None:
     p.add_argument("--store", default=None, help="follow a local weight store instead of announcements")
     p.add_argument("--version", type=int, default=None, help="serve this drafter version only (a static drafter)")
     p.add_argument("-k", type=int, default=4, help="drafts per step (default 4)")
+    p.add_argument("--context-k", type=int, default=None,
+                   help="eagle3 route: drafts a step for rows that draft from their context or the traffic table, "
+                        "when more than -k (vLLM then verifies up to this many; EAGLE-3 still drafts at most -k)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-num-seqs", type=int, default=8, help="most requests decoded together (default 8)")
@@ -77,9 +80,13 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise ConfigurationError("specd vllm needs --broker (with a learner) or --store: "
                                  "where drafter versions come from")
     target = args.target or str(bundled_target_dir())
+    reach = max(args.k, args.context_k or 0)
+    if args.context_k is not None and (args.context_k < 1 or args.route != "eagle3"):
+        raise ConfigurationError(f"--context-k must be at least 1, on the eagle3 route (got {args.context_k}, "
+                                 f"route {args.route})")
     settings = PluginSettings(broker=args.broker, deployment=args.deployment, learner_url=args.learner_url,
                               store=args.store, version=args.version, server_id=args.server_id, domain=args.domain,
-                              drafter_kind=args.drafter, route=args.route)
+                              drafter_kind=args.drafter, route=args.route, eagle_max=args.k if reach > args.k else 0)
     try:
         settings.mqtt  # noqa: B018 (checks the broker URL)
         extra = [a for a in args.vllm_args if a != "--"]
@@ -94,8 +101,8 @@ def run_vllm(args: argparse.Namespace) -> int:
             # folder of ours (a later export sweeps those once their owner is gone)
             lasting = settings.cache or (str(cache_dir() / "vllm") if args.print else None)
             drafter_dir = str(prepare_eagle3_drafter(target, settings, lasting and f"{lasting}/eagle3-start"))
-        schedule = parse_schedule(args.drafts_per_batch, args.k) if args.drafts_per_batch else None
-        env, argv = vllm_command(target, settings, args.k, args.host, args.port, args.max_num_seqs,
+        schedule = parse_schedule(args.drafts_per_batch, reach) if args.drafts_per_batch else None
+        env, argv = vllm_command(target, settings, reach, args.host, args.port, args.max_num_seqs,
                                  args.max_model_len, extra, drafter_dir=drafter_dir, per_batch_size=schedule)
     except ValueError as error:
         raise ConfigurationError(str(error)) from None

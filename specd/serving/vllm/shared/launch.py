@@ -61,6 +61,9 @@ class PluginSettings:
     # SPECD_EAGLE_K: adaptive (eagle3 route: EAGLE-3 drafts as many as its rows are worth verifying, none where
     # context serves every row) or full (always k)
     eagle_k: str = "adaptive"
+    # SPECD_EAGLE_MAX: the most drafts EAGLE-3 makes a step (0: vLLM's k). With vLLM's k above it, only
+    # context and table continuations use the longer reach (`--context-k`): EAGLE-3's later drafts seldom pay
+    eagle_max: int = 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginSettings:
@@ -102,7 +105,8 @@ class PluginSettings:
                    drafter_head_vocab=int(number("SPECD_DRAFTER_HEAD_VOCAB", int, 8192)) or 8192,
                    traffic_table=table in ("1", "true", "on"),
                    report_seconds=float(number("SPECD_REPORT_SECONDS", float, 2.0)) or 2.0,
-                   cache=env.get("SPECD_CACHE_DIR") or None, route=route, eagle_k=eagle_k)
+                   cache=env.get("SPECD_CACHE_DIR") or None, route=route, eagle_k=eagle_k,
+                   eagle_max=int(number("SPECD_EAGLE_MAX", int, 0)))
 
     def to_env(self) -> dict[str, str]:
         values = {"SPECD_BROKER": self.broker, "SPECD_DEPLOYMENT": self.deployment,
@@ -111,7 +115,8 @@ class PluginSettings:
                   "SPECD_DRAFTER": self.drafter_kind, "SPECD_DRAFTER_LAYERS": self.drafter_layers,
                   "SPECD_DRAFTER_HEAD_VOCAB": self.drafter_head_vocab, "SPECD_REPORT_SECONDS": self.report_seconds,
                   "SPECD_TRAFFIC_TABLE": "1" if self.traffic_table else "0",
-                  "SPECD_CACHE_DIR": self.cache, "SPECD_ROUTE": self.route, "SPECD_EAGLE_K": self.eagle_k}
+                  "SPECD_CACHE_DIR": self.cache, "SPECD_ROUTE": self.route, "SPECD_EAGLE_K": self.eagle_k,
+                  "SPECD_EAGLE_MAX": self.eagle_max or None}
         return {name: str(value) for name, value in values.items() if value is not None}
 
     @property
