@@ -312,3 +312,28 @@ def test_a_corrupt_version_is_refused_and_the_old_one_keeps_serving(eagle3: Vllm
         assert status(eagle3)["version"] == 1
     finally:
         post_json(learner.url + "/v1/live", {"version": 1}, token=TOKEN)
+
+
+def test_context_rows_reaching_past_eagle3s_k_keep_outputs_vllms(tmp_path, smollm2: LoadedTarget, store: WeightStore,
+                                                                 plain: VllmServer, expected) -> None:
+    # `specd vllm -k 4 --context-k 8`: vLLM verifies up to 8 drafts a row, EAGLE-3 drafts at most 4
+    settings = PluginSettings(store=str(store.root), version=1, server_id="vllm-reach", route="eagle3", eagle_max=4)
+    start = prepare_eagle3_drafter(smollm2.folder, settings, tmp_path / "start")
+    port = free_port()
+    env, argv = vllm_command(str(smollm2.folder), settings, k=8, port=port, extra=VLLM_ARGS, drafter_dir=str(start))
+    server = VllmServer(str(smollm2.folder), port, tmp_path / "vllm.log", argv=argv, env=env).start()
+    try:
+        answers = ask_all(server, PROMPTS, MAX_TOKENS)   # 4 at a time: context and EAGLE-3 rows share steps
+        for prompt, answer in zip(PROMPTS, answers, strict=True):
+            assert token_ids(answer) == expected[prompt], prompt
+        repeat = "Repeat this line three times: the quick brown fox jumps over the lazy dog."  # long context matches
+        [answer], [reference] = ask_all(server, [repeat], MAX_TOKENS), ask_all(plain, [repeat], MAX_TOKENS)
+        assert token_ids(answer) == token_ids(reference)
+        steps = [s for r in server.rpc("specd_recent_records", str(len(PROMPTS) + 1)) for s in r["steps"]]
+        learned = [len(s["drafts"]) for s in steps if s["source"] == "learned"]
+        context = [len(s["drafts"]) for s in steps if s["source"].startswith(("context", "table"))]
+        assert learned and max(learned) <= 4, "EAGLE-3 drafted past its cap"
+        assert context and max(context) > 4, "no context row reached past EAGLE-3's k"
+        assert server.rpc("specd_status")["k"] == 8
+    finally:
+        server.stop()
