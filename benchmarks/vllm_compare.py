@@ -228,7 +228,7 @@ def at_k(name: str) -> bool:
 
 
 def static_peer(name: str) -> bool:
-    """'ngram', 'ngram@8', 'eagle3_static' ... (a static peer, at the run's k or at one of --peer-k)."""
+    """'ngram', 'ngram@8', 'eagle3_static' ... (a static peer, at the run's k or at the k its name gives)."""
     return name.split("@")[0] in STATIC_PEERS
 
 

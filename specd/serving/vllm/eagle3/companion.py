@@ -25,7 +25,8 @@ vLLM's `EagleProposer` once it has loaded, and routes the model runner's proposa
    name the source of each step's drafts. EAGLE-3 drafts only what is worth drafting and verifying
    (`SPECD_EAGLE_K=adaptive`, the default): as many drafts as the draft budget keeps for a
    learned row at this batch size, each drafting pass after the first priced at its measured
-   time, and none where context serves every row of the step. vLLM is
+   time, and none where context serves every row of the step; with `SPECD_EAGLE_MAX` below vLLM's
+   k (`specd vllm --context-k`), EAGLE-3 never drafts past it while context rows may. vLLM is
    asked for that many (its dynamic speculation's per-step k; 0 runs only the pass that keeps
    its KV cache following every row), and the scheduler's own k is left as it was. vLLM verifies
    these drafts as one-hot (EAGLE-3 hands it no probabilities here), so outputs are those of vLLM
@@ -209,7 +210,8 @@ class Eagle3Companion:
         return drafts
 
     def _eagle_k(self, offers: list[tuple[list[int], str]], rows: int, scheduled: int) -> int:
-        """How many drafts EAGLE-3 makes this step: the scheduler's k, or with `eagle_k` adaptive and
+        """How many drafts EAGLE-3 makes this step: the scheduler's k (never more than `SPECD_EAGLE_MAX`,
+        which leaves vLLM's larger k to context and table rows), or with `eagle_k` adaptive and
         hybrid drafting on, none where context serves every row, else as many as the budget would
         draft and send for a learned row, its drafting passes priced in (it sends all k while
         unmeasured, and at its exploring steps)."""
