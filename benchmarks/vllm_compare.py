@@ -232,9 +232,8 @@ def static_peer(name: str) -> bool:
     return name.split("@")[0] in STATIC_PEERS
 
 
-def peer_makers(fleet: Fleet, k: int, named_k: bool = False) -> dict[str, Callable[[], VllmServer]]:
-    """The static peers at `k` drafts a step (the server's name says k where it is not the run's)."""
-    at = "" if k == fleet.args.k and not named_k else f"@{k}"
+def peer_makers(fleet: Fleet, k: int, at: str = "") -> dict[str, Callable[[], VllmServer]]:
+    """The static peers at `k` drafts a step, named with `at` ("" at the run's k, "@8" at another)."""
     return {f"ngram{at}": lambda: fleet.vllm_only(f"ngram{at}", {"method": "ngram", "num_speculative_tokens": k,
                                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
             f"suffix{at}": lambda: fleet.suffix(k, f"suffix{at}"),
@@ -254,7 +253,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
                                                        drafter_kind="learned"),
               "specd_custom": lambda: fleet.specd("specd_custom", "custom")}
     for k in {int(name.split("@")[1]) for name in wanted if "@" in name}:
-        makers.update(peer_makers(fleet, k, named_k=True))
+        makers.update(peer_makers(fleet, k, f"@{k}"))
     warmups = {name: fleet.start(name, makers[name], warm) for name in wanted}
     if "specd_adaptive" in fleet.servers:  # adaptive measured only once it serves something it learned
         learner = fleet.learners["specd_adaptive"].url
@@ -279,9 +278,9 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
             r.pop("outputs")
     fields = ("tokens_per_s", "accept_length", "same_as_plain", *(f"{f}_{d}" for d in DOMAINS
                                                                   for f in ("tokens_per_s", "accept_length")))
+    peers = sorted({name for name in wanted if static_peer(name)})
     ratios = {f"{key} / {base_of(key, base)}": paired(runs, key, base_of(key, base), "tokens_per_s")
-              for key in runs for base in ("plain", *sorted({key.rsplit(" ", 1)[0] for key in runs
-                                                            if static_peer(key.rsplit(" ", 1)[0])}))
+              for key in runs for base in ("plain", *peers)
               if base_of(key, base) in runs and not key.startswith(base + " ")}
     versus_frozen = {}  # adaptive against the frozen drafter, per domain (tokens/s per domain: batch 1 only)
     for b in BATCHES:
@@ -295,11 +294,10 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
     summary = field_spreads(runs, fields)
     versus_best = {}
     for b in BATCHES:
-        peers = {key.rsplit(" ", 1)[0]: s["tokens_per_s"]["median"] for key, s in summary.items()
-                 if key.endswith(f" b{b}") and static_peer(key.rsplit(" ", 1)[0])
-                 and s["tokens_per_s"]["median"] is not None}
-        if peers and f"specd_adaptive b{b}" in runs:
-            best = max(peers, key=lambda p: peers[p])
+        medians = {p: summary[f"{p} b{b}"]["tokens_per_s"]["median"] for p in peers
+                   if f"{p} b{b}" in summary and summary[f"{p} b{b}"]["tokens_per_s"]["median"] is not None}
+        if medians and f"specd_adaptive b{b}" in runs:
+            best = max(medians, key=lambda p: medians[p])
             versus_best[f"b{b}"] = {"best_static_peer": best,
                                     "ratio": paired(runs, f"specd_adaptive b{b}", f"{best} b{b}", "tokens_per_s")}
     for b in BATCHES:  # the A/B of EAGLE-3's per-step k
