@@ -24,6 +24,7 @@ import torch
 from specd.drafter.pretrained import SHIPPED_DRAFTER, load_pretrained
 from specd.hotswap.store import WeightStore
 from specd.model.target import LoadedTarget
+from specd.serving.vllm.shared.budget import ConfidenceCalibration
 from specd.serving.vllm.shared.launch import PluginSettings, prepare_eagle3_drafter, vllm_command
 from specd.testing.processes import (
     Broker,
@@ -223,6 +224,17 @@ def test_hybrid_drafting_mixes_context_and_eagle3_rows_in_one_step_and_outputs_s
     # each source's acceptance is measured (verified or scored in the shadow), and shown
     measured = after["acceptance_by_source"]
     assert "learned" in measured and any(s.startswith("context") for s in measured), measured
+
+
+def test_eagle3_rows_are_trimmed_by_its_own_calibrated_confidence_and_outputs_stay_vllms(eagle3: VllmServer,
+                                                                                        expected) -> None:
+    prior = ConfidenceCalibration().status()
+    answers = ask_all(eagle3, PROMPTS, MAX_TOKENS)
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        assert token_ids(answer) == expected[prompt], prompt
+    after = status(eagle3)
+    assert after["confidence_trimming"], "EAGLE-3's sampling was not read: its drafts carry no confidence"
+    assert after["acceptance_by_confidence"] != prior, "no served draft calibrated its confidence band"
 
 
 def test_where_context_serves_every_row_eagle3_stands_down_and_outputs_stay_vllms(eagle3: VllmServer,

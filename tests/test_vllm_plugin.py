@@ -251,10 +251,10 @@ def test_shadow_book_scores_held_back_drafts_against_what_the_target_produced() 
     book.add("a", "learned", position=3, drafts=[7, 8, 9])
     book.add("a", "table", position=4, drafts=[1])             # one pending score per request
     assert book.score("a", [0, 1, 2, 7]) is None               # right so far, the rest not produced yet
-    assert book.score("a", [0, 1, 2, 7, 8, 5]) == ("learned", 3, 2)
+    assert book.score("a", [0, 1, 2, 7, 8, 5]) == ("learned", 3, 2, ())
     assert book.score("a", [0, 1, 2, 7, 8, 5]) is None         # scored once
-    book.add("b", "context", position=2, drafts=[4, 4])
-    assert book.score("b", [0, 1, 3]) == ("context", 2, 0)
+    book.add("b", "context", position=2, drafts=[4, 4], confidences=[0.9, 0.2])
+    assert book.score("b", [0, 1, 3]) == ("context", 2, 0, [0.9, 0.2])
 
 
 def test_learned_gate_switches_off_a_drafter_not_worth_its_time_and_probes_it_rarely() -> None:

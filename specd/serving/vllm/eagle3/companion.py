@@ -22,10 +22,14 @@ vLLM's `EagleProposer` once it has loaded, and routes the model runner's proposa
    the traffic table where the draft budget expects that to earn more than EAGLE-3's drafts, and
    from EAGLE-3 elsewhere (`specd.serving.vllm.eagle3.hybrid_rows`); every row's drafts are then trimmed to
    those worth verifying (`specd.serving.vllm.shared.policy.DraftPolicy`, as on the custom route), and records
-   name the source of each step's drafts. EAGLE-3 drafts only what is worth drafting and verifying
-   (`SPECD_EAGLE_K=adaptive`, the default): as many drafts as the draft budget keeps for a
-   learned row at this batch size, each drafting pass after the first priced at its measured
-   time, and none where context serves every row of the step; with `SPECD_EAGLE_MAX` below vLLM's
+   name the source of each step's drafts. EAGLE-3's rows are trimmed by its own confidence in
+   each draft (`specd.serving.vllm.eagle3.confidence`: the top probability of each drafting pass,
+   calibrated against acceptance), which also weighs them against the row's context. EAGLE-3
+   drafts only what is worth drafting and verifying
+   (`SPECD_EAGLE_K=adaptive`, the default): with its confidence read, it drafts until no row it
+   serves has a next draft worth its pass (each pass after the first priced at its measured time);
+   without, as many drafts as the draft budget keeps for a learned row at this batch size; and
+   none where context serves every row of the step; with `SPECD_EAGLE_MAX` below vLLM's
    k (`specd vllm --context-k`), EAGLE-3 never drafts past it while context rows may. vLLM is
    asked for that many (its dynamic speculation's per-step k; 0 runs only the pass that keeps
    its KV cache following every row), and the scheduler's own k is left as it was. vLLM verifies
@@ -60,6 +64,7 @@ from specd.drafter.vllm_format import SPECD_CHECKPOINT, vllm_parameters
 from specd.hotswap.swapper import Swapper
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.loading import read_target_head
+from specd.serving.vllm.eagle3.confidence import PassConfidence, WorthAnother
 from specd.serving.vllm.eagle3.hybrid_rows import HybridRows
 from specd.serving.vllm.eagle3.weights import (
     InPlaceKernel,
@@ -131,6 +136,7 @@ class Eagle3Companion:
         # made even when off, so that an operator can switch it on (and off) while serving
         self.hybrid = HybridRows(self.k, table)
         self.hybrid_on = self.settings.drafter_kind == "hybrid"
+        self.confidence = PassConfidence()
         self.hybrid_stood_aside = 0        # steps where vLLM's drafts carried probabilities
         self.eagle_stood_down = 0          # steps where context served every row and EAGLE-3 did not draft
         self.eagle_passes_saved = 0        # EAGLE-3 drafting passes not run (k minus the step's k, summed)
@@ -154,6 +160,8 @@ class Eagle3Companion:
         self.repack = vllm_cpu_repack() if device.type == "cpu" and not compiled else None
         self.in_place = vllm_cpu_in_place_kernel() if device.type == "cpu" and compiled else None
         install(self.proposer.model, vllm_parameters(model), self.repack, self.in_place)
+        if not self.confidence.attach(self.proposer):
+            log.info("EAGLE-3's drafts are trimmed by position only: this proposer's sampling is not one specd reads")
         self.slot = VllmDrafterSlot(model, version, device, self._install_tensors,
                                     lambda tensors: prepare(self.proposer.model, tensors, self.in_place, self.repack))
         self.source, publisher = follow_versions(self.settings)
@@ -184,17 +192,21 @@ class Eagle3Companion:
         offers = self.hybrid.offers(batch.token_ids_cpu, lengths) if self.hybrid_on and rows else []
         eagle_k = self._eagle_k(offers, rows, scheduler_output.num_spec_tokens_to_schedule)
         vllm_began = time.perf_counter()
+        self.confidence.start(eagle_k, self._worth_another(offers, eagle_k))
         drafts = self._vllm_drafts(vllm_propose, runner, scheduler_output, sampled, eagle_k, *args, **kwargs)
         vllm_ended = time.perf_counter()
-        # the price of EAGLE-3's own passes, for the next steps' eagle_k: no draft and one draft both
-        # cost the feeding pass alone, so the steps where it stood down anchor the fit
-        self.policy.budget.observe_drafting(max(eagle_k - 1, 0), vllm_ended - vllm_began)
         eagle = drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(d) for d in drafts]
         eagle = [list(d) for d in eagle[:rows]]
+        confidences = self.confidence.take(rows)
+        passes = len(confidences[0]) if confidences else eagle_k  # fewer where drafting stopped early
+        # the price of EAGLE-3's own passes, for the next steps' eagle_k: no draft and one draft both
+        # cost the feeding pass alone, so the steps where it stood down anchor the fit
+        self.policy.budget.observe_drafting(max(passes - 1, 0), vllm_ended - vllm_began)
         sent, sources = eagle, None
         if self.hybrid_on and rows:
             if getattr(runner, "_draft_probs", None) is None:
-                candidates = self.hybrid.candidates(request_ids, eagle, offers, lengths, self.policy.budget)
+                candidates = self.hybrid.candidates(request_ids, eagle, offers, lengths, self.policy.budget,
+                                                    confidences)
                 sent = self.policy.choose(request_ids, candidates, lengths, sampled)
                 sources = candidates.sources
                 drafts = sent
@@ -224,7 +236,20 @@ class Eagle3Companion:
         if self.hybrid.context_serves_every_row(offers, self.policy.budget, reach):
             return 0
         self.policy.budget.rows = rows  # the price of a verified token depends on the batch size
+        if self.confidence.attached:  # drafting stops between passes once no row's next draft pays
+            return reach
         return self.policy.budget.keep(LEARNED_SOURCE, reach, drafting=True)
+
+    def _worth_another(self, offers: list[tuple[list[int], str]], eagle_k: int) -> WorthAnother | None:
+        """Between EAGLE-3's passes: whether a row it is expected to serve (no context match that
+        pays more) still has a next draft worth its pass (`DraftBudget.worth_another_pass`). None
+        (every pass runs) without hybrid drafting, with fixed k, and on the budget's exploring steps."""
+        budget = self.policy.budget
+        if not offers or self.settings.eagle_k != "adaptive" or eagle_k < 2 or budget.exploring:
+            return None
+        serves = [not pays for pays in self.hybrid.context_pays(offers, budget, eagle_k)]
+        return lambda confidences: budget.worth_another_pass(
+            [row for row, served in zip(confidences, serves, strict=False) if served])
 
     def _vllm_drafts(self, vllm_propose: Any, runner: Any, scheduler_output: Any, sampled: Any, eagle_k: int,
                      *args: Any, **kwargs: Any) -> Any:
@@ -273,6 +298,8 @@ class Eagle3Companion:
                 "swaps": slot.num_swaps if slot else 0,
                 "refused_versions": dict(swapper.refused) if swapper else {},
                 "hybrid": self.hybrid_on, "hybrid_stood_aside": self.hybrid_stood_aside,
+                "confidence_trimming": self.confidence.attached,
+                "eagle_stopped_early": self.confidence.stopped_early,
                 "eagle_k": self.settings.eagle_k, "eagle_stood_down": self.eagle_stood_down,
                 "eagle_passes_saved": self.eagle_passes_saved,
                 "rows_by_source": dict(self.hybrid.rows_by_source), "mixed_steps": self.hybrid.mixed_steps,

@@ -10,11 +10,12 @@ for each row (`learned`, [rows][k], or empty rows where it stood down) and retur
 for `DraftPolicy.choose`. A row gets a continuation from its own context (prompt and
 output so far: `context_match`, source "context<n>" with the match length n) or, without one, from
 the traffic table of recent requests ("table<n>"), when the draft budget expects that continuation
-to earn at least as many accepted tokens as EAGLE-3's drafts; otherwise it keeps EAGLE-3's
-("learned"). The source not chosen is scored in the shadow against the tokens the target then
-produces (`observe`), so each source's acceptance stays measured whichever one serves. Drafts carry
-no probabilities either way (vLLM verifies them as one-hot), so the choice never changes an output
-token, only how many are accepted.
+to earn at least as many accepted tokens as EAGLE-3's drafts (by their position's measured
+acceptance, or with EAGLE-3's `confidences` in each draft, by this row's own calibrated chances);
+otherwise it keeps EAGLE-3's ("learned"). The source not chosen is scored in the shadow against
+the tokens the target then produces (`observe`), so each source's acceptance stays measured
+whichever one serves. Drafts carry no probabilities either way (vLLM verifies them as one-hot), so
+the choice never changes an output token, only how many are accepted.
 """
 
 from __future__ import annotations
@@ -49,34 +50,49 @@ class HybridRows:
                                  learned_drafts: int | None = None) -> bool:
         """Whether every row's continuation is expected to earn at least what EAGLE-3's drafts would
         (`learned_drafts` of them: k unless EAGLE-3 is capped below it)."""
+        return bool(offers) and all(self.context_pays(offers, budget, learned_drafts))
+
+    def context_pays(self, offers: Sequence[tuple[list[int], str]], budget: DraftBudget,
+                     learned_drafts: int | None = None) -> list[bool]:
+        """Per row, whether its continuation is expected to earn at least what EAGLE-3's drafts would
+        by their positions' measured acceptance (`learned_drafts` of them: k unless capped)."""
         reach = self.k if learned_drafts is None else learned_drafts
-        return bool(offers) and all(self._context_pays(found, source, reach, budget) for found, source in offers)
+        return [self._context_pays(found, source, reach, budget) for found, source in offers]
 
     @staticmethod
-    def _context_pays(found: list[int], source: str, learned_drafts: int, budget: DraftBudget) -> bool:
-        return bool(found) and \
-            budget.expected_accepted(source, len(found)) >= budget.expected_accepted(LEARNED_SOURCE, learned_drafts)
+    def _context_pays(found: list[int], source: str, learned_drafts: int, budget: DraftBudget,
+                      learned_expected: float | None = None) -> bool:
+        if learned_expected is None:
+            learned_expected = budget.expected_accepted(LEARNED_SOURCE, learned_drafts)
+        return bool(found) and budget.expected_accepted(source, len(found)) >= learned_expected
 
     def candidates(self, request_ids: Sequence[str], learned: Sequence[Sequence[int]],
-                   offers: Sequence[tuple[list[int], str]], lengths: np.ndarray, budget: DraftBudget) -> Candidates:
-        drafts, limits, sources = [], [], []
+                   offers: Sequence[tuple[list[int], str]], lengths: np.ndarray, budget: DraftBudget,
+                   confidences: Sequence[Sequence[float]] | None = None) -> Candidates:
+        """Each row's drafts; `confidences` ([rows][k], optional) are EAGLE-3's top probability per draft."""
+        drafts, limits, sources, row_confidences = [], [], [], []
+        chosen: tuple[list[int], str, list[float]]
+        alternative: tuple[list[int], str, list[float]]
         for row, request_id in enumerate(request_ids):
             length = int(lengths[row])
             eagle = [int(t) for t in learned[row]]
+            sure = [float(p) for p in confidences[row][:len(eagle)]] if confidences is not None else []
             found, source = offers[row]
-            context_pays = self._context_pays(found, source, len(eagle), budget)
-            if context_pays:
-                chosen, alternative = (found, source), (eagle, LEARNED_SOURCE)
+            expected = sum(budget.confident_chances(sure)) if sure and len(sure) == len(eagle) else None
+            if self._context_pays(found, source, len(eagle), budget, expected):
+                chosen, alternative = (found, source, []), (eagle, LEARNED_SOURCE, sure)
             else:
-                chosen, alternative = (eagle, LEARNED_SOURCE), (found, source)
+                chosen, alternative = (eagle, LEARNED_SOURCE, sure), (found, source, [])
             if alternative[0]:
-                self.alternatives.add(request_id, alternative[1], length, alternative[0])
+                self.alternatives.add(request_id, alternative[1], length, alternative[0], alternative[2])
             drafts.append(chosen[0])
             limits.append(len(chosen[0]))
             sources.append(chosen[1])
+            row_confidences.append(chosen[2])
             self.rows_by_source[chosen[1]] = self.rows_by_source.get(chosen[1], 0) + 1
         self.mixed_steps += LEARNED_SOURCE in sources and any(s != LEARNED_SOURCE for s in sources)
-        return Candidates(drafts=drafts, limits=limits, sources=sources)
+        return Candidates(drafts=drafts, limits=limits, sources=sources,
+                          confidences=row_confidences if confidences is not None else None)
 
     def observe(self, request_ids: Sequence[str], tracker: StepTracker, budget: DraftBudget) -> None:
         """Score the alternatives the target's tokens have settled (after `StepTracker.observe`)."""

@@ -24,6 +24,12 @@ in it (`observe_step`'s `drafting_seconds`): otherwise steps where context draft
 down (fewer passes, as many verified tokens) make a verified token look free. A batch size whose
 price is not measured yet (a fit needs steps of different counts) borrows the nearest measured
 batch size's bar instead of sending everything.
+A drafter that also says how sure it is of each draft (vLLM's EAGLE-3: the top probability of each
+pass, `specd.serving.vllm.eagle3.confidence`) is trimmed per row and step instead of by position:
+`ConfidenceCalibration` measures the acceptance of its drafts per band of that probability (given
+the drafts before were accepted), and `keep_confident` multiplies those chances along the row's
+own drafts, so a sure draft at position 4 is sent and an unsure one at position 1 is not; `worth_another_pass`
+tells such a drafter, between its passes, whether any row's next draft is still worth drafting.
 `LearnedDrafterSwitch` decides whether the learned drafter runs at all: only while the tokens it is
 expected to add are worth more than its own time, probing otherwise at a rate that keeps probes
 near 1% of the time.
@@ -31,7 +37,9 @@ near 1% of the time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 
 class RunningFit:
@@ -60,6 +68,34 @@ class RunningFit:
         return max(0.0, (self.xy / self.weight - mean_x * mean_y) / variance)
 
 
+class ConfidenceCalibration:
+    """P(a draft is accepted | the drafts before it were, the drafter's top probability p for it):
+    decayed counts per band of p, each band starting from its own midpoint (a calibrated drafter),
+    worth two observations."""
+
+    def __init__(self, bands: int = 10, decay: float = 0.01) -> None:
+        self.bands, self.decay = bands, decay
+        self.reached = [2.0] * bands
+        self.accepted = [2.0 * (band + 0.5) / bands for band in range(bands)]
+
+    def band(self, probability: float) -> int:
+        return min(max(int(probability * self.bands), 0), self.bands - 1)
+
+    def chance(self, probability: float) -> float:
+        band = self.band(probability)
+        return self.accepted[band] / self.reached[band]
+
+    def observe(self, confidences: Sequence[float], drafted: int, accepted: int) -> None:
+        """A row's drafts with these confidences: the first `accepted` of `drafted` were accepted."""
+        for position in range(min(drafted, accepted + 1, len(confidences))):
+            band = self.band(confidences[position])
+            self.reached[band] = (1 - self.decay) * self.reached[band] + 1
+            self.accepted[band] = (1 - self.decay) * self.accepted[band] + (position < accepted)
+
+    def status(self) -> list[float]:
+        return [round(a / r, 3) for a, r in zip(self.accepted, self.reached, strict=True)]
+
+
 class DraftBudget:
     def __init__(self, k: int, prior: float = 0.5, decay: float = 0.02, explore_every: int = 16,
                  max_bar: float = 0.95) -> None:
@@ -75,6 +111,7 @@ class DraftBudget:
         self.rows = 1                     # the batch size now (set by the caller each step)
         self.steps = 0
         self.last_drafting_seconds = 0.0  # the drafter's passes at the last step (inside the next step's time)
+        self.calibration = ConfidenceCalibration()  # drafts that come with their drafter's confidence
 
     def _counts(self, source: str) -> tuple[list[float], list[float]]:
         if source not in self.reached:  # a new source starts from the prior, worth two observations
@@ -129,8 +166,11 @@ class DraftBudget:
             return None
         return slope * rate / max(rows, 1)
 
-    def observe_drafts(self, source: str, drafted: int, accepted: int) -> None:
-        """A row's verified drafts: the first `accepted` were accepted, the next one (if any) rejected."""
+    def observe_drafts(self, source: str, drafted: int, accepted: int, confidences: Sequence[float] = ()) -> None:
+        """A row's verified drafts: the first `accepted` were accepted, the next one (if any) rejected;
+        with the drafter's `confidences` in them, those are calibrated too."""
+        if confidences:
+            self.calibration.observe(confidences, drafted, accepted)
         reached, hits = self._counts(source)
         for position in range(min(drafted, accepted + 1, self.k)):
             reached[position] = (1 - self.decay) * reached[position] + 1
@@ -185,6 +225,36 @@ class DraftBudget:
         return kept
 
 
+    def confident_chances(self, confidences: Sequence[float]) -> list[float]:
+        """The chance that each of a row's drafts is accepted, from its drafter's confidences."""
+        chances, chance = [], 1.0
+        for probability in confidences:
+            chance *= self.calibration.chance(probability)
+            chances.append(chance)
+        return chances
+
+    def keep_confident(self, confidences: Sequence[float], drafted: int) -> int:
+        """`keep` for drafts that come with their drafter's confidence: each draft's chance is its
+        own band's measured acceptance times the chances before it."""
+        if drafted <= 0 or self.exploring:
+            return max(drafted, 0)
+        bar = self.bar
+        return sum(1 for _ in itertools.takewhile(lambda chance: chance >= bar,
+                                                  self.confident_chances(confidences[:drafted])))
+
+    def worth_another_pass(self, confidences: Sequence[Sequence[float]]) -> bool:
+        """Whether some row's next draft, from a drafter that states its confidence in each (rows of
+        those so far), is worth its drafting pass and its verification: the row's chance so far
+        times the calibrated chance of its last draft (a drafter sure of one draft tends to be sure
+        of the next), against both bars."""
+        bar = self.bar + self.drafting_bar
+        for row in confidences:
+            if 0 < len(row) < self.k and \
+                    self.confident_chances(row)[-1] * self.calibration.chance(row[-1]) >= bar:
+                return True
+        return False
+
+
 def _nearest_measured(rows: int, sizes: Iterable[int], price: Callable[[int], float | None]) -> float:
     """`price(rows)`, or where it is unmeasured that of the nearest batch size among `sizes` that
     is measured (the larger on a tie: a bar never drops for lack of a measurement); 0 when none is."""
@@ -195,22 +265,33 @@ def _nearest_measured(rows: int, sizes: Iterable[int], price: Callable[[int], fl
     return 0.0
 
 
+class Settled(NamedTuple):
+    """Held-back drafts whose fate the target's tokens have settled (`DraftBudget.observe_drafts`'s arguments)."""
+
+    source: str
+    drafted: int
+    accepted: int
+    confidences: Sequence[float] = ()
+
+
 class ShadowBook:
     """Drafts held back, scored later against what the target produced at their positions."""
 
     def __init__(self) -> None:
-        self._pending: dict[str, tuple[str, int, list[int]]] = {}   # request id -> (source, position, drafts)
+        # request id -> (source, position, drafts, the drafter's confidence in each)
+        self._pending: dict[str, tuple[str, int, list[int], Sequence[float]]] = {}
 
-    def add(self, request_id: str, source: str, position: int, drafts: list[int]) -> None:
+    def add(self, request_id: str, source: str, position: int, drafts: list[int],
+            confidences: Sequence[float] = ()) -> None:
         if drafts and request_id not in self._pending:
-            self._pending[request_id] = (source, position, list(drafts))
+            self._pending[request_id] = (source, position, list(drafts), confidences)
 
-    def score(self, request_id: str, tokens: list[int]) -> tuple[str, int, int] | None:
-        """(source, drafted, accepted) once the sequence settles the drafts' fate, else None."""
+    def score(self, request_id: str, tokens: list[int]) -> Settled | None:
+        """(source, drafted, accepted, confidences) once the sequence settles the drafts' fate, else None."""
         pending = self._pending.get(request_id)
         if pending is None:
             return None
-        source, position, drafts = pending
+        source, position, drafts, confidences = pending
         accepted = 0
         while accepted < len(drafts) and position + accepted < len(tokens):
             if tokens[position + accepted] != drafts[accepted]:
@@ -220,7 +301,7 @@ class ShadowBook:
         if accepted < len(drafts) and position + accepted >= len(tokens):
             return None  # every draft so far was right, and the target has not gone further yet
         del self._pending[request_id]
-        return source, len(drafts), accepted
+        return Settled(source, len(drafts), accepted, confidences)
 
     def drop(self, request_id: str) -> None:
         self._pending.pop(request_id, None)

@@ -12,7 +12,9 @@ drafter's gate and the shadow book (see `budget`), and is driven once per vLLM s
 - `choose(request_ids, candidates, lengths, sampled)` after drafting: per row, the leading drafts
   worth verifying. A row gets none while it prefills (nothing sampled this step) and never more
   than fit before max_model_len; drafts it holds back go to the shadow book, so a source below
-  the bar keeps being measured without being verified. It also tells the gate what the learned
+  the bar keeps being measured without being verified. Rows whose drafts come with the drafter's
+  confidence in each (`Candidates.confidences`) are trimmed by it (`DraftBudget.keep_confident`),
+  and their verified and shadow-scored drafts calibrate it. It also tells the gate what the learned
   drafter's sent drafts are expected to earn against its time.
 `forget(request_id)` drops a finished request's pending shadow. The policy never changes the
 tokens vLLM emits, only how many drafts it verifies.
@@ -38,6 +40,7 @@ class Candidates:
     limits: list[int]             # [rows] drafts usable (fewer while a row's drafter is not ready)
     sources: list[str]            # [rows] where the drafts came from: "context4", "table2", "learned", ...
     learned_seconds: float | None = None   # the learned drafter's time at this step; None when it did not run
+    confidences: list[list[float]] | None = None  # [rows][k] the drafter's top probability per draft ([] if none)
 
 
 class DraftPolicy:
@@ -48,7 +51,8 @@ class DraftPolicy:
         self.shadow = ShadowBook()
         self.drafts_sent = self.drafts_withheld = 0
         self.learned_steps = 0
-        self._sent: dict[str, str] = {}              # request id -> source of the drafts sent in full last step
+        # request id -> source of the drafts sent in full last step, and the drafter's confidence in them
+        self._sent: dict[str, tuple[str, list[float]]] = {}
         self._step_seconds, self._emitted = 0.0, 0   # the last steady decode step's time and output
         self._last_call: float | None = None
 
@@ -63,9 +67,9 @@ class DraftPolicy:
         verified_drafts = {}
         for request_id, drafted, accepted in tracker.last_verified:
             verified_drafts[request_id] = drafted
-            source = self._sent.get(request_id)
-            if source is not None:
-                self.budget.observe_drafts(source, drafted, accepted)
+            sent = self._sent.get(request_id)
+            if sent is not None:
+                self.budget.observe_drafts(sent[0], drafted, accepted, sent[1])
         previous, self._last_call = self._last_call, now
         # a step that also prefilled a prompt is not a decode step: its time says nothing about drafts
         steady = previous is not None and all(sampled) and set(request_ids) <= set(tracker.previous_rows)
@@ -94,14 +98,16 @@ class DraftPolicy:
             source, offered = candidates.sources[row], candidates.drafts[row]
             room = self.max_model_len - 1 - int(lengths[row])  # vLLM never verifies past max_model_len
             usable = max(min(int(candidates.limits[row]), room), 0) if sampled[row] else 0
-            worth = self.budget.keep(source, usable)
+            confidences = candidates.confidences[row][:usable] if candidates.confidences else []
+            worth = self.budget.keep_confident(confidences, usable) if len(confidences) == usable \
+                else self.budget.keep(source, usable)
             self.drafts_sent += worth
             self.drafts_withheld += usable - worth
             drafts.append(offered[:worth])
             if worth == usable > 0:  # verification will tell how they fared
-                self._sent[request_id] = source
+                self._sent[request_id] = source, confidences
             elif worth < usable:     # held back (some or all): scored against what the target produces
-                self.shadow.add(request_id, source, int(lengths[row]), offered[:usable])
+                self.shadow.add(request_id, source, int(lengths[row]), offered[:usable], confidences)
             if source == "learned":
                 learned_expected += self.budget.expected_accepted("learned", worth)
         if candidates.learned_seconds is not None:
@@ -120,5 +126,6 @@ class DraftPolicy:
                 "bars_by_batch": self.budget.bars_by_batch(),
                 "drafts_sent": self.drafts_sent,
                 "drafts_withheld": self.drafts_withheld,
+                "acceptance_by_confidence": self.budget.calibration.status(),
                 "acceptance_by_source": {src: [round(a, 3) for a in self.budget.alpha(src)]
                                          for src in sorted(self.budget.reached)}}
