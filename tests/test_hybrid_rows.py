@@ -104,8 +104,26 @@ def test_eagle3_drafts_no_more_than_its_cap_while_context_rows_may_reach_vllms_k
     tokens, lengths = rows(long_repeat, FRESH)
     offers = companion.hybrid.offers(tokens, lengths)
     assert offers[0] == ([10, 11, 12, 13, 14, 15, 16, 3], "context3")
-    assert companion._eagle_k(offers, rows=2, scheduled=8) == 4     # unmeasured: everything EAGLE-3 may draft
-    assert companion._eagle_k([], rows=2, scheduled=8) == 4         # hybrid off: the cap still holds
-    assert companion._eagle_k(offers, rows=2, scheduled=2) == 2     # vLLM's own k for the step stays the limit
+    assert companion._eagle_k(offers, ["a", "b"], scheduled=8) == 4     # unmeasured: everything EAGLE-3 may draft
+    assert companion._eagle_k([], ["a", "b"], scheduled=8) == 4         # hybrid off: the cap still holds
+    assert companion._eagle_k(offers, ["a", "b"], scheduled=2) == 2     # vLLM's own k for the step stays the limit
     tokens, lengths = rows(long_repeat, long_repeat[1:])
-    assert companion._eagle_k(companion.hybrid.offers(tokens, lengths), rows=2, scheduled=8) == 0
+    assert companion._eagle_k(companion.hybrid.offers(tokens, lengths), ["a", "b"], scheduled=8) == 0
+
+
+def test_a_request_whose_context_matches_keep_failing_goes_back_to_eagle3_while_another_keeps_its_matches() -> None:
+    hybrid, budget = HybridRows(K), DraftBudget(K)
+    for _ in range(50):  # pooled over requests: 3-token matches are mostly right, EAGLE-3 half the time
+        budget.observe_drafts("context3", 4, 3)
+        budget.observe_drafts("learned", 4, 1)
+    tokens, lengths = rows(REPEATING, REPEATING)
+    offers = hybrid.offers(tokens, lengths)
+    assert hybrid.context_pays(offers, budget, request_ids=["chat", "code"]) == [True, True]
+    for _ in range(6):   # in this chat request the matches were wrong every time; in the code request right
+        budget.observe_drafts("context2", 2, 0, request_id="chat")
+        budget.observe_drafts("context4", 4, 4, request_id="code")
+    assert hybrid.context_pays(offers, budget, request_ids=["chat", "code"]) == [False, True]
+    candidates = hybrid.candidates(["chat", "code"], [[1, 2, 3, 4]] * 2, offers, lengths, budget)
+    assert candidates.sources == ["learned", "context3"]
+    budget.first_drafts.forget("chat")                       # finished: the pooled rate again
+    assert hybrid.context_pays(offers, budget, request_ids=["chat", "code"]) == [True, True]

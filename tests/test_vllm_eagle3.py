@@ -326,10 +326,12 @@ def test_a_corrupt_version_is_refused_and_the_old_one_keeps_serving(eagle3: Vllm
         post_json(learner.url + "/v1/live", {"version": 1}, token=TOKEN)
 
 
-def test_context_rows_reaching_past_eagle3s_k_keep_outputs_vllms(tmp_path, smollm2: LoadedTarget, store: WeightStore,
-                                                                 plain: VllmServer, expected) -> None:
-    # `specd vllm -k 4 --context-k 8`: vLLM verifies up to 8 drafts a row, EAGLE-3 drafts at most 4
-    settings = PluginSettings(store=str(store.root), version=1, server_id="vllm-reach", route="eagle3", eagle_max=4)
+def test_context_rows_past_eagle3s_k_and_eagle3_stopping_early_keep_outputs_vllms(
+        tmp_path, smollm2: LoadedTarget, store: WeightStore, plain: VllmServer, expected) -> None:
+    # `specd vllm -k 4 --context-k 8`: vLLM verifies up to 8 drafts a row, EAGLE-3 drafts at most 4; and
+    # EAGLE-3 stops drafting (out of vLLM's loop, between two passes) wherever no row's next draft is sure
+    settings = PluginSettings(store=str(store.root), version=1, server_id="vllm-reach", route="eagle3", eagle_max=4,
+                              eagle_min_chance=0.9)
     start = prepare_eagle3_drafter(smollm2.folder, settings, tmp_path / "start")
     port = free_port()
     env, argv = vllm_command(str(smollm2.folder), settings, k=8, port=port, extra=VLLM_ARGS, drafter_dir=str(start))
@@ -347,5 +349,6 @@ def test_context_rows_reaching_past_eagle3s_k_keep_outputs_vllms(tmp_path, smoll
         assert learned and max(learned) <= 4, "EAGLE-3 drafted past its cap"
         assert context and max(context) > 4, "no context row reached past EAGLE-3's k"
         assert server.rpc("specd_status")["k"] == 8
+        assert server.rpc("specd_status")["eagle_stopped_early"] > 0, "EAGLE-3 never stopped before its passes"
     finally:
         server.stop()

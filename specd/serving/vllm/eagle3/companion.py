@@ -190,9 +190,9 @@ class Eagle3Companion:
         self.hybrid.observe(request_ids, self.book.tracker, self.policy.budget)
         self._install_pending()
         offers = self.hybrid.offers(batch.token_ids_cpu, lengths) if self.hybrid_on and rows else []
-        eagle_k = self._eagle_k(offers, rows, scheduler_output.num_spec_tokens_to_schedule)
+        eagle_k = self._eagle_k(offers, request_ids, scheduler_output.num_spec_tokens_to_schedule)
         vllm_began = time.perf_counter()
-        self.confidence.start(eagle_k, self._worth_another(offers, eagle_k))
+        self.confidence.start(eagle_k, self._worth_another(offers, request_ids, eagle_k))
         drafts = self._vllm_drafts(vllm_propose, runner, scheduler_output, sampled, eagle_k, *args, **kwargs)
         vllm_ended = time.perf_counter()
         eagle = drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(d) for d in drafts]
@@ -221,7 +221,7 @@ class Eagle3Companion:
         self.seconds_drafting += vllm_ended - vllm_began
         return drafts
 
-    def _eagle_k(self, offers: list[tuple[list[int], str]], rows: int, scheduled: int) -> int:
+    def _eagle_k(self, offers: list[tuple[list[int], str]], request_ids: list[str], scheduled: int) -> int:
         """How many drafts EAGLE-3 makes this step: the scheduler's k (never more than `SPECD_EAGLE_MAX`,
         which leaves vLLM's larger k to context and table rows), or with `eagle_k` adaptive and
         hybrid drafting on, none where context serves every row, else as many as the budget would
@@ -233,23 +233,24 @@ class Eagle3Companion:
         reach = min(scheduled, self.settings.eagle_max or scheduled)  # context rows may draft more than EAGLE-3
         if self.settings.eagle_k != "adaptive" or not offers:
             return reach
-        if self.hybrid.context_serves_every_row(offers, self.policy.budget, reach):
+        if self.hybrid.context_serves_every_row(offers, self.policy.budget, reach, request_ids):
             return 0
-        self.policy.budget.rows = rows  # the price of a verified token depends on the batch size
+        self.policy.budget.rows = len(request_ids)  # the price of a verified token depends on the batch size
         if self.confidence.attached:  # drafting stops between passes once no row's next draft pays
             return reach
         return self.policy.budget.keep(LEARNED_SOURCE, reach, drafting=True)
 
-    def _worth_another(self, offers: list[tuple[list[int], str]], eagle_k: int) -> WorthAnother | None:
+    def _worth_another(self, offers: list[tuple[list[int], str]], request_ids: list[str],
+                       eagle_k: int) -> WorthAnother | None:
         """Between EAGLE-3's passes: whether a row it is expected to serve (no context match that
         pays more) still has a next draft worth its pass (`DraftBudget.worth_another_pass`). None
         (every pass runs) without hybrid drafting, with fixed k, and on the budget's exploring steps."""
         budget = self.policy.budget
         if not offers or self.settings.eagle_k != "adaptive" or eagle_k < 2 or budget.exploring:
             return None
-        serves = [not pays for pays in self.hybrid.context_pays(offers, budget, eagle_k)]
+        serves = [not pays for pays in self.hybrid.context_pays(offers, budget, eagle_k, request_ids)]
         return lambda confidences: budget.worth_another_pass(
-            [row for row, served in zip(confidences, serves, strict=False) if served])
+            [row for row, served in zip(confidences, serves, strict=False) if served], self.settings.eagle_min_chance)
 
     def _vllm_drafts(self, vllm_propose: Any, runner: Any, scheduler_output: Any, sampled: Any, eagle_k: int,
                      *args: Any, **kwargs: Any) -> Any:

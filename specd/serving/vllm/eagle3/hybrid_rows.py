@@ -11,7 +11,9 @@ for `DraftPolicy.choose`. A row gets a continuation from its own context (prompt
 output so far: `context_match`, source "context<n>" with the match length n) or, without one, from
 the traffic table of recent requests ("table<n>"), when the draft budget expects that continuation
 to earn at least as many accepted tokens as EAGLE-3's drafts (by their position's measured
-acceptance, or with EAGLE-3's `confidences` in each draft, by this row's own calibrated chances);
+acceptance, or with EAGLE-3's `confidences` in each draft, by this row's own calibrated chances;
+the continuation's first draft counts at the rate its source family has had in this request, so
+that a chat request that seldom copies is not drafted from a code request's pooled acceptance);
 otherwise it keeps EAGLE-3's ("learned"). The source not chosen is scored in the shadow against
 the tokens the target then produces (`observe`), so each source's acceptance stays measured
 whichever one serves. Drafts carry no probabilities either way (vLLM verifies them as one-hot), so
@@ -47,24 +49,27 @@ class HybridRows:
                              self.max_n, self.min_n) for row, length in enumerate(lengths)]
 
     def context_serves_every_row(self, offers: Sequence[tuple[list[int], str]], budget: DraftBudget,
-                                 learned_drafts: int | None = None) -> bool:
+                                 learned_drafts: int | None = None, request_ids: Sequence[str] | None = None) -> bool:
         """Whether every row's continuation is expected to earn at least what EAGLE-3's drafts would
         (`learned_drafts` of them: k unless EAGLE-3 is capped below it)."""
-        return bool(offers) and all(self.context_pays(offers, budget, learned_drafts))
+        return bool(offers) and all(self.context_pays(offers, budget, learned_drafts, request_ids))
 
     def context_pays(self, offers: Sequence[tuple[list[int], str]], budget: DraftBudget,
-                     learned_drafts: int | None = None) -> list[bool]:
+                     learned_drafts: int | None = None, request_ids: Sequence[str] | None = None) -> list[bool]:
         """Per row, whether its continuation is expected to earn at least what EAGLE-3's drafts would
-        by their positions' measured acceptance (`learned_drafts` of them: k unless capped)."""
+        by their positions' measured acceptance (`learned_drafts` of them: k unless capped); with the
+        rows' `request_ids`, a continuation's first draft counts at its request's own rate."""
         reach = self.k if learned_drafts is None else learned_drafts
-        return [self._context_pays(found, source, reach, budget) for found, source in offers]
+        ids: Sequence[str | None] = request_ids if request_ids is not None else [None] * len(offers)
+        return [self._context_pays(found, source, reach, budget, request_id=request_id)
+                for (found, source), request_id in zip(offers, ids, strict=True)]
 
     @staticmethod
     def _context_pays(found: list[int], source: str, learned_drafts: int, budget: DraftBudget,
-                      learned_expected: float | None = None) -> bool:
+                      learned_expected: float | None = None, request_id: str | None = None) -> bool:
         if learned_expected is None:
             learned_expected = budget.expected_accepted(LEARNED_SOURCE, learned_drafts)
-        return bool(found) and budget.expected_accepted(source, len(found)) >= learned_expected
+        return bool(found) and budget.expected_accepted(source, len(found), request_id) >= learned_expected
 
     def candidates(self, request_ids: Sequence[str], learned: Sequence[Sequence[int]],
                    offers: Sequence[tuple[list[int], str]], lengths: np.ndarray, budget: DraftBudget,
@@ -79,7 +84,7 @@ class HybridRows:
             sure = [float(p) for p in confidences[row][:len(eagle)]] if confidences is not None else []
             found, source = offers[row]
             expected = sum(budget.confident_chances(sure)) if sure and len(sure) == len(eagle) else None
-            if self._context_pays(found, source, len(eagle), budget, expected):
+            if self._context_pays(found, source, len(eagle), budget, expected, request_id):
                 chosen, alternative = (found, source, []), (eagle, LEARNED_SOURCE, sure)
             else:
                 chosen, alternative = (eagle, LEARNED_SOURCE, sure), (found, source, [])
@@ -100,7 +105,7 @@ class HybridRows:
             trajectory = tracker.live.get(request_id)
             scored = self.alternatives.score(request_id, trajectory.tokens) if trajectory is not None else None
             if scored is not None:
-                budget.observe_drafts(*scored)
+                budget.observe_drafts(*scored, request_id=request_id)
 
     def forget(self, request_id: str) -> None:
         self.alternatives.drop(request_id)

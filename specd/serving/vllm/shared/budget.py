@@ -96,6 +96,36 @@ class ConfidenceCalibration:
         return [round(a / r, 3) for a, r in zip(self.accepted, self.reached, strict=True)]
 
 
+class FirstDraftRates:
+    """Per request and source family ("context", "table", ...: the source without its match length),
+    how often the family's first draft was accepted in this request, shrunk toward the pooled rate
+    by `prior_weight` observations. Pooled acceptance mixes requests that copy much (code) with
+    requests that seldom do (chat); a row's own record says which kind it is."""
+
+    def __init__(self, prior_weight: float = 2.0) -> None:
+        self.prior_weight = prior_weight
+        self._counts: dict[str, dict[str, list[int]]] = {}   # request id -> family -> [reached, accepted]
+
+    @staticmethod
+    def family(source: str) -> str:
+        return source.rstrip("0123456789")
+
+    def observe(self, request_id: str, source: str, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            counts = self._counts.setdefault(request_id, {}).setdefault(self.family(source), [0, 0])
+            counts[0] += 1
+            counts[1] += accepted > 0
+
+    def rate(self, request_id: str, source: str, pooled: float) -> float:
+        counts = self._counts.get(request_id, {}).get(self.family(source))
+        if counts is None:
+            return pooled
+        return (counts[1] + self.prior_weight * pooled) / (counts[0] + self.prior_weight)
+
+    def forget(self, request_id: str) -> None:
+        self._counts.pop(request_id, None)
+
+
 class DraftBudget:
     def __init__(self, k: int, prior: float = 0.5, decay: float = 0.02, explore_every: int = 16,
                  max_bar: float = 0.95) -> None:
@@ -112,6 +142,7 @@ class DraftBudget:
         self.steps = 0
         self.last_drafting_seconds = 0.0  # the drafter's passes at the last step (inside the next step's time)
         self.calibration = ConfidenceCalibration()  # drafts that come with their drafter's confidence
+        self.first_drafts = FirstDraftRates()        # each request's own record, for choosing its source
 
     def _counts(self, source: str) -> tuple[list[float], list[float]]:
         if source not in self.reached:  # a new source starts from the prior, worth two observations
@@ -166,9 +197,13 @@ class DraftBudget:
             return None
         return slope * rate / max(rows, 1)
 
-    def observe_drafts(self, source: str, drafted: int, accepted: int, confidences: Sequence[float] = ()) -> None:
+    def observe_drafts(self, source: str, drafted: int, accepted: int, confidences: Sequence[float] = (),
+                       request_id: str | None = None) -> None:
         """A row's verified drafts: the first `accepted` were accepted, the next one (if any) rejected;
-        with the drafter's `confidences` in them, those are calibrated too."""
+        with the drafter's `confidences` in them, those are calibrated too, and with its
+        `request_id`, the request's own record of the source is kept."""
+        if request_id is not None:
+            self.first_drafts.observe(request_id, source, drafted, accepted)
         if confidences:
             self.calibration.observe(confidences, drafted, accepted)
         reached, hits = self._counts(source)
@@ -202,10 +237,14 @@ class DraftBudget:
     def exploring(self) -> bool:
         return self.explore_every > 0 and self.steps % (self.explore_every * max(self.rows, 1)) == 0
 
-    def expected_accepted(self, source: str, sent: int) -> float:
-        """Expected accepted tokens among `sent` leading drafts from `source`."""
+    def expected_accepted(self, source: str, sent: int, request_id: str | None = None) -> float:
+        """Expected accepted tokens among `sent` leading drafts from `source` (for `request_id`, its
+        first draft at the request's own rate: the rest follow the pooled chances)."""
+        alphas = self.alpha(source)[:sent]
+        if request_id is not None and alphas:
+            alphas[0] = self.first_drafts.rate(request_id, source, alphas[0])
         chance, total = 1.0, 0.0
-        for alpha in self.alpha(source)[:sent]:
+        for alpha in alphas:
             chance *= alpha
             total += chance
         return total
@@ -242,12 +281,12 @@ class DraftBudget:
         return sum(1 for _ in itertools.takewhile(lambda chance: chance >= bar,
                                                   self.confident_chances(confidences[:drafted])))
 
-    def worth_another_pass(self, confidences: Sequence[Sequence[float]]) -> bool:
+    def worth_another_pass(self, confidences: Sequence[Sequence[float]], min_chance: float = 0.0) -> bool:
         """Whether some row's next draft, from a drafter that states its confidence in each (rows of
         those so far), is worth its drafting pass and its verification: the row's chance so far
         times the calibrated chance of its last draft (a drafter sure of one draft tends to be sure
-        of the next), against both bars."""
-        bar = self.bar + self.drafting_bar
+        of the next), against both bars (and at least `min_chance`)."""
+        bar = max(self.bar + self.drafting_bar, min_chance)
         for row in confidences:
             if 0 < len(row) < self.k and \
                     self.confident_chances(row)[-1] * self.calibration.chance(row[-1]) >= bar:

@@ -64,6 +64,9 @@ class PluginSettings:
     # SPECD_EAGLE_MAX: the most drafts EAGLE-3 makes a step (0: vLLM's k). With vLLM's k above it, only
     # context and table continuations use the longer reach (`--context-k`): EAGLE-3's later drafts seldom pay
     eagle_max: int = 0
+    # SPECD_EAGLE_MIN_CHANCE: EAGLE-3 also stops drafting once no row's next draft has at least this chance of
+    # being accepted (0: the draft budget's bars alone decide); trades accepted tokens for drafting time
+    eagle_min_chance: float = 0.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginSettings:
@@ -97,6 +100,9 @@ class PluginSettings:
         table = env.get("SPECD_TRAFFIC_TABLE", "1").strip().lower()
         if table not in ("0", "1", "false", "true", "off", "on"):
             raise ConfigurationError(f"SPECD_TRAFFIC_TABLE={table!r}: use 1 or 0")
+        min_chance = float(number("SPECD_EAGLE_MIN_CHANCE", float, 0.0))
+        if min_chance > 1:
+            raise ConfigurationError(f"SPECD_EAGLE_MIN_CHANCE={min_chance}: a chance lies between 0 and 1")
         return cls(broker=broker, deployment=env.get("SPECD_DEPLOYMENT", "default"),
                    learner_url=env.get("SPECD_LEARNER_URL") or None, store=env.get("SPECD_STORE") or None,
                    version=int(number("SPECD_VERSION", int, 0)) if version is not None else None,
@@ -106,7 +112,7 @@ class PluginSettings:
                    traffic_table=table in ("1", "true", "on"),
                    report_seconds=float(number("SPECD_REPORT_SECONDS", float, 2.0)) or 2.0,
                    cache=env.get("SPECD_CACHE_DIR") or None, route=route, eagle_k=eagle_k,
-                   eagle_max=int(number("SPECD_EAGLE_MAX", int, 0)))
+                   eagle_max=int(number("SPECD_EAGLE_MAX", int, 0)), eagle_min_chance=min_chance)
 
     def to_env(self) -> dict[str, str]:
         values = {"SPECD_BROKER": self.broker, "SPECD_DEPLOYMENT": self.deployment,
@@ -116,7 +122,7 @@ class PluginSettings:
                   "SPECD_DRAFTER_HEAD_VOCAB": self.drafter_head_vocab, "SPECD_REPORT_SECONDS": self.report_seconds,
                   "SPECD_TRAFFIC_TABLE": "1" if self.traffic_table else "0",
                   "SPECD_CACHE_DIR": self.cache, "SPECD_ROUTE": self.route, "SPECD_EAGLE_K": self.eagle_k,
-                  "SPECD_EAGLE_MAX": self.eagle_max or None}
+                  "SPECD_EAGLE_MAX": self.eagle_max or None, "SPECD_EAGLE_MIN_CHANCE": self.eagle_min_chance or None}
         return {name: str(value) for name, value in values.items() if value is not None}
 
     @property

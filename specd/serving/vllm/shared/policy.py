@@ -63,13 +63,13 @@ class DraftPolicy:
             trajectory = tracker.live.get(request_id)
             scored = self.shadow.score(request_id, trajectory.tokens) if trajectory is not None else None
             if scored is not None:
-                self.budget.observe_drafts(*scored)
+                self.budget.observe_drafts(*scored, request_id=request_id)
         verified_drafts = {}
         for request_id, drafted, accepted in tracker.last_verified:
             verified_drafts[request_id] = drafted
             sent = self._sent.get(request_id)
             if sent is not None:
-                self.budget.observe_drafts(sent[0], drafted, accepted, sent[1])
+                self.budget.observe_drafts(sent[0], drafted, accepted, sent[1], request_id)
         previous, self._last_call = self._last_call, now
         # a step that also prefilled a prompt is not a decode step: its time says nothing about drafts
         steady = previous is not None and all(sampled) and set(request_ids) <= set(tracker.previous_rows)
@@ -117,6 +117,7 @@ class DraftPolicy:
     def forget(self, request_id: str) -> None:
         """A finished request: its held-back drafts will never be settled."""
         self.shadow.drop(request_id)
+        self.budget.first_drafts.forget(request_id)
 
     def status(self) -> dict[str, Any]:
         """The policy's part of the proposer's status."""
