@@ -22,6 +22,9 @@ leaves vLLM's cores mostly alone) for the whole run, so every configuration shar
 - `specd_static` (only with `--only`): specd's plugin and hybrid drafting exactly as specd adaptive,
   with no broker and no learner (the shipped drafter serves throughout): the hybrid's choices
   without learning, and without a learner's process beside it.
+- `specd_by_position` (only with `--only`): specd static with `SPECD_CONFIDENCE=0` (EAGLE-3's rows
+  trimmed and weighed by their positions' measured acceptance, not by EAGLE-3's own confidence in
+  each draft): the A/B for that choice, reported as the per-round ratio specd_static / specd_by_position.
 - `specd_plugin_only` (only with `--only`): specd's plugin with hybrid drafting off and EAGLE-3's
   full k (`SPECD_DRAFTER=learned`, `SPECD_EAGLE_K=full`), no broker, no learner: what the plugin's
   own bookkeeping costs beside frozen EAGLE-3, which then drafts the same.
@@ -63,7 +66,7 @@ from specd.serving.vllm.shared.launch import EAGLE3_OPTIONS, PluginSettings, pre
 from specd.testing.processes import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
 
 CONFIGS = ("plain", "ngram", "suffix", "eagle3_static", "specd_adaptive", "specd_full_eagle", "specd_static",
-           "specd_plugin_only", "specd_custom")
+           "specd_by_position", "specd_plugin_only", "specd_custom")
 DEFAULT_CONFIGS = CONFIGS[:5]
 STATIC_PEERS = ("ngram", "suffix", "eagle3_static")
 ARCTIC = Path(__file__).resolve().parent / ".deps" / "arctic-inference"
@@ -203,11 +206,12 @@ class Fleet:
         return self.vllm_only(name, {"method": "suffix", "num_speculative_tokens": k},
                               env={"PYTHONPATH": str(ARCTIC)})
 
-    def specd(self, name: str, route: str, eagle_k: str = "adaptive", drafter_kind: str = "hybrid") -> VllmServer:
+    def specd(self, name: str, route: str, eagle_k: str = "adaptive", drafter_kind: str = "hybrid",
+              confidence: bool = True) -> VllmServer:
         port, learner = free_port(), self.learners.get(name)
         reach = self.args.specd_k or self.args.k  # beyond -k, only context and table rows draft more (EAGLE-3: -k)
         settings = PluginSettings(server_id=name, route=route, eagle_k=eagle_k, drafter_kind=drafter_kind,
-                                  eagle_max=self.args.k if reach > self.args.k else 0)
+                                  eagle_max=self.args.k if reach > self.args.k else 0, confidence=confidence)
         if learner is not None:  # without one, no records leave the server and the shipped drafter serves
             settings = replace(settings, broker=self.broker.url, deployment=name, learner_url=learner.url)
         env, argv = vllm_command(self.target, settings, reach, port=port, extra=self.flags,
@@ -249,6 +253,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
               "specd_adaptive": lambda: fleet.specd("specd_adaptive", "eagle3"),
               "specd_full_eagle": lambda: fleet.specd("specd_full_eagle", "eagle3", eagle_k="full"),
               "specd_static": lambda: fleet.specd("specd_static", "eagle3"),
+              "specd_by_position": lambda: fleet.specd("specd_by_position", "eagle3", confidence=False),
               "specd_plugin_only": lambda: fleet.specd("specd_plugin_only", "eagle3", eagle_k="full",
                                                        drafter_kind="learned"),
               "specd_custom": lambda: fleet.specd("specd_custom", "custom")}
@@ -300,10 +305,12 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
             best = max(medians, key=lambda p: medians[p])
             versus_best[f"b{b}"] = {"best_static_peer": best,
                                     "ratio": paired(runs, f"specd_adaptive b{b}", f"{best} b{b}", "tokens_per_s")}
-    for b in BATCHES:  # the A/B of EAGLE-3's per-step k
-        if f"specd_full_eagle b{b}" in runs and f"specd_adaptive b{b}" in runs:
-            ratios[f"specd_adaptive b{b} / specd_full_eagle b{b}"] = paired(
-                runs, f"specd_adaptive b{b}", f"specd_full_eagle b{b}", "tokens_per_s")
+    for b in BATCHES:  # the A/Bs of EAGLE-3's per-step k and of trimming by its confidence
+        for arm, other in (("specd_adaptive", "specd_full_eagle"), ("specd_static", "specd_by_position")):
+            if f"{other} b{b}" in runs and f"{arm} b{b}" in runs:
+                for field in ("tokens_per_s", "tokens_per_s_chat", "tokens_per_s_code"):
+                    suffix = field.removeprefix("tokens_per_s")
+                    ratios[f"{arm} b{b} / {other} b{b}{suffix}"] = paired(runs, f"{arm} b{b}", f"{other} b{b}", field)
     return {"runs": runs, "summary": summary, "ratios": ratios, "versus_frozen": versus_frozen,
             "versus_best_static_peer": versus_best,
             "warmup": warmups,

@@ -145,13 +145,15 @@ def test_stop_index_mirrors_vllms_stop_rules() -> None:
 def test_plugin_settings_round_trip_and_refuse_bad_values() -> None:
     settings = PluginSettings(broker="mqtt://127.0.0.1:1884", learner_url="http://127.0.0.1:8100", version=3,
                               domain="code", drafter_kind="learned", route="custom", eagle_k="full", eagle_max=4,
-                              eagle_min_chance=0.25)
+                              eagle_min_chance=0.25, confidence=False)
     assert PluginSettings.from_env(settings.to_env()) == settings
     assert PluginSettings.from_env({}).eagle_k == "adaptive"
     with pytest.raises(ValueError, match="SPECD_EAGLE_K"):
         PluginSettings.from_env({"SPECD_EAGLE_K": "sometimes"})
     with pytest.raises(ValueError, match="SPECD_VERSION"):
         PluginSettings.from_env({"SPECD_VERSION": "three"})
+    with pytest.raises(ValueError, match="SPECD_CONFIDENCE"):
+        PluginSettings.from_env({"SPECD_CONFIDENCE": "maybe"})
     with pytest.raises(ValueError, match="SPECD_EAGLE_MIN_CHANCE"):
         PluginSettings.from_env({"SPECD_EAGLE_MIN_CHANCE": "1.5"})
     with pytest.raises(ValueError, match="SPECD_DRAFTER"):

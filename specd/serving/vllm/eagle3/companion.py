@@ -160,7 +160,9 @@ class Eagle3Companion:
         self.repack = vllm_cpu_repack() if device.type == "cpu" and not compiled else None
         self.in_place = vllm_cpu_in_place_kernel() if device.type == "cpu" and compiled else None
         install(self.proposer.model, vllm_parameters(model), self.repack, self.in_place)
-        if not self.confidence.attach(self.proposer):
+        if not self.settings.confidence:
+            log.info("EAGLE-3's drafts are trimmed by position only (SPECD_CONFIDENCE=0)")
+        elif not self.confidence.attach(self.proposer):
             log.info("EAGLE-3's drafts are trimmed by position only: this proposer's sampling is not one specd reads")
         self.slot = VllmDrafterSlot(model, version, device, self._install_tensors,
                                     lambda tensors: prepare(self.proposer.model, tensors, self.in_place, self.repack))

@@ -67,6 +67,9 @@ class PluginSettings:
     # SPECD_EAGLE_MIN_CHANCE: EAGLE-3 also stops drafting once no row's next draft has at least this chance of
     # being accepted (0: the draft budget's bars alone decide); trades accepted tokens for drafting time
     eagle_min_chance: float = 0.0
+    # SPECD_CONFIDENCE: 0 trims EAGLE-3's rows by the measured acceptance of their positions, not by its own
+    # confidence in each draft (for A/B runs; on by default)
+    confidence: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginSettings:
@@ -97,9 +100,10 @@ class PluginSettings:
         if broker is not None:
             MqttSettings.from_url(broker)  # refuse a malformed URL now, not in a background thread
         version = env.get("SPECD_VERSION") or None
-        table = env.get("SPECD_TRAFFIC_TABLE", "1").strip().lower()
-        if table not in ("0", "1", "false", "true", "off", "on"):
-            raise ConfigurationError(f"SPECD_TRAFFIC_TABLE={table!r}: use 1 or 0")
+        table, confidence = (env.get(name, "1").strip().lower() for name in ("SPECD_TRAFFIC_TABLE", "SPECD_CONFIDENCE"))
+        for name, flag in (("SPECD_TRAFFIC_TABLE", table), ("SPECD_CONFIDENCE", confidence)):
+            if flag not in ("0", "1", "false", "true", "off", "on"):
+                raise ConfigurationError(f"{name}={flag!r}: use 1 or 0")
         min_chance = float(number("SPECD_EAGLE_MIN_CHANCE", float, 0.0))
         if min_chance > 1:
             raise ConfigurationError(f"SPECD_EAGLE_MIN_CHANCE={min_chance}: a chance lies between 0 and 1")
@@ -112,7 +116,8 @@ class PluginSettings:
                    traffic_table=table in ("1", "true", "on"),
                    report_seconds=float(number("SPECD_REPORT_SECONDS", float, 2.0)) or 2.0,
                    cache=env.get("SPECD_CACHE_DIR") or None, route=route, eagle_k=eagle_k,
-                   eagle_max=int(number("SPECD_EAGLE_MAX", int, 0)), eagle_min_chance=min_chance)
+                   eagle_max=int(number("SPECD_EAGLE_MAX", int, 0)), eagle_min_chance=min_chance,
+                   confidence=confidence in ("1", "true", "on"))
 
     def to_env(self) -> dict[str, str]:
         values = {"SPECD_BROKER": self.broker, "SPECD_DEPLOYMENT": self.deployment,
@@ -122,7 +127,8 @@ class PluginSettings:
                   "SPECD_DRAFTER_HEAD_VOCAB": self.drafter_head_vocab, "SPECD_REPORT_SECONDS": self.report_seconds,
                   "SPECD_TRAFFIC_TABLE": "1" if self.traffic_table else "0",
                   "SPECD_CACHE_DIR": self.cache, "SPECD_ROUTE": self.route, "SPECD_EAGLE_K": self.eagle_k,
-                  "SPECD_EAGLE_MAX": self.eagle_max or None, "SPECD_EAGLE_MIN_CHANCE": self.eagle_min_chance or None}
+                  "SPECD_EAGLE_MAX": self.eagle_max or None, "SPECD_EAGLE_MIN_CHANCE": self.eagle_min_chance or None,
+                  "SPECD_CONFIDENCE": "1" if self.confidence else "0"}
         return {name: str(value) for name, value in values.items() if value is not None}
 
     @property
