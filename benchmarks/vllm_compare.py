@@ -22,9 +22,10 @@ leaves vLLM's cores mostly alone) for the whole run, so every configuration shar
 - `specd_static` (only with `--only`): specd's plugin and hybrid drafting exactly as specd adaptive,
   with no broker and no learner (the shipped drafter serves throughout): the hybrid's choices
   without learning, and without a learner's process beside it.
-- `specd_by_position` (only with `--only`): specd static with `SPECD_CONFIDENCE=0` (EAGLE-3's rows
-  trimmed and weighed by their positions' measured acceptance, not by EAGLE-3's own confidence in
-  each draft): the A/B for that choice, reported as the per-round ratio specd_static / specd_by_position.
+- `specd_confident` (only with `--only`): specd static with `SPECD_CONFIDENCE=1` (EAGLE-3's rows
+  trimmed and weighed by EAGLE-3's own calibrated confidence in each draft, its drafting stopped
+  between passes, instead of by their positions' measured acceptance): the A/B for that choice,
+  reported as the per-round ratio specd_confident / specd_static.
 - `specd_plugin_only` (only with `--only`): specd's plugin with hybrid drafting off and EAGLE-3's
   full k (`SPECD_DRAFTER=learned`, `SPECD_EAGLE_K=full`), no broker, no learner: what the plugin's
   own bookkeeping costs beside frozen EAGLE-3, which then drafts the same.
@@ -66,7 +67,7 @@ from specd.serving.vllm.shared.launch import EAGLE3_OPTIONS, PluginSettings, pre
 from specd.testing.processes import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
 
 CONFIGS = ("plain", "ngram", "suffix", "eagle3_static", "specd_adaptive", "specd_full_eagle", "specd_static",
-           "specd_by_position", "specd_plugin_only", "specd_custom")
+           "specd_confident", "specd_plugin_only", "specd_custom")
 DEFAULT_CONFIGS = CONFIGS[:5]
 STATIC_PEERS = ("ngram", "suffix", "eagle3_static")
 ARCTIC = Path(__file__).resolve().parent / ".deps" / "arctic-inference"
@@ -207,7 +208,7 @@ class Fleet:
                               env={"PYTHONPATH": str(ARCTIC)})
 
     def specd(self, name: str, route: str, eagle_k: str = "adaptive", drafter_kind: str = "hybrid",
-              confidence: bool = True) -> VllmServer:
+              confidence: bool = False) -> VllmServer:
         port, learner = free_port(), self.learners.get(name)
         reach = self.args.specd_k or self.args.k  # beyond -k, only context and table rows draft more (EAGLE-3: -k)
         settings = PluginSettings(server_id=name, route=route, eagle_k=eagle_k, drafter_kind=drafter_kind,
@@ -253,7 +254,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
               "specd_adaptive": lambda: fleet.specd("specd_adaptive", "eagle3"),
               "specd_full_eagle": lambda: fleet.specd("specd_full_eagle", "eagle3", eagle_k="full"),
               "specd_static": lambda: fleet.specd("specd_static", "eagle3"),
-              "specd_by_position": lambda: fleet.specd("specd_by_position", "eagle3", confidence=False),
+              "specd_confident": lambda: fleet.specd("specd_confident", "eagle3", confidence=True),
               "specd_plugin_only": lambda: fleet.specd("specd_plugin_only", "eagle3", eagle_k="full",
                                                        drafter_kind="learned"),
               "specd_custom": lambda: fleet.specd("specd_custom", "custom")}
@@ -306,7 +307,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
             versus_best[f"b{b}"] = {"best_static_peer": best,
                                     "ratio": paired(runs, f"specd_adaptive b{b}", f"{best} b{b}", "tokens_per_s")}
     for b in BATCHES:  # the A/Bs of EAGLE-3's per-step k and of trimming by its confidence
-        for arm, other in (("specd_adaptive", "specd_full_eagle"), ("specd_static", "specd_by_position")):
+        for arm, other in (("specd_adaptive", "specd_full_eagle"), ("specd_confident", "specd_static")):
             if f"{other} b{b}" in runs and f"{arm} b{b}" in runs:
                 for field in ("tokens_per_s", "tokens_per_s_chat", "tokens_per_s_code"):
                     suffix = field.removeprefix("tokens_per_s")

@@ -22,10 +22,10 @@ vLLM's `EagleProposer` once it has loaded, and routes the model runner's proposa
    the traffic table where the draft budget expects that to earn more than EAGLE-3's drafts, and
    from EAGLE-3 elsewhere (`specd.serving.vllm.eagle3.hybrid_rows`); every row's drafts are then trimmed to
    those worth verifying (`specd.serving.vllm.shared.policy.DraftPolicy`, as on the custom route), and records
-   name the source of each step's drafts. EAGLE-3's rows are trimmed by its own confidence in
-   each draft (`specd.serving.vllm.eagle3.confidence`: the top probability of each drafting pass,
-   calibrated against acceptance), which also weighs them against the row's context. EAGLE-3
-   drafts only what is worth drafting and verifying
+   name the source of each step's drafts. With `SPECD_CONFIDENCE=1`, EAGLE-3's rows are trimmed by
+   its own confidence in each draft (`specd.serving.vllm.eagle3.confidence`: the top probability of
+   each drafting pass, calibrated against acceptance), which also weighs them against the row's
+   context. EAGLE-3 drafts only what is worth drafting and verifying
    (`SPECD_EAGLE_K=adaptive`, the default): with its confidence read, it drafts until no row it
    serves has a next draft worth its pass (each pass after the first priced at its measured time);
    without, as many drafts as the draft budget keeps for a learned row at this batch size; and
@@ -160,9 +160,7 @@ class Eagle3Companion:
         self.repack = vllm_cpu_repack() if device.type == "cpu" and not compiled else None
         self.in_place = vllm_cpu_in_place_kernel() if device.type == "cpu" and compiled else None
         install(self.proposer.model, vllm_parameters(model), self.repack, self.in_place)
-        if not self.settings.confidence:
-            log.info("EAGLE-3's drafts are trimmed by position only (SPECD_CONFIDENCE=0)")
-        elif not self.confidence.attach(self.proposer):
+        if self.settings.confidence and not self.confidence.attach(self.proposer):
             log.info("EAGLE-3's drafts are trimmed by position only: this proposer's sampling is not one specd reads")
         self.slot = VllmDrafterSlot(model, version, device, self._install_tensors,
                                     lambda tensors: prepare(self.proposer.model, tensors, self.in_place, self.repack))
@@ -246,9 +244,11 @@ class Eagle3Companion:
                        eagle_k: int) -> WorthAnother | None:
         """Between EAGLE-3's passes: whether a row it is expected to serve (no context match that
         pays more) still has a next draft worth its pass (`DraftBudget.worth_another_pass`). None
-        (every pass runs) without hybrid drafting, with fixed k, and on the budget's exploring steps."""
+        (every pass runs) without its confidence read, without hybrid drafting, with fixed k, and on
+        the budget's exploring steps."""
         budget = self.policy.budget
-        if not offers or self.settings.eagle_k != "adaptive" or eagle_k < 2 or budget.exploring:
+        if not self.confidence.attached or not offers or self.settings.eagle_k != "adaptive" or eagle_k < 2 \
+                or budget.exploring:
             return None
         serves = [not pays for pays in self.hybrid.context_pays(offers, budget, eagle_k, request_ids)]
         return lambda confidences: budget.worth_another_pass(
