@@ -28,8 +28,10 @@ A drafter that also says how sure it is of each draft (vLLM's EAGLE-3: the top p
 pass, `specd.serving.vllm.eagle3.confidence`) is trimmed per row and step instead of by position:
 `ConfidenceCalibration` measures the acceptance of its drafts per band of that probability (given
 the drafts before were accepted), and `keep_confident` multiplies those chances along the row's
-own drafts, so a sure draft at position 4 is sent and an unsure one at position 1 is not; `worth_another_pass`
-tells such a drafter, between its passes, whether any row's next draft is still worth drafting.
+own drafts, so a sure draft at position 4 is sent and an unsure one at position 1 is not;
+`worth_another_pass` tells such a drafter, between its passes, whether any row's next draft is
+still worth drafting. A context or table continuation's first draft is weighed at the rate its
+source family has had in the request (`FirstDraftRates`), not only at the pooled rate.
 `LearnedDrafterSwitch` decides whether the learned drafter runs at all: only while the tokens it is
 expected to add are worth more than its own time, probing otherwise at a rate that keeps probes
 near 1% of the time.
@@ -262,7 +264,6 @@ class DraftBudget:
                 break
             kept += 1
         return kept
-
 
     def confident_chances(self, confidences: Sequence[float]) -> list[float]:
         """The chance that each of a row's drafts is accepted, from its drafter's confidences."""
