@@ -15,6 +15,7 @@ begins at each position, carried forward) turns the α into expectations:
   position rather than read off one recorded draw (the draft vocabulary's ids are distinct, as
   every drafter builds them). The chain after an accepted draft is replayed on the recorded
   token, one draw of the same distribution.
+`walk_passes` is that walk alone, for a caller that computes its own α per step and entry.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def simulated_counts(model: FeatureDrafterModel, sequences: list[tuple[torch.Ten
         states = [state[0] for state in outputs]   # [T - 1 - start, hidden]: entries start..
         alphas = _greedy_acceptance(model, states, tokens, start) if row is None else [
             _sampled_acceptance(model, state, row, start) for state in states]
-        _walk(alphas, prompt_length, length, k, counts)
+        walk_passes(alphas, prompt_length, length, k, counts)
     return counts
 
 
@@ -109,7 +110,7 @@ def _sampled_acceptance(model: FeatureDrafterModel, state: torch.Tensor, row: Sa
     return [0.0] * start + torch.minimum(target_p, q).sum(-1).tolist()
 
 
-def _walk(alphas: list[list[float]], prompt_length: int, length: int, k: int, counts: ExpectedCounts) -> None:
+def walk_passes(alphas: list[list[float]], prompt_length: int, length: int, k: int, counts: ExpectedCounts) -> None:
     """Add one trajectory's expectations: start[L] is the probability that a pass begins at row length L."""
     start = [0.0] * (length + 1)
     start[prompt_length] = 1.0
