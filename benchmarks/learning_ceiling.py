@@ -148,7 +148,7 @@ def memory_rows(model: FeatureDrafterModel, train: list[Trajectory], records: li
 
 def drafter_of(learner: Learner) -> FeatureDrafterModel:
     """The learner's training copy in eval mode (the feature drafter: the objective this measures)."""
-    model = drafter_of(learner)
+    model = learner.model.eval()
     assert isinstance(model, FeatureDrafterModel)
     return model
 
