@@ -81,3 +81,30 @@ def test_a_later_stage_recipe_without_the_file_it_continues_is_refused(recipe, t
     assert code == 2
     assert "--init-from" in capsys.readouterr().err
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "-k", "-3"], ["demo", "-k", "0"], ["demo", "--max-tokens", "0"], ["demo", "--batch", "0"],
+    ["demo", "--requests", "1"], ["demo", "--round-size", "x"], ["generate", "--prompt", "hi", "-k", "-1"],
+    ["serve", "--port", "70000"], ["learner", "--store", "s", "--port", "-2"], ["vllm", "--store", "s", "-k", "0"]])
+def test_impossible_numbers_are_refused_before_anything_loads(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "error: argument" in err and ("must be" in err or "whole number" in err) and "Traceback" not in err
+
+
+def test_an_address_in_use_is_a_clear_error() -> None:
+    import socket
+
+    from aiohttp import web
+
+    from specd.cli.service import listen
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigurationError, match=f"cannot listen on 127.0.0.1:{port}: .*in use"):
+            listen(web.Application(), "127.0.0.1", port)

@@ -9,23 +9,24 @@ from pathlib import Path
 from typing import Any
 
 from specd.cli.service import add_drafter_flags, drafter_spec
-from specd.core.errors import ConfigurationError
+from specd.core.arguments import at_least
 from specd.model.target import LoadedTarget
 
 
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="replay traffic with a shift: adaptive vs static vs no speculation")
     p.add_argument("--traffic", default=None, help="JSONL traffic file (default: ShareGPT then HumanEval)")
-    p.add_argument("--requests", type=int, default=40, help="requests to replay (default 40)")
-    p.add_argument("--max-tokens", type=int, default=64, help="output budget per request (default 64)")
-    p.add_argument("--batch", type=int, default=1,
+    p.add_argument("--requests", type=at_least(2), default=40,
+                   help="requests to replay, at least one per domain (default 40)")
+    p.add_argument("--max-tokens", type=at_least(1), default=64, help="output budget per request (default 64)")
+    p.add_argument("--batch", type=at_least(1), default=1,
                    help="requests decoded together (default 1: one request at a time, where a verification pass "
                         "costs about 1.15 one-token passes on a CPU; at 4 a pass is compute-bound and drafting "
                         "pays less)")
-    p.add_argument("-k", type=int, default=None,
+    p.add_argument("-k", type=at_least(1), default=None,
                    help="fix k drafts per step (for drafter comparisons: accept length then measures the drafter); "
                         "default: the lookahead controller picks k per step, up to 4 (the faster setting here)")
-    p.add_argument("--round-size", type=int, default=4,
+    p.add_argument("--round-size", type=at_least(1), default=4,
                    help="requests per mode per round: the modes take turns, round by round (default 4)")
     p.add_argument("--learner", choices=["process", "thread", "off"], default="process",
                    help="process: its own process on cores of its own where there are two or more (default); "
@@ -47,17 +48,13 @@ def run_demo_command(args: argparse.Namespace) -> int:
     from specd.demo.deployment import DEMO_LEARNER, DemoConfig, run_demo
     from specd.demo.report import plot
 
-    if args.requests < 2:
-        raise ConfigurationError("--requests must be at least 2 (one per domain)")
-    if args.round_size < 1:
-        raise ConfigurationError("--round-size must be at least 1")
     if args.traffic:
         items, held_out = load_jsonl(args.traffic)[:args.requests], None
     else:
         items = default_shift_traffic(args.requests, args.seed)
         held_out = default_held_out(args.requests, args.seed)
     loaded = LoadedTarget.load(args.target)
-    k = args.k or 4
+    k = args.k if args.k is not None else 4
     config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, k=k, seed=args.seed,
                         adaptive_lookahead=args.k is None or args.adaptive_k, drafter=drafter_spec(args),
                         round_size=args.round_size, learner_process=args.learner == "process",

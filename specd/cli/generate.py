@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from specd.core.arguments import at_least
 from specd.core.errors import ConfigurationError
 from specd.drafter.base import BUILT_IN_VERSION, Drafter
 from specd.drafter.checkpoint import load_drafter
@@ -26,7 +27,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=None, help="Hugging Face checkpoint folder (default: bundled SmolLM2-135M)")
     p.add_argument("--drafter", default="random",
                    help="a drafter checkpoint file, or random | replay | none (default: random)")
-    p.add_argument("-k", type=int, default=4, help="drafts per step (default: 4)")
+    p.add_argument("-k", type=at_least(0), default=4, help="drafts per step (default: 4)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=128)

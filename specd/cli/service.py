@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 from typing import Any
 
+from specd.core.arguments import at_least, port_number
 from specd.core.errors import ConfigurationError
 from specd.drafter.factory import DrafterSpec
 from specd.engine.engine import EngineConfig
@@ -31,19 +33,19 @@ def drafter_spec(args: argparse.Namespace, **fields: Any) -> DrafterSpec:
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server (embedded default: bundled target, learner inside)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--target", default=None)
     p.add_argument("--store", default=None, help="weight store directory (default: $SPECD_CACHE/store)")
-    p.add_argument("-k", type=int, default=4)
-    p.add_argument("--batch", type=int, default=8, help="most requests decoded together")
-    p.add_argument("--max-context", type=int, default=4096,
+    p.add_argument("-k", type=at_least(0), default=4)
+    p.add_argument("--batch", type=at_least(1), default=8, help="most requests decoded together")
+    p.add_argument("--max-context", type=at_least(1), default=4096,
                    help="prompt + output tokens per request; KV caches are sized for it (default 4096, "
                         "capped at the target's own limit)")
-    p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
+    p.add_argument("--prefill-chunk", type=at_least(0), default=EngineConfig.prefill_chunk,
                    help="prompt tokens prefilled per decoding step, so that a long prompt never stalls the "
                         f"running streams for its whole prefill (0: each prompt whole; default "
                         f"{EngineConfig.prefill_chunk})")
-    p.add_argument("--max-queued", type=int, default=64,
+    p.add_argument("--max-queued", type=at_least(0), default=64,
                    help="requests waiting for a batch slot beyond which new ones get a 429 with Retry-After "
                         "(default 64; 0: no bound)")
     p.add_argument("--api-key", default=os.environ.get("SPECD_API_KEY"),
@@ -91,11 +93,11 @@ def add_learner_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("learner", help="the learner sidecar: MQTT records in, versions out, control plane over HTTP")
     p.add_argument("--store", required=True, help="weight store directory")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--port", type=port_number, default=8100)
     p.add_argument("--public-url", default=None, help="URL servers use to fetch weights (default: http://host:port)")
     p.add_argument("--token", default=None, help="bearer token required by control operations (or $SPECD_TOKEN)")
     p.add_argument("--target", default=None)
-    p.add_argument("-k", type=int, default=4)
+    p.add_argument("-k", type=at_least(1), default=4)
     p.add_argument("--duty-cycle", type=float, default=0.5,
                    help="share of wall time spent training (default 0.5: servers may share the machine)")
     p.add_argument("--publish-every", type=float, default=15.0, help="seconds between candidates (default 15)")
@@ -104,16 +106,16 @@ def add_learner_parser(sub: argparse._SubParsersAction) -> None:
                    help="bound on the received-records spool on disk, in MiB (default 1024)")
     p.add_argument("--dedup-window", type=int, default=200_000,
                    help="recent record ids remembered to drop QoS 1 redeliveries (default 200000)")
-    p.add_argument("--holdout-every", type=int, default=8,
+    p.add_argument("--holdout-every", type=at_least(1), default=8,
                    help="hold every N-th record out of training, for the gate (default 8)")
-    p.add_argument("--gate-min-held-out", type=int, default=4,
+    p.add_argument("--gate-min-held-out", type=at_least(1), default=4,
                    help="held-out records the gate needs before any candidate may pass (default 4)")
-    p.add_argument("--ranks", type=int, default=1,
+    p.add_argument("--ranks", type=at_least(1), default=1,
                    help="data-parallel learner ranks on this machine, started by torchrun; records are shared "
                         "among them through an MQTT shared subscription (default 1: one learner process)")
-    p.add_argument("--max-restarts", type=int, default=3,
+    p.add_argument("--max-restarts", type=at_least(0), default=3,
                    help="with --ranks: times torchrun restarts the group after a rank dies (default 3)")
-    p.add_argument("--rank-status-every", type=int, default=50,
+    p.add_argument("--rank-status-every", type=at_least(1), default=50,
                    help="with --ranks: steps between each rank's status file (with its weights' digest)")
     add_drafter_flags(p)
     _add_broker(p)
@@ -133,16 +135,12 @@ def run_learner(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
-    from aiohttp import web
-
     from specd.learner.ranks import RankGroup, RankInfo, launch_ranks
     from specd.learner.sidecar import SidecarOptions, build_sidecar, run_rank
 
     settings = _mqtt_settings(args)
     if settings is None:
         raise ConfigurationError("specd learner needs --broker mqtt://host:port")
-    if args.ranks < 1 or args.max_restarts < 0 or args.rank_status_every < 1:
-        raise ConfigurationError("--ranks and --rank-status-every must be at least 1, --max-restarts at least 0")
     info = RankInfo.from_env()
     if info is None and args.ranks > 1:
         return launch_ranks(args.ranks, args.max_restarts)  # torchrun runs this same command once per rank
@@ -160,19 +158,14 @@ def run_learner(args: argparse.Namespace) -> int:
         asyncio.run(run_rank(options, loaded, group))
         return 0
     app = build_sidecar(options, loaded, group)
-    web.run_app(app, host=args.host, port=args.port, print=lambda line: print(line, flush=True))
+    listen(app, args.host, args.port)
     return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
 
     from specd.serving.serve import ServeOptions, build_server
 
-    if args.prefill_chunk < 0:
-        raise ConfigurationError(f"--prefill-chunk must be 0 (whole prompts) or more, got {args.prefill_chunk}")
-    if args.max_queued < 0:
-        raise ConfigurationError(f"--max-queued must be 0 (no bound) or more, got {args.max_queued}")
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
                            max_context=args.max_context, max_queued=args.max_queued or None, api_key=args.api_key,
                            prefill_chunk=args.prefill_chunk or None,
@@ -181,5 +174,19 @@ def run_serve(args: argparse.Namespace) -> int:
                            model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,
                            token=args.token, publish_records=not args.no_records, canary=not args.no_canary,
                            drafter=drafter_spec(args, traffic_table=not args.no_traffic_table))
-    web.run_app(build_server(options), host=args.host, port=args.port, print=lambda line: print(line, flush=True))
+    listen(build_server(options), args.host, args.port)
     return 0
+
+
+def listen(app: Any, host: str, port: int) -> None:
+    """Serve `app` until stopped; an address that cannot be bound (in use, not this machine's, a
+    privileged port) is a clear error, not a traceback. Startup hooks have run by then, and
+    aiohttp runs the cleanup ones (learner, broker clients) before the error reaches the CLI."""
+    from aiohttp import web
+
+    try:
+        web.run_app(app, host=host, port=port, print=lambda line: print(line, flush=True))
+    except OSError as error:
+        if error.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise
+        raise ConfigurationError(f"cannot listen on {host}:{port}: {os.strerror(error.errno)}") from None

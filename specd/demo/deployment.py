@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from specd.core.errors import ConfigurationError
 from specd.core.traffic import TrafficItem
 from specd.demo.report import MODES, adaptation_curve, round_figures, summarise, swap_timing, versions_served
 from specd.drafter.checkpoint import clone_drafter, load_drafter
@@ -99,7 +100,7 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         if self.round_size < 1 or self.max_batch < 1 or self.max_tokens < 1:
-            raise ValueError("round_size, max_batch and max_tokens must be positive")
+            raise ConfigurationError("round_size, max_batch and max_tokens must be positive")
 
 
 @dataclass

@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any
 
+from specd.core.arguments import at_least, port_number
 from specd.core.errors import ConfigurationError
 from specd.model.bundled import cache_dir
 from specd.serving.vllm.shared.launch import (
@@ -37,14 +38,15 @@ def add_vllm_parser(sub: Any) -> None:
     p.add_argument("--learner-url", default=None, help="the learner's HTTP URL, for weights (e.g. http://127.0.0.1:8100)")
     p.add_argument("--store", default=None, help="follow a local weight store instead of announcements")
     p.add_argument("--version", type=int, default=None, help="serve this drafter version only (a static drafter)")
-    p.add_argument("-k", type=int, default=4, help="drafts per step (default 4)")
+    p.add_argument("-k", type=at_least(1), default=4, help="drafts per step (default 4)")
     p.add_argument("--context-k", type=int, default=None,
                    help="eagle3 route: drafts a step for rows that draft from their context or the traffic table, "
                         "when more than -k (vLLM then verifies up to this many; EAGLE-3 still drafts at most -k)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-num-seqs", type=int, default=8, help="most requests decoded together (default 8)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens per request (default 4096)")
+    p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--max-num-seqs", type=at_least(1), default=8, help="most requests decoded together (default 8)")
+    p.add_argument("--max-model-len", type=at_least(1), default=4096,
+                   help="prompt + output tokens per request (default 4096)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV cache size; default 2 GiB without CUDA (vLLM's CPU default asks for 92%% of RAM)")
     p.add_argument("--server-id", default="vllm-0")
