@@ -191,8 +191,7 @@ def main() -> None:
     print("day 0: " + ", ".join(f"{s} {v:.3f}" for s, v in baseline.items()), flush=True)
     day0_memory = memory_rows(day0_model, trajectories(day0, train[:marks[-1]]), train[:marks[-1]], held, thresholds)
     arms = [run_arm(loaded, name, train, held, marks, args.per_round, thresholds) for name in args.arms.split(",")]
-    rows = [["day 0", "-", f"{baseline['tune']:.3f} / {baseline['check']:.3f}", "-",
-             best_memory(day0_memory)]]
+    rows = [["day 0", "-", f"{baseline['tune']:.3f}", f"{baseline['check']:.3f}", best_memory(day0_memory)]]
     for arm in arms:
         rows.append([arm["arm"], arm["steps_per_round"],
                      " / ".join(f"{arm['curve'][m]['tune']:.3f}" for m in marks),
