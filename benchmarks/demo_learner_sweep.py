@@ -64,18 +64,35 @@ def make_records(loaded: LoadedTarget, items: list[TrafficItem], max_tokens: int
             for s in seqs]
 
 
+# the gate and publishing off: a sweep holds out records of its own; training all the time
+QUIET = dict(holdout_every=10**9, publish_every_steps=10**9, publish_every_seconds=math.inf, duty_cycle=1.0)
+
+
+def sweep_learner(loaded: LoadedTarget, config: LearnerConfig, folder: str) -> Learner:
+    """The service's own `Learner` from the shipped pretrained drafter (seeded by `config.seed`), with
+    `QUIET`'s settings over `config` and its weight store in `folder`."""
+    torch.manual_seed(config.seed)
+    initial = initial_model(loaded.model, DrafterSpec(), seed=config.seed, fingerprint=loaded.fingerprint)
+    embedding = loaded.model.embed.weight
+    return Learner(replace(config, **QUIET), InProcessBus(), WeightStore(folder), initial,  # type: ignore[arg-type]
+                   loaded.fingerprint, embedding.dtype, embedding, target=loaded.model)
+
+
+def feed_round(learner: Learner, records: list[TrajectoryRecord], steps: int) -> None:
+    """Hand `records` to the learner as the bus would, then train `steps` steps."""
+    for record in records:
+        learner.bus.publish(record.to_dict())
+    learner.intake()
+    for _ in range(steps):
+        learner.train_step()
+
+
 def run_arm(loaded: LoadedTarget, base: LearnerConfig, learning_rate: float, anchor_pull: float, seed: int,
             train: list[TrajectoryRecord], held_out: dict[str, list[TrajectoryRecord]], per_round: int,
             steps_per_round: int) -> dict[str, Any]:
-    torch.manual_seed(seed)
-    initial = initial_model(loaded.model, DrafterSpec(), seed=seed, fingerprint=loaded.fingerprint)
-    # the demo's settings; the gate and publishing are off: this sweep holds out its own records
-    config = replace(base, feature_learning_rate=learning_rate, anchor_pull=anchor_pull, duty_cycle=1.0,
-                     seed=seed, holdout_every=10**9, publish_every_steps=10**9, publish_every_seconds=math.inf)
-    embedding = loaded.model.embed.weight
+    config = replace(base, feature_learning_rate=learning_rate, anchor_pull=anchor_pull, seed=seed)
     with tempfile.TemporaryDirectory(prefix="demo-sweep-") as tmp:
-        learner = Learner(config, InProcessBus(), WeightStore(tmp), initial, loaded.fingerprint, embedding.dtype,
-                          embedding, target=loaded.model)
+        learner = sweep_learner(loaded, config, tmp)
 
         def evaluate() -> dict[str, float]:
             learner.model.eval()
@@ -87,11 +104,7 @@ def run_arm(loaded: LoadedTarget, base: LearnerConfig, learning_rate: float, anc
 
         curves: dict[str, list[float]] = {domain: [value] for domain, value in evaluate().items()}
         for start in range(0, len(train), per_round):
-            for record in train[start:start + per_round]:
-                learner.bus.publish(record.to_dict())
-            learner.intake()
-            for _ in range(steps_per_round):
-                learner.train_step()
+            feed_round(learner, train[start:start + per_round], steps_per_round)
             for domain, value in evaluate().items():
                 curves[domain].append(value)
             print(f"  lr {learning_rate:g} pull {anchor_pull:g} seed {seed}: {start + per_round} records, "

@@ -26,7 +26,6 @@ Writes JSON (default out/learning_ceiling.json) and prints a markdown table.
 
 from __future__ import annotations
 
-import math
 import random
 import tempfile
 import time
@@ -36,21 +35,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import markdown_table, parser, write_result
-from demo_learner_sweep import make_records, validation_items
+from demo_learner_sweep import feed_round, make_records, sweep_learner, validation_items
 
 from specd.core.records import TrajectoryRecord
 from specd.demo.deployment import DEMO_LEARNER, DemoConfig
-from specd.drafter.factory import DrafterSpec, initial_model
 from specd.drafter.feature_model import FeatureDrafterModel
-from specd.hotswap.store import WeightStore
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner
 from specd.learner.simulation import ExpectedCounts, replay_start, walk_passes
 from specd.model.target import LoadedTarget
-from specd.transport.bus import InProcessBus
 
 K = 4
-QUIET = dict(holdout_every=10**9, publish_every_steps=10**9, publish_every_seconds=math.inf, duty_cycle=1.0)
 ARMS: dict[str, tuple[dict[str, Any], int]] = {
     "demo": ({}, 12),
     "steps30": ({}, 30),
@@ -116,16 +111,11 @@ def replay(model: FeatureDrafterModel, held_out: list[Trajectory], memory: Memor
 def run_arm(loaded: LoadedTarget, name: str, records: list[TrajectoryRecord], held: dict[str, list[Trajectory]],
             marks: list[int], per_round: int, thresholds: list[float]) -> dict[str, Any]:
     changes, steps = ARMS[name]
-    config = replace(DEMO_LEARNER, **changes, **QUIET)  # type: ignore[arg-type]
-    learner = new_learner(loaded, config)
+    learner = new_learner(loaded, replace(DEMO_LEARNER, **changes))
     curve: dict[int, dict[str, float]] = {}
     begin = time.perf_counter()
     for start in range(0, max(marks), per_round):
-        for record in records[start:start + per_round]:
-            learner.bus.publish(record.to_dict())
-        learner.intake()
-        for _ in range(steps):
-            learner.train_step()
+        feed_round(learner, records[start:start + per_round], steps)
         seen = min(start + per_round, len(records))
         if seen in marks:
             model = drafter_of(learner)
@@ -154,13 +144,8 @@ def drafter_of(learner: Learner) -> FeatureDrafterModel:
 
 
 def new_learner(loaded: LoadedTarget, config: LearnerConfig) -> Learner:
-    torch.manual_seed(config.seed)
     random.seed(config.seed)
-    initial = initial_model(loaded.model, DrafterSpec(), seed=config.seed, fingerprint=loaded.fingerprint)
-    embedding = loaded.model.embed.weight
-    store = WeightStore(tempfile.mkdtemp(prefix="learning-ceiling-"))
-    return Learner(config, InProcessBus(), store, initial, loaded.fingerprint, embedding.dtype, embedding,
-                   target=loaded.model)
+    return sweep_learner(loaded, config, tempfile.mkdtemp(prefix="learning-ceiling-"))
 
 
 def main() -> None:
@@ -184,7 +169,7 @@ def main() -> None:
     records = make_records(loaded, validation_items(args.records + args.tune + args.check), args.max_tokens)
     train, tune, check = (records[:args.records], records[args.records:args.records + args.tune],
                           records[args.records + args.tune:])
-    day0 = new_learner(loaded, replace(DEMO_LEARNER, **QUIET))  # type: ignore[arg-type]
+    day0 = new_learner(loaded, DEMO_LEARNER)
     held = {"tune": trajectories(day0, tune), "check": trajectories(day0, check)}
     day0_model = drafter_of(day0)
     baseline = {split: replay(day0_model, t)["accept_length"] for split, t in held.items()}
