@@ -133,7 +133,6 @@ def _spool_config(max_mb: float, dedup_window: int):
 
 def run_learner(args: argparse.Namespace) -> int:
     import asyncio
-    import os
 
     from specd.learner.ranks import RankGroup, RankInfo, launch_ranks
     from specd.learner.sidecar import SidecarOptions, build_sidecar, run_rank
@@ -163,7 +162,6 @@ def run_learner(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-
     from specd.serving.serve import ServeOptions, build_server
 
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,

@@ -30,7 +30,6 @@ def at_least(lowest: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be at least {lowest}, got {value}")
         return value
 
-    parse.__name__ = f"integer >= {lowest}"  # what argparse names the type in its messages
     return parse
 
 

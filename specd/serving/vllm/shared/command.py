@@ -39,7 +39,7 @@ def add_vllm_parser(sub: Any) -> None:
     p.add_argument("--store", default=None, help="follow a local weight store instead of announcements")
     p.add_argument("--version", type=int, default=None, help="serve this drafter version only (a static drafter)")
     p.add_argument("-k", type=at_least(1), default=4, help="drafts per step (default 4)")
-    p.add_argument("--context-k", type=int, default=None,
+    p.add_argument("--context-k", type=at_least(1), default=None,
                    help="eagle3 route: drafts a step for rows that draft from their context or the traffic table, "
                         "when more than -k (vLLM then verifies up to this many; EAGLE-3 still drafts at most -k)")
     p.add_argument("--host", default="127.0.0.1")
@@ -83,9 +83,8 @@ def run_vllm(args: argparse.Namespace) -> int:
                                  "where drafter versions come from")
     target = args.target or str(bundled_target_dir())
     reach = max(args.k, args.context_k or 0)
-    if args.context_k is not None and (args.context_k < 1 or args.route != "eagle3"):
-        raise ConfigurationError(f"--context-k must be at least 1, on the eagle3 route (got {args.context_k}, "
-                                 f"route {args.route})")
+    if args.context_k is not None and args.route != "eagle3":
+        raise ConfigurationError(f"--context-k is for the eagle3 route only (got route {args.route})")
     settings = PluginSettings(broker=args.broker, deployment=args.deployment, learner_url=args.learner_url,
                               store=args.store, version=args.version, server_id=args.server_id, domain=args.domain,
                               drafter_kind=args.drafter, route=args.route, eagle_max=args.k if reach > args.k else 0)
