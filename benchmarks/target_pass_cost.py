@@ -1,13 +1,16 @@
-"""What a target pass costs by rows and tokens a row: oneDNN-packed linear layers against MKL's.
+"""What a target pass costs by rows and tokens a row: the few-row kernel, oneDNN-packed linear
+layers and MKL's.
 
 The bundled SmolLM2-135M in float32, one thread (the demo's serving thread), after a 300-token
 prefill of every cache slot: a pass over B rows of T new tokens each (B = 1, 2, 4, 8; T = 1..5,
-a verification pass at k = T − 1), with `PackedLinear`'s packing on and off, in `--repeats`
-interleaved rounds (each round times every cell in both settings, 3 passes a timing). Per cell: the
-median and spread of the milliseconds a pass, the ratio off / on, and the cost of each T relative to
-T = 1 in the same setting (what drafting must beat). Also checks that both settings pick the same
-argmax at every position of a B = 4, T = 5 pass. Writes JSON (default out/target_pass_cost.json)
-and prints a table.
+a verification pass at k = T − 1), in three settings of `PackedLinear`: `kernel` (specd's few-row
+kernel up to `--kernel-rows` rows a call, as served), `packed` (the kernel off: MKL's product for one
+row, oneDNN's packed one for more) and `plain` (packing off: `F.linear`), in `--repeats` interleaved
+rounds (each round times every cell in every setting, 3 passes a timing). Per cell: the median and
+spread of the milliseconds a pass, the per-round ratios packed / kernel and plain / packed, and the
+cost of each T relative to T = 1 in the same setting (what drafting must beat). Also checks that
+every setting picks the same argmax at every position of a B = 4, T = 5 pass. Writes JSON (default
+out/target_pass_cost.json) and prints a table.
 """
 
 from __future__ import annotations
@@ -20,12 +23,18 @@ import torch
 from common import cell, markdown_table, parser, spread, write_result
 
 from specd.model import packed_linear
+from specd.model.row_kernel import row_kernel
 from specd.model.target import LoadedTarget
 
 BATCHES = (1, 2, 4, 8)
 TOKENS = (1, 2, 3, 4, 5)
 CACHED = 300
-SETTINGS = {"packed": True, "plain": False}
+# name -> (packing on, rows up to which the few-row kernel serves)
+SETTINGS = {"kernel": (True, packed_linear.KERNEL_MAX_ROWS), "packed": (True, 0), "plain": (False, 0)}
+
+
+def _use(setting: tuple[bool, int]) -> None:
+    packed_linear._PACKING, packed_linear.KERNEL_MAX_ROWS = setting
 
 
 def _time_pass(model: torch.nn.Module, cache: Any, batch: int, tokens: int, passes: int = 3) -> float:
@@ -41,15 +50,19 @@ def _same_argmax(model: torch.nn.Module, cache: Any) -> bool:
     probe = torch.randint(0, 40000, (4, 5), generator=torch.Generator().manual_seed(0))
     start = torch.full((4,), CACHED, dtype=torch.long)
     picks = []
-    for packing in SETTINGS.values():
-        packed_linear._PACKING = packing
+    for setting in SETTINGS.values():
+        _use(setting)
         logits, _ = model(probe, start, cache, logits_for="all")
         picks.append(logits.argmax(-1))
-    return bool(torch.equal(picks[0], picks[1]))
+    return all(torch.equal(picks[0], other) for other in picks[1:])
 
 
 def main() -> None:
-    args = parser(__doc__, "out/target_pass_cost.json", 7).parse_args()
+    p = parser(__doc__, "out/target_pass_cost.json", 7)
+    p.add_argument("--kernel-rows", type=int, default=packed_linear.KERNEL_MAX_ROWS,
+                   help="rows a call up to which the kernel setting uses the few-row kernel")
+    args = p.parse_args()
+    SETTINGS["kernel"] = (True, args.kernel_rows)
     torch.set_num_threads(1)
     model = LoadedTarget.load().model.eval()
     cache = model.new_cache(max(BATCHES), CACHED + 16)
@@ -59,15 +72,17 @@ def main() -> None:
               logits_for="none")
         same = _same_argmax(model, cache)
         for round_number in range(args.repeats):
-            order = list(SETTINGS.items()) if round_number % 2 == 0 else list(SETTINGS.items())[::-1]
-            for name, packing in order:
-                packed_linear._PACKING = packing
+            names = list(SETTINGS)
+            order = names[round_number % len(names):] + names[:round_number % len(names)]
+            for name in order:
+                _use(SETTINGS[name])
                 _time_pass(model, cache, 1, 1, passes=1)  # the first packed call packs
+                _time_pass(model, cache, max(BATCHES), 1, passes=1)
                 for batch in BATCHES:
                     for tokens in TOKENS:
                         times[name].setdefault((batch, tokens), []).append(_time_pass(model, cache, batch, tokens))
             print(f"  round {round_number + 1}/{args.repeats}", flush=True)
-    packed_linear._PACKING = packed_linear.packing_enabled()
+    _use((packed_linear.packing_enabled(), packed_linear.KERNEL_MAX_ROWS))
     cells = []
     for batch in BATCHES:
         for tokens in TOKENS:
@@ -76,14 +91,18 @@ def main() -> None:
                 entry[f"{name}_ms"] = spread(times[name][(batch, tokens)])
                 entry[f"{name}_vs_one_token"] = (entry[f"{name}_ms"]["median"]
                                                  / statistics.median(times[name][(batch, 1)]))
-            entry["plain_over_packed"] = spread([p / q for p, q in zip(times["plain"][(batch, tokens)],
-                                                                      times["packed"][(batch, tokens)], strict=True)])
+            for slower, faster in (("packed", "kernel"), ("plain", "packed")):
+                entry[f"{slower}_over_{faster}"] = spread([a / b for a, b in zip(
+                    times[slower][(batch, tokens)], times[faster][(batch, tokens)], strict=True)])
             cells.append(entry)
-    rows = [[c["batch"], c["tokens_per_row"], cell(c["packed_ms"]), f"{c['packed_vs_one_token']:.2f}",
-             cell(c["plain_ms"]), f"{c['plain_vs_one_token']:.2f}", cell(c["plain_over_packed"], 2)] for c in cells]
-    print(markdown_table(["B", "T", "packed ms", "packed / T=1", "plain ms", "plain / T=1", "plain / packed"], rows))
-    print(f"same argmax at every position of a 4 x 5 pass: {same}")
-    write_result(args.out, args, {"cached_positions": CACHED, "threads": 1, "same_argmax": same, "cells": cells})
+    rows = [[c["batch"], c["tokens_per_row"]] + [item for name in SETTINGS for item in
+                                                 (cell(c[f"{name}_ms"]), f"{c[f'{name}_vs_one_token']:.2f}")]
+            + [cell(c["packed_over_kernel"], 2), cell(c["plain_over_packed"], 2)] for c in cells]
+    print(markdown_table(["B", "T"] + [h for name in SETTINGS for h in (f"{name} ms", f"{name} / T=1")]
+                         + ["packed / kernel", "plain / packed"], rows))
+    print(f"same argmax at every position of a 4 x 5 pass in every setting: {same}")
+    write_result(args.out, args, {"cached_positions": CACHED, "threads": 1, "kernel_rows": args.kernel_rows,
+                                  "kernel_built": row_kernel() is not None, "same_argmax": same, "cells": cells})
 
 
 if __name__ == "__main__":

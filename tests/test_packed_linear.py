@@ -1,4 +1,5 @@
-"""PackedLinear: oneDNN-packed inference that matches nn.Linear and never serves a stale weight."""
+"""PackedLinear: inference through prepared layouts (the few-row kernel, MKL's, oneDNN's) that matches
+nn.Linear and never serves a stale weight."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from specd.model.packed_linear import PackedLinear, prepare_layouts
 from specd.testing import tiny_target
 
 needs_onednn = pytest.mark.skipif(not packed_linear.packing_enabled(), reason="this torch has no oneDNN")
+
+
+@pytest.fixture(autouse=True, params=["few-row kernel", "torch's products"])
+def paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs with the few-row kernel where it serves (one thread, as here) and without it."""
+    if request.param == "torch's products":
+        monkeypatch.setattr(packed_linear, "KERNEL_MAX_ROWS", 0)
 
 
 def _layer(seed: int = 0, bias: bool = False) -> PackedLinear:
@@ -113,7 +121,8 @@ def test_prepared_layouts_are_the_ones_inference_then_uses() -> None:
     prepare_layouts(model)
     made = {id(layer): {name: entry[3] for name, entry in (layer._layouts or {}).items()}
             for layer in model if isinstance(layer, PackedLinear)}
-    assert all(set(layouts) == {"transposed", "packed"} for layouts in made.values())
+    one_row = "panels" if packed_linear._row_kernel_for(1) is not None else "transposed"
+    assert all(set(layouts) == {one_row, "packed"} for layouts in made.values())
     with torch.inference_mode():
         model(torch.randn(1, 48))
         model(torch.randn(4, 48))

@@ -2,24 +2,30 @@
 
 Contract: `PackedLinear` is an `nn.Linear` (same parameters, same state dict, same autograd). When
 no gradient is needed (inference mode, `no_grad`, or neither input nor weight requires one), the
-weight and input are float32 on the CPU and this torch has oneDNN, the forward multiplies one row
-through a transposed copy of the weight (MKL's matrix-vector product) and more rows through a copy
-that oneDNN reordered once into its blocked layout; otherwise it is `F.linear`. A copy is remade
-whenever the weight changes (another tensor, or an in-place write that moves its version counter),
-so hot-swapped or trained weights are never served stale. `SPECD_PACKED_LINEAR=0` in the
-environment turns both copies off (for measuring what they buy). `prepare_layouts(module)` makes
-the copies ahead of use: engines call it on their models when built, and a hot-swapped version
-gets it on the swapper's thread before it is installed, so no decoding step makes one.
+weight and input are float32 on the CPU and this torch has oneDNN, the forward multiplies:
+- on one intra-op thread, up to `KERNEL_MAX_ROWS` rows, through specd's few-row kernel
+  (`row_kernel`, compiled on first use) over a copy in its panel layout;
+- otherwise one row through a transposed copy of the weight (MKL's matrix-vector product) and more
+  rows through a copy that oneDNN reordered once into its blocked layout.
+Without gradients' conditions it is `F.linear`. A copy is remade whenever the weight changes
+(another tensor, or an in-place write that moves its version counter), so hot-swapped or trained
+weights are never served stale. `SPECD_PACKED_LINEAR=0` in the environment turns every copy off
+and `SPECD_ROW_KERNEL=0` only the kernel (for measuring what they buy). `prepare_layouts(module)`
+makes the copies ahead of use: engines call it on their models when built, and a hot-swapped
+version gets it on the swapper's thread before it is installed, so no decoding step makes one.
 
 Why: `F.linear` on the CPU calls MKL's sgemm, which repacks the weight on every call and, below 4
 rows, runs one matrix-vector product per row. SmolLM2-135M's 49152-row output layer took 10, 23, 34
 and 17 ms for 1, 2, 3 and 4 rows that way, and 7.5, 9.0, 6.6 and 6.1 ms packed (one thread, AMD EPYC,
 2026-12-04). A verification pass multiplies k + 1 rows a request, so that cliff decided whether
-drafting paid. oneDNN's packed product also gives a row the same bits however many rows share the
-call (from 2 rows up in every layer measured; MKL's changes below 4 rows). For one row, MKL over a
-transposed copy is the fastest of the three (the output layer in 5.0 ms; a whole one-token pass
-at batch 1 in 44 ms against 56 packed and 58 plain), and the decoding it times is the baseline
-speculation is measured against, so it gets the fastest path there is.
+drafting paid. oneDNN's packed product gives a row the same bits however many rows share the call
+(from 2 rows up in every layer measured; MKL's changes below 4 rows), but on an Intel Xeon it
+streamed the weights slower for 2-5 rows than MKL's one-row product: a verification pass cost
+1.33-1.41 one-token passes there. The few-row kernel reads each weight once for up to 12 rows and
+keeps a row's bits whatever the other rows are, one row included: a batch-1 pass of 2-5 tokens
+costs 1.07-1.16 one-token passes on that Xeon, and the one-token pass is no slower than MKL's
+(benchmarks/target_pass_cost.py). It runs on the calling thread only, so with more intra-op
+threads torch's threaded products serve instead.
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specd.model.row_kernel import RowKernel, row_kernel
+
+# rows up to which the few-row kernel is used on one thread: one block of its rows (row_kernel.c's
+# MAX_ROWS); past that it reads the weights again and oneDNN wins (benchmarks/target_pass_cost.py)
+KERNEL_MAX_ROWS = 12
 
 
 def packing_enabled() -> bool:
@@ -56,6 +68,10 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._may_pack(x):
             return F.linear(x, self.weight, self.bias)
+        kernel = _row_kernel_for(x.numel() // x.shape[-1])
+        if kernel is not None:
+            out = kernel.linear(x, self._layout("panels", kernel.panels), self.out_features)
+            return out if self.bias is None else out + self.bias
         if x.numel() == x.shape[-1]:
             # one row (decoding one request without drafts): MKL's matrix-vector product over an
             # [in, out] copy beats both F.linear and oneDNN (a SmolLM2-135M pass: 44 against 56-58 ms)
@@ -71,9 +87,13 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
     def prepare(self) -> None:
-        """Make both layouts of the weight now, so that no decoding step waits for them."""
+        """Make the layouts this thread count uses now, so that no decoding step waits for them."""
         if self._weight_may_pack():
-            self._layout("transposed", _transposed)
+            kernel = _row_kernel_for(1)
+            if kernel is not None:
+                self._layout("panels", kernel.panels)
+            else:
+                self._layout("transposed", _transposed)
             self._layout("packed", _onednn_packed)
 
     def _weight_may_pack(self) -> bool:
@@ -109,6 +129,14 @@ def prepare_layouts(module: nn.Module) -> None:
     for layer in module.modules():
         if isinstance(layer, PackedLinear):
             layer.prepare()
+
+
+def _row_kernel_for(rows: int) -> RowKernel | None:
+    """The few-row kernel where it serves these rows: built, on one thread (it runs on the calling
+    thread only; with more, torch's threaded products win), and no more rows than it beats oneDNN at."""
+    if rows > KERNEL_MAX_ROWS or torch.get_num_threads() != 1:
+        return None
+    return row_kernel()
 
 
 def _transposed(weight: torch.Tensor) -> torch.Tensor:

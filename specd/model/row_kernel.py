@@ -1,0 +1,118 @@
+"""The few-row float32 kernel (`row_kernel.c`): built on first use with the machine's C compiler.
+
+Contract: `row_kernel()` returns the process's `RowKernel`, or None where it cannot be had: no C
+compiler, a failed build, a platform without `ctypes` shared libraries, or `SPECD_ROW_KERNEL=0` in
+the environment. Callers then keep their torch paths; nothing else changes. The library is compiled
+once per machine (`cc -O3 -march=native`, or `$CC`) into a cache folder (`$SPECD_KERNEL_CACHE`, else
+`$XDG_CACHE_HOME/specd/kernels` or `~/.cache/specd/kernels`) under a name derived from the source,
+the flags, the compiler and the CPU's feature flags, so a changed source or another CPU builds
+afresh and concurrent builders never see a half-written file.
+`RowKernel.panels(weight)` lays an [out, in] float32 weight out as the kernel reads it;
+`RowKernel.linear(x, panels, out_features)` multiplies x's rows (any leading shape, float32, CPU)
+through it on the calling thread and returns a new tensor of shape [*x.shape[:-1], out_features].
+A row's result has the same bits whatever the other rows are (`row_kernel.c` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("row_kernel.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
+PANEL = 16           # output features per panel (one 64-byte vector of float32)
+BUILD_TIMEOUT_S = 120
+
+
+class RowKernel:
+    """The loaded library's `specd_rows_linear`, with the layout it reads."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._multiply = library.specd_rows_linear
+        self._multiply.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                                   ctypes.c_void_p]
+        self._multiply.restype = None
+
+    @staticmethod
+    def panels(weight: torch.Tensor) -> torch.Tensor:
+        """[out, in] -> [ceil(out / 16), in, 16], zero-padded: panel p holds outputs 16p .. 16p + 15."""
+        out_features, in_features = weight.shape
+        padded = -(-out_features // PANEL) * PANEL
+        source = weight.detach().to(torch.float32)
+        if padded != out_features:
+            source = torch.cat([source, source.new_zeros(padded - out_features, in_features)])
+        return source.reshape(padded // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
+
+    def linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+        in_features = panels.shape[1]
+        rows = x.reshape(-1, in_features).contiguous()
+        padded = panels.shape[0] * PANEL
+        out = torch.empty(rows.shape[0], padded, dtype=torch.float32)
+        self._multiply(rows.data_ptr(), rows.shape[0], in_features, panels.data_ptr(), padded, out.data_ptr())
+        if padded != out_features:
+            out = out[:, :out_features].contiguous()
+        return out.reshape(*x.shape[:-1], out_features)
+
+
+@functools.cache
+def row_kernel() -> RowKernel | None:
+    """This process's kernel, built or found in the cache on the first call; None where it cannot be had."""
+    if os.environ.get("SPECD_ROW_KERNEL", "1") == "0":
+        return None
+    try:
+        return RowKernel(ctypes.CDLL(str(_built_library())))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+        log.warning("the few-row kernel is unavailable (%s); linear layers keep torch's paths", error)
+        return None
+
+
+def _built_library() -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_flags().encode()):
+        key.update(part)
+    target = _cache_folder() / f"row_kernel-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
+                                timeout=BUILD_TIMEOUT_S, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)  # atomic: another process sees the whole library or none
+    return target
+
+
+def _cache_folder() -> Path:
+    explicit = os.environ.get("SPECD_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specd" / "kernels"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), so that a cache shared between machines never serves code
+    built for instructions this CPU lacks."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
