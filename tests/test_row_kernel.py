@@ -27,9 +27,9 @@ def kernel() -> row_kernel.RowKernel:
 @pytest.fixture
 def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """`row_kernel()` forgets what it loaded and builds into an empty cache folder."""
-    monkeypatch.setenv("SPECD_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECD_CACHE", str(tmp_path))
     row_kernel.row_kernel.cache_clear()
-    yield tmp_path
+    yield tmp_path / "kernels"
     row_kernel.row_kernel.cache_clear()
 
 

@@ -7,12 +7,13 @@ weight and input are float32 on the CPU and this torch has oneDNN, the forward m
   (`row_kernel`, compiled on first use) over a copy in its panel layout;
 - otherwise one row through a transposed copy of the weight (MKL's matrix-vector product) and more
   rows through a copy that oneDNN reordered once into its blocked layout.
-Without gradients' conditions it is `F.linear`. A copy is remade whenever the weight changes
-(another tensor, or an in-place write that moves its version counter), so hot-swapped or trained
-weights are never served stale. `SPECD_PACKED_LINEAR=0` in the environment turns every copy off
-and `SPECD_ROW_KERNEL=0` only the kernel (for measuring what they buy). `prepare_layouts(module)`
-makes the copies ahead of use: engines call it on their models when built, and a hot-swapped
-version gets it on the swapper's thread before it is installed, so no decoding step makes one.
+Otherwise (a gradient wanted, another dtype or device, no oneDNN) it is `F.linear`. A copy is
+remade whenever the weight changes (another tensor, or an in-place write that moves its version
+counter), so hot-swapped or trained weights are never served stale. `SPECD_PACKED_LINEAR=0` in the
+environment turns every copy off and `SPECD_ROW_KERNEL=0` only the kernel (for measuring what they
+buy). `prepare_layouts(module)` makes the copies ahead of use: engines call it on their models when
+built, and a hot-swapped version gets it on the swapper's thread before it is installed, so no
+decoding step makes one.
 
 Why: `F.linear` on the CPU calls MKL's sgemm, which repacks the weight on every call and, below 4
 rows, runs one matrix-vector product per row. SmolLM2-135M's 49152-row output layer took 10, 23, 34
@@ -59,8 +60,9 @@ def _version_of(weight: torch.Tensor) -> int:
 
 
 class PackedLinear(nn.Linear):
-    """`nn.Linear` whose no-gradient float32 CPU forward uses a cached layout of its weight: one row
-    through a transposed copy, more rows through oneDNN's packed one."""
+    """`nn.Linear` whose no-gradient float32 CPU forward uses a cached layout of its weight: the
+    few-row kernel's panels on one thread, else a transposed copy for one row and oneDNN's packed
+    one for more."""
 
     # layout name -> (weight, its version, its data pointer, the copy in that layout)
     _layouts: dict[str, tuple[torch.Tensor, int, int, torch.Tensor]] | None = None

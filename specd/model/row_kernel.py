@@ -3,10 +3,10 @@
 Contract: `row_kernel()` returns the process's `RowKernel`, or None where it cannot be had: no C
 compiler, a failed build, a platform without `ctypes` shared libraries, or `SPECD_ROW_KERNEL=0` in
 the environment. Callers then keep their torch paths; nothing else changes. The library is compiled
-once per machine (`cc -O3 -march=native`, or `$CC`) into a cache folder (`$SPECD_KERNEL_CACHE`, else
-`$XDG_CACHE_HOME/specd/kernels` or `~/.cache/specd/kernels`) under a name derived from the source,
-the flags, the compiler and the CPU's feature flags, so a changed source or another CPU builds
-afresh and concurrent builders never see a half-written file.
+once per machine (`cc -O3 -march=native`, or `$CC`) into `$SPECD_CACHE/kernels` (default
+`~/.cache/specd/kernels`) under a name derived from the source, the flags, the compiler and the
+CPU's feature flags, so a changed source or another CPU builds afresh, and concurrent builders
+never see a half-written file.
 `RowKernel.panels(weight)` lays an [out, in] float32 weight out as the kernel reads it;
 `RowKernel.linear(x, panels, out_features)` multiplies x's rows (any leading shape, float32, CPU)
 through it on the calling thread and returns a new tensor of shape [*x.shape[:-1], out_features].
@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from specd.model.bundled import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ def _built_library() -> Path:
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_flags().encode()):
         key.update(part)
-    target = _cache_folder() / f"row_kernel-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / "kernels" / f"row_kernel-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -96,14 +98,6 @@ def _built_library() -> Path:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
         os.replace(built, target)  # atomic: another process sees the whole library or none
     return target
-
-
-def _cache_folder() -> Path:
-    explicit = os.environ.get("SPECD_KERNEL_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specd" / "kernels"
 
 
 def _cpu_flags() -> str:
