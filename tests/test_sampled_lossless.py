@@ -18,7 +18,7 @@ from conftest import fixed_k, tiny_target
 from test_sampling import chi_square_p_value
 
 import specd.engine.engine as engine_module
-from specd.drafter.base import Drafter, Proposal
+from specd.drafter.base import Drafter, Proposal, one_hot_q
 from specd.drafter.feature_drafter import FeatureDrafter
 from specd.drafter.feature_model import new_feature_drafter
 from specd.drafter.hybrid import HybridDrafter
@@ -110,12 +110,13 @@ def ignore_top_p(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def uniform_q_for_matched_rows(hybrid: HybridDrafter) -> Callable[[Proposal], Proposal]:
-    """Planted bug: context-matched rows' drafts are deterministic, but their q is left a spread-out one."""
+    """Planted bug: context-matched rows' drafts are deterministic, but their q is left a spread-out one
+    (also at steps where every row matched and the learned drafter sat out, leaving q None: one-hot)."""
     def tamper(proposal: Proposal) -> Proposal:
-        assert proposal.q is not None
+        q = proposal.q if proposal.q is not None else one_hot_q(proposal.drafts, SMALL.vocab_size)
         matched = torch.tensor([s.startswith("context") for s in hybrid.row_sources])
-        uniform = torch.full_like(proposal.q, 1 / proposal.q.shape[-1])
-        return replace(proposal, q=torch.where(matched[:, None, None], uniform, proposal.q))
+        uniform = torch.full_like(q, 1 / q.shape[-1])
+        return replace(proposal, q=torch.where(matched[:, None, None], uniform, q))
     return tamper
 
 

@@ -10,9 +10,14 @@ from typing import Any
 from specd.core.arguments import at_least, port_number
 from specd.core.errors import ConfigurationError
 from specd.drafter.factory import DrafterSpec
+from specd.drafter.hybrid import WIDE_PASS_ROWS
 from specd.engine.engine import EngineConfig
 from specd.learner.config import LearnerConfig
 from specd.model.target import LoadedTarget
+
+# continuations up to 8 drafts: the reach the vLLM route's context rows measured best
+# (docs/measurements.md, "Context rows past EAGLE-3's k")
+CONTEXT_K = 8
 
 
 def add_drafter_flags(p: argparse.ArgumentParser) -> None:
@@ -23,10 +28,15 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
                         "(token ids only, for comparison)")
     p.add_argument("--from-scratch", action="store_true",
                    help="feature drafter: start from a fresh drafter, not the shipped pretrained version")
+    p.add_argument("--context-k", type=at_least(1), default=CONTEXT_K,
+                   help="hybrid: the most drafts a context match or traffic-table continuation proposes in a "
+                        "step, past k where larger, while the pass stays within "
+                        f"{WIDE_PASS_ROWS} positions in all (default {CONTEXT_K})")
 
 
 def drafter_spec(args: argparse.Namespace, **fields: Any) -> DrafterSpec:
-    return DrafterSpec(kind=args.drafter_kind, arch=args.drafter_arch, pretrained=not args.from_scratch, **fields)
+    return DrafterSpec(kind=args.drafter_kind, arch=args.drafter_arch, pretrained=not args.from_scratch,
+                       context_k=args.context_k, **fields)
 
 
 

@@ -48,7 +48,8 @@ class DraftBatch:
 
 @dataclass
 class Proposal:
-    """k drafts per row; q is None when every draft is deterministic (q one-hot at the draft)."""
+    """k drafts per row (a hybrid's long continuations may make it wider: `HybridDrafter.context_k`);
+    q is None when every draft is deterministic (q one-hot at the draft)."""
 
     drafts: torch.Tensor            # [B, k] token ids
     q: torch.Tensor | None = None   # [B, k, V] the distributions the drafts were drawn from

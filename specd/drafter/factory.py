@@ -43,6 +43,10 @@ class DrafterSpec:
     layers: int = 1               # decoder layers of a day-0 token drafter
     head_vocab: int = 8192        # ids its output head covers (capped at the target's vocabulary)
     traffic_table: bool = True    # hybrid only: continuations learned across requests
+    # hybrid only: the most drafts a context match or table continuation proposes in one step, past
+    # the step's k where larger (`HybridDrafter.context_k`); None: k. For engines whose proposals
+    # may be wider than k (specd's own), not for vLLM's proposer slot, which takes exactly k.
+    context_k: int | None = None
     pretrained: bool = True       # feature: start from the shipped pretrained version when it fits
     # the learned drafter's drafts for sampled rows (`base.SAMPLED_DRAFTS`); None: what its gate
     # replays exactly (feature: a draw from q, its acceptance computed from the target's features;
@@ -54,6 +58,8 @@ class DrafterSpec:
             raise ConfigurationError(f"drafter kind {self.kind!r}: choose one of {', '.join(DRAFTER_KINDS)}")
         if self.arch not in DRAFTER_ARCHS:
             raise ConfigurationError(f"drafter arch {self.arch!r}: choose one of {', '.join(DRAFTER_ARCHS)}")
+        if self.context_k is not None and self.context_k < 1:
+            raise ConfigurationError(f"context_k must be at least 1, got {self.context_k}")
         if self.layers < 1 or self.head_vocab < 1:
             raise ConfigurationError(f"a drafter needs at least one layer and one head id, "
                                      f"got {self.layers} and {self.head_vocab}")
@@ -90,4 +96,4 @@ def build_drafter(spec: DrafterSpec, model: DrafterModel, version: int,
         return learned
     if table is None and spec.traffic_table:
         table = TrafficTable()
-    return HybridDrafter(learned, table)
+    return HybridDrafter(learned, table, context_k=spec.context_k)

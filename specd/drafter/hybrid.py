@@ -3,10 +3,13 @@
 Contract: a row whose own context has a match (`context_match`) gets the match's drafts; a row
 without one asks the `TrafficTable` it was built with (if any) what earlier requests continued
 its last tokens with; every other row gets the learned drafter's drafts (a `TokenDrafter` or a
-`FeatureDrafter`). The learned drafter still runs for all rows (its cache must follow every row)
-unless a caller switches it off (`use_learned`); rows whose drafts were replaced commit as "none
-of your drafts were used", so a token drafter's cache stays exact (a feature drafter's features
-come from the verified tokens through `observe`, whoever drafted them). Swaps, versions and the
+`FeatureDrafter`). The learned drafter runs for all rows (its cache must follow every row) unless
+every row has a continuation or a caller switches it off (`use_learned`); rows whose drafts were
+replaced commit as "none of your drafts were used", so a token drafter's cache stays exact (a
+feature drafter's features come from the verified tokens through `observe`, whoever drafted them,
+and a step it sat out is fed at its next proposal). With `context_k` a continuation may propose up
+to that many drafts where the step's k is smaller (the proposal is then wider than k; the learned
+rows keep k), as long as the pass stays within `WIDE_PASS_ROWS` positions in all. Swaps, versions and the
 target layers to capture belong to the learned part. `row_sources` names where each row's drafts
 came from at the last proposal ("context<n>", "table<n>", "learned", "none"), with the match
 length, since long matches are right far more often than short ones.
@@ -43,10 +46,17 @@ def continuation(tokens: np.ndarray, k: int, table: TrafficTable | None, max_n: 
     return [], ""
 
 
+# rows (positions of every request together) up to which a pass may widen for long continuations
+WIDE_PASS_ROWS = 12
+
+
 class HybridDrafter:
     def __init__(self, learned: TokenDrafter | FeatureDrafter, table: TrafficTable | None = None, max_n: int = 4,
-                 min_n: int = 2, window: int = 1024) -> None:
+                 min_n: int = 2, window: int = 1024, context_k: int | None = None) -> None:
         self.learned = learned
+        # the most drafts a continuation proposes in one step, past the step's k when larger: its
+        # drafts cost nothing to make, and on one thread a few more verified rows cost little
+        self.context_k = context_k
         # continuations learned across requests (see traffic_table), asked where the row has no match
         self.table = table
         self.max_n, self.min_n, self.window = max_n, min_n, window
@@ -100,22 +110,32 @@ class HybridDrafter:
         self.learned.move(src, dst)
 
     def propose(self, batch: DraftBatch, k: int) -> Proposal:
-        self.learned_ran = self.use_learned
+        reach = max(k, self.context_k or 0)
+        continuations = []
+        for row, length in enumerate(batch.lengths.tolist()):
+            start = max(0, length - self.window)
+            continuations.append(continuation(batch.tokens[row, start:length].cpu().numpy(), reach, self.table,
+                                              self.max_n, self.min_n))
+        # a pass verifies every row at the widest row's width: widen past k only while the pass stays
+        # within WIDE_PASS_ROWS rows (one block of the few-row kernel), where extra rows cost little
+        width = min(max([k] + [len(found) for found, _ in continuations]),
+                    max(k, WIDE_PASS_ROWS // batch.num_rows - 1))
+        continuations = [(found[:width], source) for found, source in continuations]
+        # when every row has a continuation the learned drafts would all be replaced: skip them (a
+        # feature drafter catches its cache up from the verified features at its next proposal)
+        self.learned_ran = self.use_learned and not all(found for found, _ in continuations)
         q: torch.Tensor | None = None
         if self.learned_ran:
             begin = time.perf_counter()
             proposal = self.learned.propose(batch, k)
             self.learned_seconds = time.perf_counter() - begin
-            drafts, q = proposal.drafts.clone(), proposal.q
+            drafts, q = _widened(proposal.drafts, proposal.q, width)
             limits = proposal.limits.clone() if proposal.limits is not None else torch.full_like(batch.lengths, k)
-        else:  # rows without a context match draft nothing this step
-            drafts = torch.zeros(batch.num_rows, k, dtype=torch.long, device=batch.lengths.device)
+        else:  # rows without a continuation draft nothing this step
+            drafts = torch.zeros(batch.num_rows, width, dtype=torch.long, device=batch.lengths.device)
             limits = torch.zeros_like(batch.lengths)
         self.row_sources = []  # per row: "context<n>", "table<n>", "learned" or "none"
-        for row, length in enumerate(batch.lengths.tolist()):
-            start = max(0, length - self.window)
-            found, source = continuation(batch.tokens[row, start:length].cpu().numpy(), k, self.table,
-                                         self.max_n, self.min_n)
+        for row, (found, source) in enumerate(continuations):
             self.num_table_rows += source.startswith("table")
             if not found:
                 source = "learned" if self.learned_ran and int(limits[row]) > 0 else "none"
@@ -140,3 +160,15 @@ class HybridDrafter:
             return
         used = torch.tensor([not m for m in self._matched], device=num_accepted.device)
         self.learned.commit(torch.where(used, num_accepted, torch.zeros_like(num_accepted)))
+
+
+def _widened(drafts: torch.Tensor, q: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The learned drafter's [B, k] drafts (a copy) and q padded to `width` columns (zeros, q one-hot
+    there): the columns a continuation fills past k."""
+    extra = width - drafts.shape[1]
+    if extra <= 0:
+        return drafts.clone(), q
+    padding = drafts.new_zeros(drafts.shape[0], extra)
+    if q is not None:
+        q = torch.cat([q, one_hot_q(padding, q.shape[-1]).to(q)], dim=1)
+    return torch.cat([drafts, padding], dim=1), q

@@ -100,8 +100,10 @@ class Engine:
         self.max_context = min(config.max_context or target.config.max_position, target.config.max_position)
         k = config.num_draft_tokens if drafter is not None else 0
         self.k = k
-        # room past the context for drafts that are verified and then cut at max_tokens
-        max_seq = self.max_context + config.num_draft_tokens + 1
+        # room past the context for drafts that are verified and then cut at max_tokens (a hybrid's
+        # continuations may reach past k: `context_k`)
+        reach = max(config.num_draft_tokens, getattr(drafter, "context_k", None) or 0)
+        max_seq = self.max_context + reach + 1
         self.cache = target.new_cache(config.max_batch, max_seq)
         self.tokens = torch.zeros(config.max_batch, max_seq, dtype=torch.long, device=self.device)
         self.drafter = drafter
@@ -179,17 +181,17 @@ class Engine:
         left = torch.tensor([s.params.max_tokens - s.num_output_tokens for s in self.running],
                             device=self.device)
         k = self.lookahead.choose(self.drafter.version) if self.drafter is not None and self.k > 0 else 0
-        # drafts past a row's remaining budget count as not proposed (k larger than tokens left)
-        limit = (left - 1).clamp(min=0, max=k)
         rows_info = self._draft_batch(lengths)  # per-row settings, built once for drafting and verifying
         proposal = self._propose(rows_info, k) if k > 0 else None
-        if proposal is not None and proposal.limits is not None:
-            limit = torch.minimum(limit, proposal.limits)
         drafts = proposal.drafts if proposal is not None else torch.zeros(batch, 0, dtype=torch.long,
                                                                           device=self.device)
+        # drafts past a row's remaining budget count as not proposed (more drafts than tokens left)
+        limit = (left - 1).clamp(min=0, max=drafts.shape[1])
+        if proposal is not None and proposal.limits is not None:
+            limit = torch.minimum(limit, proposal.limits)
         drafted = time.perf_counter()
         rows = torch.arange(batch, device=self.device)
-        inputs = torch.cat([self.tokens[rows, lengths - 1][:, None], drafts], dim=1)  # [B, k+1]
+        inputs = torch.cat([self.tokens[rows, lengths - 1][:, None], drafts], dim=1)  # [B, width+1]
         capture = self.capture_layers
         # logits: [B, k+1, V]; features: [B, k+1, F] when the drafter reads the target's layers
         logits, features = self.target(inputs, lengths - 1, self.cache, return_hidden=bool(capture),
@@ -202,7 +204,8 @@ class Engine:
         stats = self._emit(verdict, drafts, limit, lengths, self.drafter_version)
         if features is not None:
             self._observe_emitted(features, lengths)
-        if self.drafter is not None and self.k > 0:
+        # a pass wider than k (a long continuation) is no sample of what k costs and earns: not observed
+        if self.drafter is not None and self.k > 0 and drafts.shape[1] == k:
             self.lookahead.observe(k, stats.num_drafts_accepted, stats.num_rejections,
                                    drafted - begin, verified - drafted)
         stats.seconds, stats.k = time.perf_counter() - begin, k
@@ -298,8 +301,12 @@ class Engine:
         assert self.drafter is not None
         proposal = self.drafter.propose(rows_info, k)
         vocab = self.target.config.vocab_size
-        # a drafter's output is untrusted: out-of-vocabulary drafts would index out of range
-        proposal.drafts = proposal.drafts.clamp(0, vocab - 1)
+        # a drafter's output is untrusted: out-of-vocabulary drafts would index out of range, and
+        # more drafts than the cache has room for past the context would write beyond it
+        room = self.tokens.shape[1] - self.max_context - 1
+        proposal.drafts = proposal.drafts[:, :room].clamp(0, vocab - 1)
+        if proposal.q is not None:
+            proposal.q = proposal.q[:, :room]
         return proposal
 
     def _verify(self, logits: torch.Tensor, proposal: Proposal | None, drafts: torch.Tensor,
