@@ -108,3 +108,16 @@ def test_an_address_in_use_is_a_clear_error() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(ConfigurationError, match=f"cannot listen on 127.0.0.1:{port}: .*in use"):
             listen(web.Application(), "127.0.0.1", port)
+
+
+@pytest.mark.parametrize("argv, reach", [(["demo"], 8), (["demo", "-k", "3"], None),
+                                          (["demo", "-k", "3", "--context-k", "6"], 6), (["serve"], 8),
+                                          (["serve", "--context-k", "2"], 2)])
+def test_continuations_reach_past_k_unless_the_demo_fixes_k(argv: list[str], reach: int | None) -> None:
+    from specd.cli.demo_command import demo_drafter_spec
+    from specd.cli.main import build_parser
+    from specd.cli.service import drafter_spec
+
+    args = build_parser().parse_args(argv)
+    spec = demo_drafter_spec(args) if argv[0] == "demo" else drafter_spec(args)
+    assert spec.context_k == reach

@@ -10,6 +10,7 @@ from typing import Any
 
 from specd.cli.service import add_drafter_flags, drafter_spec
 from specd.core.arguments import at_least
+from specd.drafter.factory import DrafterSpec
 from specd.model.target import LoadedTarget
 
 
@@ -25,7 +26,8 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
                         "pays less)")
     p.add_argument("-k", type=at_least(1), default=None,
                    help="fix k drafts per step (for drafter comparisons: accept length then measures the drafter); "
-                        "default: the lookahead controller picks k per step, up to 4 (the faster setting here)")
+                        "default: the lookahead controller picks k per step, up to 4 (the faster setting here), "
+                        "and context continuations may reach past it (--context-k)")
     p.add_argument("--round-size", type=at_least(1), default=4,
                    help="requests per mode per round: the modes take turns, round by round (default 4)")
     p.add_argument("--learner", choices=["process", "thread", "off"], default="process",
@@ -43,6 +45,13 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_demo_command)
 
 
+def demo_drafter_spec(args: argparse.Namespace) -> DrafterSpec:
+    """The drafter the demo's modes run; a fixed -k means k drafts a step, continuations included,
+    unless --context-k says otherwise."""
+    spec = drafter_spec(args)
+    return replace(spec, context_k=None) if args.k is not None and args.context_k is None else spec
+
+
 def run_demo_command(args: argparse.Namespace) -> int:
     from specd.core.traffic import default_held_out, default_shift_traffic, load_jsonl
     from specd.demo.deployment import DEMO_LEARNER, DemoConfig, run_demo
@@ -56,7 +65,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     loaded = LoadedTarget.load(args.target)
     k = args.k if args.k is not None else 4
     config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, k=k, seed=args.seed,
-                        adaptive_lookahead=args.k is None or args.adaptive_k, drafter=drafter_spec(args),
+                        adaptive_lookahead=args.k is None or args.adaptive_k, drafter=demo_drafter_spec(args),
                         round_size=args.round_size, learner_process=args.learner == "process",
                         learning=args.learner != "off",
                         learner=replace(DEMO_LEARNER, duty_cycle=args.duty_cycle, k=k, seed=args.seed))

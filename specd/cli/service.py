@@ -28,15 +28,15 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
                         "(token ids only, for comparison)")
     p.add_argument("--from-scratch", action="store_true",
                    help="feature drafter: start from a fresh drafter, not the shipped pretrained version")
-    p.add_argument("--context-k", type=at_least(1), default=CONTEXT_K,
+    p.add_argument("--context-k", type=at_least(1), default=None,
                    help="hybrid: the most drafts a context match or traffic-table continuation proposes in a "
                         "step, past k where larger, while the pass stays within "
-                        f"{WIDE_PASS_ROWS} positions in all (default {CONTEXT_K})")
+                        f"{WIDE_PASS_ROWS} positions in all (default {CONTEXT_K}; the demo with a fixed -k: k)")
 
 
 def drafter_spec(args: argparse.Namespace, **fields: Any) -> DrafterSpec:
     return DrafterSpec(kind=args.drafter_kind, arch=args.drafter_arch, pretrained=not args.from_scratch,
-                       context_k=args.context_k, **fields)
+                       context_k=CONTEXT_K if args.context_k is None else args.context_k, **fields)
 
 
 
