@@ -9,8 +9,8 @@ replaced commit as "none of your drafts were used", so a token drafter's cache s
 feature drafter's features come from the verified tokens through `observe`, whoever drafted them,
 and a step it sat out is fed at its next proposal). With `context_k` a continuation may propose up
 to that many drafts where the step's k is smaller (the proposal is then wider than k; the learned
-rows keep k), as long as the pass stays within `WIDE_PASS_ROWS` positions in all. Swaps, versions and the
-target layers to capture belong to the learned part. `row_sources` names where each row's drafts
+rows keep k), as long as the pass stays within `WIDE_PASS_ROWS` positions in all. Swaps, versions
+and the target layers to capture belong to the learned part. `row_sources` names where each row's drafts
 came from at the last proposal ("context<n>", "table<n>", "learned", "none"), with the match
 length, since long matches are right far more often than short ones.
 """

@@ -193,7 +193,7 @@ class Engine:
         rows = torch.arange(batch, device=self.device)
         inputs = torch.cat([self.tokens[rows, lengths - 1][:, None], drafts], dim=1)  # [B, width+1]
         capture = self.capture_layers
-        # logits: [B, k+1, V]; features: [B, k+1, F] when the drafter reads the target's layers
+        # logits: [B, width+1, V]; features: [B, width+1, F] when the drafter reads the target's layers
         logits, features = self.target(inputs, lengths - 1, self.cache, return_hidden=bool(capture),
                                        capture_layers=capture)
         assert logits is not None
