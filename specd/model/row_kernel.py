@@ -32,6 +32,8 @@ from specd.model.bundled import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("row_kernel.c")
+# -march=native: this CPU's widest vectors (hence the CPU's flags in the cache key); -ffp-contract=fast:
+# every sum a fused multiply-add, in every block shape alike, so a row's bits never depend on the block
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
 PANEL = 16           # output features per panel (one 64-byte vector of float32)
 BUILD_TIMEOUT_S = 120
