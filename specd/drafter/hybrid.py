@@ -3,11 +3,10 @@
 Contract: a row whose own context has a match (`context_match`) gets the match's drafts; a row
 without one asks the `TrafficTable` it was built with (if any) what earlier requests continued
 its last tokens with; every other row gets the learned drafter's drafts (a `TokenDrafter` or a
-`FeatureDrafter`). The learned drafter runs for all rows (its cache must follow every row) unless
-every row has a continuation or a caller switches it off (`use_learned`); rows whose drafts were
-replaced commit as "none of your drafts were used", so a token drafter's cache stays exact (a
-feature drafter's features come from the verified tokens through `observe`, whoever drafted them,
-and a step it sat out is fed at its next proposal). With `context_k` a continuation may propose up
+`FeatureDrafter`). The learned drafter still runs for all rows (its cache must follow every row)
+unless a caller switches it off (`use_learned`); rows whose drafts were replaced commit as "none
+of your drafts were used", so a token drafter's cache stays exact (a feature drafter's features
+come from the verified tokens through `observe`, whoever drafted them). With `context_k` a continuation may propose up
 to that many drafts where the step's k is smaller (the proposal is then wider than k; the learned
 rows keep k), as long as the pass stays within `WIDE_PASS_ROWS` positions in all. Swaps, versions
 and the target layers to capture belong to the learned part. `row_sources` names where each row's drafts
@@ -121,9 +120,9 @@ class HybridDrafter:
         width = min(max([k] + [len(found) for found, _ in continuations]),
                     max(k, WIDE_PASS_ROWS // batch.num_rows - 1))
         continuations = [(found[:width], source) for found, source in continuations]
-        # when every row has a continuation the learned drafts would all be replaced: skip them (a
-        # feature drafter catches its cache up from the verified features at its next proposal)
-        self.learned_ran = self.use_learned and not all(found for found, _ in continuations)
+        # the learned drafter runs even where every row has a continuation: skipping it there left a
+        # trained version's first swap after the shift later (tests/test_demo_deployment.py)
+        self.learned_ran = self.use_learned
         q: torch.Tensor | None = None
         if self.learned_ran:
             begin = time.perf_counter()
