@@ -16,21 +16,17 @@ leaves vLLM's cores mostly alone) for the whole run, so every configuration shar
   drafting: context matches and the traffic table where they pay, EAGLE-3 elsewhere): records to
   the learner, which trains (recomputing features) and publishes; versions swap in place. Its
   per-source acceptance (context vs learned) comes from its status.
-- `specd_full_eagle` (only with `--only`): specd adaptive with `SPECD_EAGLE_K=full` (EAGLE-3 drafts
-  k every step, where the default drafts only what its rows are worth) and a learner of its own:
-  the A/B for that choice, reported as the per-round ratio specd_adaptive / specd_full_eagle.
-- `specd_static` (only with `--only`): specd's plugin and hybrid drafting exactly as specd adaptive,
-  with no broker and no learner (the shipped drafter serves throughout): the hybrid's choices
-  without learning, and without a learner's process beside it.
-- `specd_confident` (only with `--only`): specd static with `SPECD_CONFIDENCE=1` (EAGLE-3's rows
-  trimmed and weighed by EAGLE-3's own calibrated confidence in each draft, its drafting stopped
-  between passes, instead of by their positions' measured acceptance): the A/B for that choice,
-  reported as the per-round ratio specd_confident / specd_static.
-- `specd_plugin_only` (only with `--only`): specd's plugin with hybrid drafting off and EAGLE-3's
-  full k (`SPECD_DRAFTER=learned`, `SPECD_EAGLE_K=full`), no broker, no learner: what the plugin's
-  own bookkeeping costs beside frozen EAGLE-3, which then drafts the same.
-- `specd_custom` (only with `--only`): specd's custom_class proposer (token-level hybrid drafter)
-  and a token-level learner of its own: the other route, for choosing between them.
+- A/Bs, each only with `--only`: `specd_full_eagle` is specd adaptive with `SPECD_EAGLE_K=full` (EAGLE-3
+  drafts k every step, where the default drafts only what its rows are worth) and a learner of its own,
+  reported as specd_adaptive / specd_full_eagle; `specd_static` is specd's plugin and hybrid exactly as
+  specd adaptive with no broker and no learner (the shipped drafter serves throughout); `specd_confident`
+  is specd static with `SPECD_CONFIDENCE=1` (EAGLE-3's rows trimmed by its own calibrated confidence),
+  reported as specd_confident / specd_static; `specd_native_gemm` is specd static with
+  `SPECD_DRAFTER_GEMM=native` (the drafter's layers in the server's dtype, where by default a float32
+  eager server's drafter computes in bfloat16 if the CPU has it), reported as specd_static /
+  specd_native_gemm; `specd_plugin_only` is the plugin with hybrid drafting off and EAGLE-3's full k
+  (`SPECD_DRAFTER=learned`, `SPECD_EAGLE_K=full`), no learner: the plugin's own cost beside frozen
+  EAGLE-3, which then drafts the same; `specd_custom` is specd's other route (custom_class, token-level).
 - A static peer at another k than `-k` is named with it (`--only ...,ngram@8,suffix@8`) and counts as
   a static peer of its own, so the best static peer is the best of every k measured. `--specd-k`
   gives specd's servers a larger vLLM k than `-k`: context and table rows may then send up to it,
@@ -67,7 +63,7 @@ from specd.serving.vllm.shared.launch import EAGLE3_OPTIONS, PluginSettings, pre
 from specd.testing.processes import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
 
 CONFIGS = ("plain", "ngram", "suffix", "eagle3_static", "specd_adaptive", "specd_full_eagle", "specd_static",
-           "specd_confident", "specd_plugin_only", "specd_custom")
+           "specd_confident", "specd_native_gemm", "specd_plugin_only", "specd_custom")
 DEFAULT_CONFIGS = CONFIGS[:5]
 STATIC_PEERS = ("ngram", "suffix", "eagle3_static")
 ARCTIC = Path(__file__).resolve().parent / ".deps" / "arctic-inference"
@@ -208,11 +204,12 @@ class Fleet:
                               env={"PYTHONPATH": str(ARCTIC)})
 
     def specd(self, name: str, route: str, eagle_k: str = "adaptive", drafter_kind: str = "hybrid",
-              confidence: bool = False) -> VllmServer:
+              confidence: bool = False, drafter_gemm: str = "auto") -> VllmServer:
         port, learner = free_port(), self.learners.get(name)
         reach = self.args.specd_k or self.args.k  # beyond -k, only context and table rows draft more (EAGLE-3: -k)
         settings = PluginSettings(server_id=name, route=route, eagle_k=eagle_k, drafter_kind=drafter_kind,
-                                  eagle_max=self.args.k if reach > self.args.k else 0, confidence=confidence)
+                                  eagle_max=self.args.k if reach > self.args.k else 0, confidence=confidence,
+                                  drafter_gemm=drafter_gemm)
         if learner is not None:  # without one, no records leave the server and the shipped drafter serves
             settings = replace(settings, broker=self.broker.url, deployment=name, learner_url=learner.url)
         env, argv = vllm_command(self.target, settings, reach, port=port, extra=self.flags,
@@ -255,6 +252,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
               "specd_full_eagle": lambda: fleet.specd("specd_full_eagle", "eagle3", eagle_k="full"),
               "specd_static": lambda: fleet.specd("specd_static", "eagle3"),
               "specd_confident": lambda: fleet.specd("specd_confident", "eagle3", confidence=True),
+              "specd_native_gemm": lambda: fleet.specd("specd_native_gemm", "eagle3", drafter_gemm="native"),
               "specd_plugin_only": lambda: fleet.specd("specd_plugin_only", "eagle3", eagle_k="full",
                                                        drafter_kind="learned"),
               "specd_custom": lambda: fleet.specd("specd_custom", "custom")}
@@ -306,8 +304,9 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
             best = max(medians, key=lambda p: medians[p])
             versus_best[f"b{b}"] = {"best_static_peer": best,
                                     "ratio": paired(runs, f"specd_adaptive b{b}", f"{best} b{b}", "tokens_per_s")}
-    for b in BATCHES:  # the A/Bs of EAGLE-3's per-step k and of trimming by its confidence
-        for arm, other in (("specd_adaptive", "specd_full_eagle"), ("specd_confident", "specd_static")):
+    for b in BATCHES:  # the A/Bs of EAGLE-3's per-step k, of trimming by its confidence, of the drafter's dtype
+        for arm, other in (("specd_adaptive", "specd_full_eagle"), ("specd_confident", "specd_static"),
+                           ("specd_static", "specd_native_gemm")):
             if f"{other} b{b}" in runs and f"{arm} b{b}" in runs:
                 for field in ("tokens_per_s", "tokens_per_s_chat", "tokens_per_s_code"):
                     suffix = field.removeprefix("tokens_per_s")

@@ -119,8 +119,10 @@ def plain(tmp_path_factory, smollm2: LoadedTarget) -> Iterator[VllmServer]:
 def eagle3(tmp_path_factory, smollm2: LoadedTarget, store: WeightStore, broker: Broker,
            learner: SpecdProcess) -> Iterator[VllmServer]:
     folder = tmp_path_factory.mktemp("eagle3")
+    # the drafter in the server's float32 (not bfloat16 where the CPU has it): the drafts test compares vLLM's
+    # drafts with specd's float32 drafter; bfloat16 drafting is the reach test's server
     settings = PluginSettings(broker=broker.url, deployment="eagle3", learner_url=learner.url,
-                              server_id="vllm-eagle3", report_seconds=1.0, route="eagle3")
+                              server_id="vllm-eagle3", report_seconds=1.0, route="eagle3", drafter_gemm="native")
     start = prepare_eagle3_drafter(smollm2.folder, PluginSettings(store=str(store.root), version=1),
                                    folder / "start")
     port = free_port()
@@ -319,9 +321,10 @@ def test_context_rows_past_eagle3s_k_and_eagle3_stopping_early_keep_outputs_vllm
         tmp_path, smollm2: LoadedTarget, store: WeightStore, plain: VllmServer, expected) -> None:
     # `specd vllm -k 4 --context-k 8`: vLLM verifies up to 8 drafts a row, EAGLE-3 drafts at most 4; and with
     # SPECD_CONFIDENCE=1 EAGLE-3's rows are trimmed by its calibrated confidence and its drafting stops (out of
-    # vLLM's loop, between two passes) wherever no row's next draft is sure
+    # vLLM's loop, between two passes) wherever no row's next draft is sure; the drafter's layers compute in
+    # bfloat16 in this float32 server (SPECD_DRAFTER_GEMM=bfloat16, `auto`'s choice on a CPU with bfloat16)
     settings = PluginSettings(store=str(store.root), version=1, server_id="vllm-reach", route="eagle3", eagle_max=4,
-                              eagle_min_chance=0.9, confidence=True)
+                              eagle_min_chance=0.9, confidence=True, drafter_gemm="bfloat16")
     start = prepare_eagle3_drafter(smollm2.folder, settings, tmp_path / "start")
     port = free_port()
     env, argv = vllm_command(str(smollm2.folder), settings, k=8, port=port, extra=VLLM_ARGS, drafter_dir=str(start))
@@ -339,7 +342,7 @@ def test_context_rows_past_eagle3s_k_and_eagle3_stopping_early_keep_outputs_vllm
         assert learned and max(learned) <= 4, "EAGLE-3 drafted past its cap"
         assert context and max(context) > 4, "no context row reached past EAGLE-3's k"
         served = server.rpc("specd_status")
-        assert served["k"] == 8
+        assert served["k"] == 8 and served["drafter_gemm"] == "bfloat16"
         assert served["confidence_trimming"], "EAGLE-3's sampling was not read: its drafts carry no confidence"
         assert served["acceptance_by_confidence"] != ConfidenceCalibration().status(), "no band was calibrated"
         assert served["eagle_stopped_early"] > 0, "EAGLE-3 never stopped before its passes"

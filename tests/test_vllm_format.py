@@ -21,7 +21,16 @@ from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
 from specd.serving.vllm.eagle3 import plugin
 from specd.serving.vllm.eagle3.companion import VllmDrafterSlot
-from specd.serving.vllm.eagle3.weights import InPlaceKernel, Prepared, install, prepare, vllm_cpu_in_place_kernel
+from specd.serving.vllm.eagle3.weights import (
+    InPlaceKernel,
+    Prepared,
+    drafter_gemm_dtype,
+    install,
+    prepare,
+    vllm_cpu_in_place_kernel,
+    vllm_cpu_repack,
+    with_gemm_dtype,
+)
 from specd.serving.vllm.shared.launch import PluginSettings, speculative_config
 from specd.testing import tiny_target
 
@@ -162,6 +171,53 @@ def test_install_in_eager_mode_packs_every_new_weight_again_as_vllm_does() -> No
     install(tree, prepared[0], repack)
     assert [thread for thread, _ in packed] == ["MainThread", "swapper"]
     assert torch.allclose(layer(x), x @ new["proj.weight"].T) and torch.equal(layer.weight, new["proj.weight"])
+
+
+def test_eager_layers_in_bfloat16_compute_from_a_bfloat16_copy_and_answer_in_the_servers_dtype() -> None:
+    layer = PackedLinear(torch.zeros(8, 16))
+    tree = nn.Module()
+    tree.add_module("proj", layer)
+    packed: list[torch.dtype] = []
+
+    def repack(module: nn.Module) -> None:  # stands in for vLLM's dispatch: computes with the dtype it packed
+        weight = module.weight.detach().clone()
+        packed.append(weight.dtype)
+        module.cpu_linear = lambda x, w, b: x @ weight.T
+
+    in_bf16 = with_gemm_dtype(repack, torch.bfloat16)
+    x = torch.randn(3, 16)
+    for version in (torch.randn(8, 16), torch.randn(8, 16)):
+        install(tree, prepare(tree, {"proj.weight": version}, repack=in_bf16), in_bf16)
+        out = layer(x)
+        expected = x @ version.T
+        assert out.dtype == torch.float32 and not torch.equal(out, expected)  # computed in bfloat16 ...
+        assert torch.allclose(out, expected, rtol=0.03, atol=0.03 * float(expected.abs().max()))  # ... near float32
+        assert layer.weight.dtype == torch.float32 and torch.equal(layer.weight, version)  # the version itself kept
+    assert packed == [torch.bfloat16, torch.bfloat16]
+
+
+def test_the_drafters_gemm_dtype_is_bfloat16_only_for_float32_servers_where_asked_or_native() -> None:
+    assert drafter_gemm_dtype("native", torch.float32) is None
+    assert drafter_gemm_dtype("bfloat16", torch.float32) is torch.bfloat16
+    assert drafter_gemm_dtype("bfloat16", torch.bfloat16) is None  # already bfloat16: nothing to change
+    assert drafter_gemm_dtype("auto", torch.bfloat16) is None
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert drafter_gemm_dtype("auto", torch.float32) is (torch.bfloat16 if native else None)
+
+
+@pytest.mark.vllm
+def test_vllms_own_packing_in_bfloat16_computes_a_float32_drafter_layer() -> None:
+    pytest.importorskip("vllm")
+    layer = PackedLinear(torch.zeros(576, 1152))
+    tree = nn.Module()
+    tree.add_module("proj", layer)
+    weight = torch.randn(576, 1152, generator=torch.Generator().manual_seed(0)) * 0.05
+    repack = vllm_cpu_repack(torch.bfloat16)
+    install(tree, {"proj.weight": weight}, repack)
+    x = torch.randn(5, 1152)
+    out, expected = layer(x), x @ weight.T
+    assert out.dtype == torch.float32 and out.shape == expected.shape
+    assert torch.allclose(out, expected, rtol=0.03, atol=0.03 * float(expected.abs().max()))
 
 
 def test_install_in_compiled_mode_keeps_packed_weights_in_the_same_parameter_across_versions() -> None:

@@ -145,8 +145,11 @@ def test_stop_index_mirrors_vllms_stop_rules() -> None:
 def test_plugin_settings_round_trip_and_refuse_bad_values() -> None:
     settings = PluginSettings(broker="mqtt://127.0.0.1:1884", learner_url="http://127.0.0.1:8100", version=3,
                               domain="code", drafter_kind="learned", route="custom", eagle_k="full", eagle_max=4,
-                              eagle_min_chance=0.25, confidence=True)
+                              eagle_min_chance=0.25, confidence=True, drafter_gemm="bfloat16")
     assert PluginSettings.from_env(settings.to_env()) == settings
+    assert PluginSettings.from_env({}).drafter_gemm == "auto"
+    with pytest.raises(ValueError, match="SPECD_DRAFTER_GEMM"):
+        PluginSettings.from_env({"SPECD_DRAFTER_GEMM": "fp8"})
     assert PluginSettings.from_env({}).eagle_k == "adaptive"
     with pytest.raises(ValueError, match="SPECD_EAGLE_K"):
         PluginSettings.from_env({"SPECD_EAGLE_K": "sometimes"})

@@ -69,6 +69,7 @@ from specd.serving.vllm.eagle3.hybrid_rows import HybridRows
 from specd.serving.vllm.eagle3.weights import (
     InPlaceKernel,
     Prepared,
+    drafter_gemm_dtype,
     install,
     prepare,
     vllm_cpu_in_place_kernel,
@@ -129,6 +130,7 @@ class Eagle3Companion:
         self.slot: VllmDrafterSlot | None = None
         self.repack: Callable[[nn.Module], None] | None = None
         self.in_place: InPlaceKernel | None = None
+        self.gemm_dtype: torch.dtype | None = None   # eager drafter layers computing in another dtype than vLLM's
         self.swapper: Swapper | None = None
         self.source: PinnedSource | None = None
         self.policy = DraftPolicy(DraftBudget(self.k), self.max_model_len)
@@ -157,7 +159,10 @@ class Eagle3Companion:
             raise CheckpointError(f"{path}: not a feature drafter")
         version = int(read_metadata(path).get("specd_version", BUILT_IN_VERSION))  # written by export_eagle3
         compiled = int(getattr(self.proposer.vllm_config.compilation_config, "mode", 0) or 0) != 0
-        self.repack = vllm_cpu_repack() if device.type == "cpu" and not compiled else None
+        if device.type == "cpu" and not compiled:  # eager: every layer repacked by vLLM's dispatch, in gemm_dtype
+            served = next(p.dtype for p in self.proposer.model.parameters() if p.is_floating_point())
+            self.gemm_dtype = drafter_gemm_dtype(self.settings.drafter_gemm, served)
+            self.repack = vllm_cpu_repack(self.gemm_dtype)
         self.in_place = vllm_cpu_in_place_kernel() if device.type == "cpu" and compiled else None
         install(self.proposer.model, vllm_parameters(model), self.repack, self.in_place)
         if self.settings.confidence and not self.confidence.attach(self.proposer):
@@ -298,6 +303,7 @@ class Eagle3Companion:
                 "steps": self.num_steps, "mean_specd_ms": 1000 * self.seconds_outside_vllm / max(self.num_steps, 1),
                 "mean_vllm_drafting_ms": 1000 * self.seconds_drafting / max(self.num_steps, 1),
                 "install_ms": [round(1000 * s, 2) for s in self.install_seconds],
+                "drafter_gemm": str(self.gemm_dtype).removeprefix("torch.") if self.gemm_dtype else "native",
                 "swaps": slot.num_swaps if slot else 0,
                 "refused_versions": dict(swapper.refused) if swapper else {},
                 "hybrid": self.hybrid_on, "hybrid_stood_aside": self.hybrid_stood_aside,

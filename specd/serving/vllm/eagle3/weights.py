@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,7 @@ from torch import nn
 
 from specd.core.errors import CheckpointError
 
+CpuLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # vLLM's `cpu_linear`
 PACKED, PLAIN = "packed", "plain"   # a CPU linear layer's layout after specd's first install
 
 
@@ -147,11 +149,54 @@ def _first_install(module: nn.Module, weight: torch.Tensor, in_place: InPlaceKer
     setattr(module, "specd_layout", PLAIN)  # noqa: B010
 
 
-def vllm_cpu_repack() -> Callable[[nn.Module], None]:
-    """vLLM's own packing of a CPU linear layer's weight (imported inside vLLM's worker only)."""
+def vllm_cpu_repack(gemm_dtype: torch.dtype | None = None) -> Callable[[nn.Module], None]:
+    """vLLM's own packing of a CPU linear layer's weight (imported inside vLLM's worker only). With
+    `gemm_dtype` other than the weight's, the layer computes through a packed copy in that dtype (its
+    input cast to it and its output cast back), as `with_gemm_dtype` says."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    return lambda module: dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+    def repack(module: nn.Module) -> None:
+        dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+    return repack if gemm_dtype is None else with_gemm_dtype(repack, gemm_dtype)
+
+
+def with_gemm_dtype(repack: Callable[[nn.Module], None], gemm_dtype: torch.dtype) -> Callable[[nn.Module], None]:
+    """`repack`, packing a `gemm_dtype` copy of each weight: the layer's `cpu_linear` casts its input
+    to `gemm_dtype` and its output back to the input's dtype. A drafter's weights are read once per
+    drafted token, from memory (the target's pass in between evicts them), so half the bytes make a
+    float32 server's drafting passes cheaper; drafts may differ from float32's near ties, and the
+    target's verification keeps the output exact whatever the drafts are."""
+
+    def repack_in(module: nn.Module) -> None:
+        weight = cast(torch.Tensor, module.weight)
+        if weight.dtype == gemm_dtype or getattr(module, "bias", None) is not None:
+            repack(module)
+            return
+        shadow = nn.Module()
+        packed = nn.Parameter(weight.detach().to(gemm_dtype), requires_grad=False)
+        shadow.weight = packed
+        repack(shadow)
+        linear = cast(CpuLinear, shadow.cpu_linear)  # vLLM's attribute, set by `repack`
+
+        def cast_linear(x: torch.Tensor, _weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return linear(x.to(gemm_dtype), packed, bias).to(x.dtype)
+
+        setattr(module, "cpu_linear", cast_linear)  # noqa: B010 (vLLM's attribute, not nn.Module's)
+
+    return repack_in
+
+
+def drafter_gemm_dtype(choice: str, served: torch.dtype) -> torch.dtype | None:
+    """The dtype eager-mode drafter layers compute in for `SPECD_DRAFTER_GEMM=choice` in a server of
+    dtype `served` (None: the served dtype). `auto`: bfloat16 in a float32 server on a CPU with native
+    bfloat16 arithmetic (AVX-512 BF16 or AMX), where it halves the bytes a drafting pass reads."""
+    if choice == "native":
+        return None
+    if choice == "bfloat16":
+        return torch.bfloat16 if served != torch.bfloat16 else None
+    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.bfloat16 if served == torch.float32 and native_bf16 else None
 
 
 def vllm_cpu_in_place_kernel() -> InPlaceKernel | None:

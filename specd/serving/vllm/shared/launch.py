@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 PROPOSER_CLASS = "specd.serving.vllm.custom.proposer.SpecdProposer"
 ROUTES = ("eagle3", "custom")
+DRAFTER_GEMMS = ("auto", "bfloat16", "native")
 WORKER_EXTENSION = "specd.serving.vllm.shared.extension.SpecdWorkerExtension"
 
 
@@ -71,6 +72,9 @@ class PluginSettings:
     # stops its drafting between passes (`eagle3.confidence`); 0, the default, by its positions' measured
     # acceptance. Interleaved A/Bs on CPU, batch 1 / 8: -1.5% / +1.6% in float32, +10% / -3% in vLLM's defaults
     confidence: bool = False
+    # SPECD_DRAFTER_GEMM: the dtype EAGLE-3's drafter layers compute in, in eager mode on CPU: auto (bfloat16 in a
+    # float32 server where the CPU has native bfloat16; half the bytes a drafting pass reads), bfloat16 or native
+    drafter_gemm: str = "auto"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PluginSettings:
@@ -106,6 +110,9 @@ class PluginSettings:
         for name, flag in (("SPECD_TRAFFIC_TABLE", table), ("SPECD_CONFIDENCE", confidence)):
             if flag not in ("0", "1", "false", "true", "off", "on"):
                 raise ConfigurationError(f"{name}={flag!r}: use 1 or 0")
+        drafter_gemm = env.get("SPECD_DRAFTER_GEMM", "auto").strip().lower() or "auto"
+        if drafter_gemm not in DRAFTER_GEMMS:
+            raise ConfigurationError(f"SPECD_DRAFTER_GEMM={drafter_gemm!r}: choose one of {', '.join(DRAFTER_GEMMS)}")
         min_chance = float(number("SPECD_EAGLE_MIN_CHANCE", float, 0.0))
         if min_chance > 1:
             raise ConfigurationError(f"SPECD_EAGLE_MIN_CHANCE={min_chance}: a chance lies between 0 and 1")
@@ -119,7 +126,7 @@ class PluginSettings:
                    report_seconds=float(number("SPECD_REPORT_SECONDS", float, 2.0)) or 2.0,
                    cache=env.get("SPECD_CACHE_DIR") or None, route=route, eagle_k=eagle_k,
                    eagle_max=int(number("SPECD_EAGLE_MAX", int, 0)), eagle_min_chance=min_chance,
-                   confidence=confidence in ("1", "true", "on"))
+                   confidence=confidence in ("1", "true", "on"), drafter_gemm=drafter_gemm)
 
     def to_env(self) -> dict[str, str]:
         values = {"SPECD_BROKER": self.broker, "SPECD_DEPLOYMENT": self.deployment,
@@ -130,7 +137,7 @@ class PluginSettings:
                   "SPECD_TRAFFIC_TABLE": "1" if self.traffic_table else "0",
                   "SPECD_CACHE_DIR": self.cache, "SPECD_ROUTE": self.route, "SPECD_EAGLE_K": self.eagle_k,
                   "SPECD_EAGLE_MAX": self.eagle_max or None, "SPECD_EAGLE_MIN_CHANCE": self.eagle_min_chance or None,
-                  "SPECD_CONFIDENCE": "1" if self.confidence else "0"}
+                  "SPECD_CONFIDENCE": "1" if self.confidence else "0", "SPECD_DRAFTER_GEMM": self.drafter_gemm}
         return {name: str(value) for name, value in values.items() if value is not None}
 
     @property
