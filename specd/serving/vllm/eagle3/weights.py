@@ -5,7 +5,9 @@ parameter names, see `specd.drafter.vllm_format`) into the drafter's parameters.
 layers (`cpu_linear`) compute from a packed copy of their weight and keep an empty parameter, so
 such a layer is served in one of three ways, chosen at its first install and kept after:
 - eager mode (`repack`, vLLM's own `dispatch_cpu_unquantized_gemm`): every new weight is packed
-  again the way vLLM packs it at load;
+  again the way vLLM packs it at load; with a GEMM dtype (`vllm_cpu_repack(torch.bfloat16)`, see
+  `drafter_gemm_dtype`) a copy in that dtype is packed instead and the layer casts around it, while
+  its parameter keeps the version's own values;
 - compiled mode with an `InPlaceKernel` (bfloat16 on a CPU whose vLLM has the packed-weight GEMM):
   the weight parameter holds the packed weight, a plain tensor of the weight's own shape, and
   each later version is packed and copied into it, so the graphs (traced over that parameter)
