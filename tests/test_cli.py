@@ -110,6 +110,16 @@ def test_an_address_in_use_is_a_clear_error() -> None:
             listen(web.Application(), "127.0.0.1", port)
 
 
+def test_the_learner_refuses_context_k_which_only_servers_use(capsys) -> None:
+    from specd.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["learner", "--store", "s", "--broker", "mqtt://127.0.0.1:1883", "--context-k", "4"])
+    assert exit_.value.code == 2 and "--context-k" in capsys.readouterr().err
+    args = build_parser().parse_args(["learner", "--store", "s", "--broker", "mqtt://127.0.0.1:1883"])
+    assert not hasattr(args, "context_k")
+
+
 @pytest.mark.parametrize("argv, reach", [(["demo"], 8), (["demo", "-k", "3"], None),
                                           (["demo", "-k", "3", "--context-k", "6"], 6), (["serve"], 8),
                                           (["serve", "--context-k", "2"], 2)])

@@ -20,7 +20,8 @@ from specd.model.target import LoadedTarget
 CONTEXT_K = 8
 
 
-def add_drafter_flags(p: argparse.ArgumentParser) -> None:
+def add_drafter_flags(p: argparse.ArgumentParser, serving: bool = True) -> None:
+    """The drafter's flags; `--context-k` (how far continuations reach when serving) only where `serving`."""
     p.add_argument("--drafter-kind", choices=["hybrid", "learned"], default="hybrid",
                    help="hybrid: context matches first, the learned drafter elsewhere (default); learned: only it")
     p.add_argument("--drafter-arch", choices=["feature", "token"], default="feature",
@@ -28,6 +29,8 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
                         "(token ids only, for comparison)")
     p.add_argument("--from-scratch", action="store_true",
                    help="feature drafter: start from a fresh drafter, not the shipped pretrained version")
+    if not serving:
+        return
     p.add_argument("--context-k", type=at_least(1), default=None,
                    help="hybrid: the most drafts a context match or traffic-table continuation proposes in a "
                         "step, past k where larger, while the pass stays within "
@@ -36,7 +39,7 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
 
 def drafter_spec(args: argparse.Namespace, **fields: Any) -> DrafterSpec:
     return DrafterSpec(kind=args.drafter_kind, arch=args.drafter_arch, pretrained=not args.from_scratch,
-                       context_k=CONTEXT_K if args.context_k is None else args.context_k, **fields)
+                       context_k=getattr(args, "context_k", None) or CONTEXT_K, **fields)
 
 
 
@@ -127,7 +130,7 @@ def add_learner_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --ranks: times torchrun restarts the group after a rank dies (default 3)")
     p.add_argument("--rank-status-every", type=at_least(1), default=50,
                    help="with --ranks: steps between each rank's status file (with its weights' digest)")
-    add_drafter_flags(p)
+    add_drafter_flags(p, serving=False)  # the learner trains the drafter; how far it reaches is the servers' flag
     _add_broker(p)
     p.set_defaults(run=run_learner)
 
