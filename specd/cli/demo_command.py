@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -53,10 +54,12 @@ def demo_drafter_spec(args: argparse.Namespace) -> DrafterSpec:
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
+    from specd.core.provenance import provenance, state_at_start
     from specd.core.traffic import default_held_out, default_shift_traffic, load_jsonl
     from specd.demo.deployment import DEMO_LEARNER, DemoConfig, run_demo
     from specd.demo.report import plot
 
+    at_start, started = state_at_start(), time.time()  # the commit and tree the figures come from
     if args.traffic:
         items, held_out = load_jsonl(args.traffic)[:args.requests], None
     else:
@@ -70,6 +73,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
                         learning=args.learner != "off",
                         learner=replace(DEMO_LEARNER, duty_cycle=args.duty_cycle, k=k, seed=args.seed))
     result = run_demo(loaded, items, config, Path(args.store) if args.store else None, held_out=held_out)
+    settings = {name: value for name, value in vars(args).items() if name != "run"}
+    result = {"provenance": {**provenance(at_start, started, settings), "seconds": round(time.time() - started, 1)},
+              **result}
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps(result, indent=2))
     plot(result, Path(args.plot_out))
