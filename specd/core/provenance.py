@@ -7,7 +7,8 @@ JSON-ready dict: that commit and whether the tree was dirty (and which files), t
 Python, torch, transformers, vLLM, specd and numpy (None when not installed), the CPU model and core
 counts, thread settings (torch's pools and the OMP/MKL/vLLM/specd environment, never a variable
 named like a secret), the platform, the command line, `settings` made JSON-safe and the start time.
-Outside a git checkout (an installed specd) the commit and dirty flag are None. Used by specd's main
+Outside a git checkout (an installed specd) the commit and dirty flag are None. `cpuinfo_line(prefix)`
+is the /proc/cpuinfo reader shared with the row kernel's cache key. Used by specd's main
 job (`specd demo`) and by every benchmark (`benchmarks/common.py`).
 """
 
@@ -47,14 +48,20 @@ def version(*distributions: str) -> str | None:
     return None
 
 
-def cpu_model() -> str | None:
+def cpuinfo_line(prefix: str) -> str | None:
+    """The first line of /proc/cpuinfo that starts with `prefix` (Linux), else None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if line.startswith(prefix):
+                return line
     except OSError:
         pass
-    return platform.processor() or None
+    return None
+
+
+def cpu_model() -> str | None:
+    line = cpuinfo_line("model name")
+    return line.split(":", 1)[1].strip() if line else platform.processor() or None
 
 
 def json_safe(value: Any) -> Any:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from specd.core.provenance import cpuinfo_line
 from specd.model.bundled import cache_dir
 
 log = logging.getLogger(__name__)
@@ -105,10 +106,4 @@ def _built_library() -> Path:
 def _cpu_flags() -> str:
     """The CPU's feature flags (Linux), so that a cache shared between machines never serves code
     built for instructions this CPU lacks."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
+    return cpuinfo_line("flags") or os.uname().machine
