@@ -86,7 +86,11 @@ def test_a_later_stage_recipe_without_the_file_it_continues_is_refused(recipe, t
 @pytest.mark.parametrize("argv", [
     ["demo", "-k", "-3"], ["demo", "-k", "0"], ["demo", "--max-tokens", "0"], ["demo", "--batch", "0"],
     ["demo", "--requests", "1"], ["demo", "--round-size", "x"], ["generate", "--prompt", "hi", "-k", "-1"],
-    ["serve", "--port", "70000"], ["learner", "--store", "s", "--port", "-2"], ["vllm", "--store", "s", "-k", "0"]])
+    ["generate", "--prompt", "hi", "--max-tokens", "0"], ["serve", "--port", "70000"],
+    ["learner", "--store", "s", "--port", "-2"], ["vllm", "--store", "s", "-k", "0"],
+    ["pretrain", "--out", "o", "--work", "w", "--batch", "0"],
+    ["pretrain", "--out", "o", "--work", "w", "--steps", "0"],
+    ["pretrain", "--out", "o", "--work", "w", "--first-round", "-1"]])
 def test_impossible_numbers_are_refused_before_anything_loads(argv, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

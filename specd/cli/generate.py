@@ -30,7 +30,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-k", type=at_least(0), default=4, help="drafts per step (default: 4)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=at_least(1), default=128)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from specd.core.arguments import at_least
 from specd.core.errors import ConfigurationError
 from specd.model.target import LoadedTarget
 
@@ -32,10 +33,10 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
                         "the stage before made: the bundled drafter's stages); the flags below override it")
     p.add_argument("--data", choices=["distilled", "sharegpt"], default=None,
                    help="distilled: the target's own responses (default); sharegpt: ShareGPT's own text")
-    p.add_argument("--conversations", type=int, default=None, help="sharegpt: conversations read")
-    p.add_argument("--max-length", type=int, default=None, help="sharegpt: tokens kept per conversation")
-    p.add_argument("--draft-vocab", type=int, default=None, help="ids the output head covers")
-    p.add_argument("--drafter-layers", type=int, default=None, help="the drafter's decoder layers (default 1)")
+    p.add_argument("--conversations", type=at_least(1), default=None, help="sharegpt: conversations read")
+    p.add_argument("--max-length", type=at_least(1), default=None, help="sharegpt: tokens kept per conversation")
+    p.add_argument("--draft-vocab", type=at_least(1), default=None, help="ids the output head covers")
+    p.add_argument("--drafter-layers", type=at_least(1), default=None, help="the drafter's decoder layers (default 1)")
     p.add_argument("--init", choices=INITS, default=None,
                    help="the drafter layer's starting weights: random (default), or the target's last layer's "
                         "attention and MLP (output projections damped)")
@@ -47,27 +48,27 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-weight", type=float, default=None,
                    help="distilled: label weight of prompt positions (default 0.2; the shipped recipe's 0 trains "
                         "on the answers alone and skips the prompts' cost)")
-    p.add_argument("--distill-rounds", type=int, default=None,
+    p.add_argument("--distill-rounds", type=at_least(1), default=None,
                    help="distilled: answers generated per prompt (the recipe's rounds; fewer reads the first ones)")
-    p.add_argument("--first-round", type=int, default=None,
+    p.add_argument("--first-round", type=at_least(0), default=None,
                    help="distilled: leave out the rounds before this one (with --init-from: train on new answers "
                         "only, not those the file was trained on)")
-    p.add_argument("--distill-sample", type=int, default=None, metavar="N",
+    p.add_argument("--distill-sample", type=at_least(1), default=None, metavar="N",
                    help="distilled: answer a seeded draw of N of the prompts (default: all)")
     p.add_argument("--later-turns", action="store_true", default=None,
                    help="distilled: also answer every later user turn of the training conversations, its "
                         "context's earliest exchanges dropped until it fits (about 3x the prompts)")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None, help="examples per step")
+    p.add_argument("--steps", type=at_least(1), default=None)
+    p.add_argument("--batch", type=at_least(1), default=None, help="examples per step")
     p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--unroll", type=int, default=None, help="drafting steps trained per position")
+    p.add_argument("--unroll", type=at_least(1), default=None, help="drafting steps trained per position")
     p.add_argument("--objective", choices=["kl", "accept"], default=None)
-    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--eval-every", type=at_least(1), default=None)
     p.add_argument("--keep", choices=KEEPS, default=None,
                    help="the weights written: the last (default), or those of the evaluation point with the best "
                         "validation accept length")
     p.add_argument("--max-seconds", type=float, default=None, help="stop training after this many training seconds")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(run=run_pretrain)
 
