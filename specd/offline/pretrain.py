@@ -115,6 +115,10 @@ class PretrainConfig:
         if self.steps < 1 or self.batch_size < 1 or self.eval_every < 1 or self.checkpoint_every < 1 \
                 or self.drafter_layers < 1:
             raise ValueError("steps, batch, eval_every, checkpoint_every and drafter_layers must be positive")
+        # a learning rate of 0 is allowed: it continues a file with its weights unchanged (a test does)
+        if self.learning_rate < 0 or self.prompt_weight < 0 or (self.max_seconds is not None
+                                                                and not self.max_seconds > 0):
+            raise ValueError("learning rate and prompt weight must not be negative, max seconds must be positive")
 
 
 # The shipped drafter's first stage: `specd pretrain --recipe shipped` from nothing. One round of answers
