@@ -90,7 +90,11 @@ def test_a_later_stage_recipe_without_the_file_it_continues_is_refused(recipe, t
     ["learner", "--store", "s", "--port", "-2"], ["vllm", "--store", "s", "-k", "0"],
     ["pretrain", "--out", "o", "--work", "w", "--batch", "0"],
     ["pretrain", "--out", "o", "--work", "w", "--steps", "0"],
-    ["pretrain", "--out", "o", "--work", "w", "--first-round", "-1"]])
+    ["pretrain", "--out", "o", "--work", "w", "--first-round", "-1"], ["serve", "--max-context", "1"],
+    ["serve", "--duty-cycle", "-3"], ["demo", "--duty-cycle", "1.5"],
+    ["learner", "--store", "s", "--publish-every", "-1"],
+    ["learner", "--store", "s", "--spool-max-mb", "-5"], ["learner", "--store", "s", "--dedup-window", "-1"],
+    ["vllm", "--store", "s", "--kv-cache-gib", "nan"]])
 def test_impossible_numbers_are_refused_before_anything_loads(argv, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from specd.cli.service import add_drafter_flags, drafter_spec
-from specd.core.arguments import at_least
+from specd.core.arguments import at_least, fraction
+from specd.core.errors import ConfigurationError
 from specd.drafter.factory import DrafterSpec
 from specd.model.target import LoadedTarget
 
@@ -34,14 +35,16 @@ def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--learner", choices=["process", "thread", "off"], default="process",
                    help="process: its own process on cores of its own where there are two or more (default); "
                         "thread: beside serving, on the same cores; off: no learning (adaptive = static)")
-    p.add_argument("--duty-cycle", type=float, default=0.5,
+    p.add_argument("--duty-cycle", type=fraction, default=0.5,
                    help="a learner thread's share of wall time (default 0.5; a process trains all the time)")
     add_drafter_flags(p)
     p.add_argument("--adaptive-k", action="store_true", help="with -k N: let the controller pick k per step, up to N")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target", default=None)
-    p.add_argument("--json-out", default="out/demo.json")
-    p.add_argument("--plot-out", default="out/demo.png")
+    p.add_argument("--seed", type=int, default=0, help="seed of the traffic draw and the learner (default 0)")
+    p.add_argument("--target", default=None, help="Hugging Face checkpoint folder (default: bundled SmolLM2-135M)")
+    p.add_argument("--json-out", default="out/demo.json",
+                   help="the figures as JSON (default out/demo.json, under the current folder)")
+    p.add_argument("--plot-out", default="out/demo.png",
+                   help="the plot; its suffix picks the format (default out/demo.png, under the current folder)")
     p.add_argument("--store", default=None, help="weight store directory (default: a temporary one)")
     p.set_defaults(run=run_demo_command)
 
@@ -53,6 +56,23 @@ def demo_drafter_spec(args: argparse.Namespace) -> DrafterSpec:
     return replace(spec, context_k=None) if args.k is not None and args.context_k is None else spec
 
 
+def check_outputs(json_out: Path, plot_out: Path) -> None:
+    """Refuse, before minutes of decoding, output paths the results could not be written to."""
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    if plot_out.suffix.lstrip(".").lower() not in formats:
+        raise ConfigurationError(f"--plot-out {plot_out}: the suffix picks the format, one of "
+                                 f"{', '.join(sorted(formats))}")
+    for flag, path in (("--json-out", json_out), ("--plot-out", plot_out)):
+        if path.is_dir():
+            raise ConfigurationError(f"{flag} {path} is a folder: give the file to write")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigurationError(f"{flag} {path}: cannot make its folder ({error.strerror})") from None
+
+
 def run_demo_command(args: argparse.Namespace) -> int:
     from specd.core.provenance import provenance, state_at_start
     from specd.core.traffic import default_held_out, default_shift_traffic, load_jsonl
@@ -60,6 +80,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     from specd.demo.report import plot
 
     at_start, started = state_at_start(), time.time()  # the commit and tree the figures come from
+    check_outputs(Path(args.json_out), Path(args.plot_out))
     if args.traffic:
         items, held_out = load_jsonl(args.traffic)[:args.requests], None
     else:
@@ -76,7 +97,6 @@ def run_demo_command(args: argparse.Namespace) -> int:
     settings = {name: value for name, value in vars(args).items() if name != "run"}
     result = {"provenance": {**provenance(at_start, started, settings), "seconds": round(time.time() - started, 1)},
               **result}
-    Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps(result, indent=2))
     plot(result, Path(args.plot_out))
     print_demo(result)

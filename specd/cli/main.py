@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecdError as error:  # every failure a person can fix; anything else is a bug and shows as one
         print(f"specd: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl+C: what was written stays written (pretraining resumes from its work folder)
+        print("specd: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

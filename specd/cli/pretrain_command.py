@@ -58,18 +58,21 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--later-turns", action="store_true", default=None,
                    help="distilled: also answer every later user turn of the training conversations, its "
                         "context's earliest exchanges dropped until it fits (about 3x the prompts)")
-    p.add_argument("--steps", type=at_least(1), default=None)
-    p.add_argument("--batch", type=at_least(1), default=None, help="examples per step")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--unroll", type=at_least(1), default=None, help="drafting steps trained per position")
-    p.add_argument("--objective", choices=["kl", "accept"], default=None)
-    p.add_argument("--eval-every", type=at_least(1), default=None)
+    p.add_argument("--steps", type=at_least(1), default=None, help="training steps (default 4000)")
+    p.add_argument("--batch", type=at_least(1), default=None, help="examples per step (default 8)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 6e-4)")
+    p.add_argument("--unroll", type=at_least(1), default=None, help="drafting steps trained per position (default 3)")
+    p.add_argument("--objective", choices=["kl", "accept"], default=None,
+                   help="kl: match the target's distribution (default); accept: raise a draft's chance of acceptance, "
+                        "sum(min(p, q))")
+    p.add_argument("--eval-every", type=at_least(1), default=None,
+                   help="steps between held-out evaluations and the --keep best check (default 250)")
     p.add_argument("--keep", choices=KEEPS, default=None,
                    help="the weights written: the last (default), or those of the evaluation point with the best "
                         "validation accept length")
     p.add_argument("--max-seconds", type=float, default=None, help="stop training after this many training seconds")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="seed of the data draw and the weights (default 0)")
     p.set_defaults(run=run_pretrain)
 
 
@@ -93,6 +96,21 @@ def pretrain_config(args: argparse.Namespace):
         raise ConfigurationError(str(error)) from None
 
 
+def check_paths(out: Path, work: Path) -> None:
+    """Refuse, before hours of training, an --out or --work that could not be written at the end."""
+    if out.suffix == ".json":  # the manifest goes to out.with_suffix(".json"): it would overwrite the weights
+        raise ConfigurationError(f"--out {out}: the manifest is written beside the weights as .json; give the "
+                                 f"weights file another name, e.g. {out.with_suffix('.safetensors')}")
+    if out.is_dir():
+        raise ConfigurationError(f"--out {out} is a folder: give the version file to write")
+    if work.exists() and not work.is_dir():
+        raise ConfigurationError(f"--work {work} is a file: give a folder (it is made if missing)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigurationError(f"--out {out}: cannot make its folder ({error.strerror})") from None
+
+
 def run_pretrain(args: argparse.Namespace) -> int:
     import shlex
 
@@ -104,6 +122,7 @@ def run_pretrain(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     logging.getLogger("specd").setLevel(logging.INFO)
     config = pretrain_config(args)
+    check_paths(Path(args.out), Path(args.work))
     command = "specd " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     parent = Path(args.init_from) if args.init_from else None
     stage_of = RECIPE_PARENTS.get(args.recipe)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import socket
 from typing import Any
 
-from specd.core.arguments import at_least, port_number
+from specd.core.arguments import at_least, fraction, port_number, positive_number
 from specd.core.errors import ConfigurationError
 from specd.drafter.factory import DrafterSpec
 from specd.drafter.hybrid import WIDE_PASS_ROWS
@@ -45,13 +46,15 @@ def drafter_spec(args: argparse.Namespace, **fields: Any) -> DrafterSpec:
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible server (embedded default: bundled target, learner inside)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=8000)
-    p.add_argument("--target", default=None)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000; 0: any free one)")
+    p.add_argument("--target", default=None, help="Hugging Face checkpoint folder (default: bundled SmolLM2-135M)")
     p.add_argument("--store", default=None, help="weight store directory (default: $SPECD_CACHE/store)")
-    p.add_argument("-k", type=at_least(0), default=4)
+    p.add_argument("-k", type=at_least(0), default=4,
+                   help="most drafts of the learned drafter a step; the lookahead controller picks fewer where "
+                        "they do not pay (default 4; 0: no speculation)")
     p.add_argument("--batch", type=at_least(1), default=8, help="most requests decoded together")
-    p.add_argument("--max-context", type=at_least(1), default=4096,
+    p.add_argument("--max-context", type=at_least(2), default=4096,
                    help="prompt + output tokens per request; KV caches are sized for it (default 4096, "
                         "capped at the target's own limit)")
     p.add_argument("--prefill-chunk", type=at_least(0), default=EngineConfig.prefill_chunk,
@@ -73,8 +76,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-traffic-table", action="store_true",
                    help="draft only from each request's own context and the learned drafter")
     add_drafter_flags(p)
-    p.add_argument("--duty-cycle", type=float, default=0.5)
-    p.add_argument("--server-id", default="specd-0")
+    p.add_argument("--duty-cycle", type=fraction, default=0.5,
+                   help="with --learner-mode thread: the learner's share of wall time (default 0.5)")
+    p.add_argument("--server-id", default="specd-0", help="this server's name in records and on the dashboard")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target folder name)")
     _add_broker(p)
     p.add_argument("--learner-url", default=None, help="learner to fetch weights from (announcements name it too)")
@@ -86,8 +90,8 @@ def _add_broker(p: argparse.ArgumentParser) -> None:
     p.add_argument("--broker", default=None, help="MQTT broker URL, e.g. mqtt://127.0.0.1:1883 (sidecar mode)")
     p.add_argument("--deployment", default="default", help="MQTT topic namespace (default: default)")
     p.add_argument("--tls-ca", default=None, help="CA file for an mqtts:// broker (default: system CAs)")
-    p.add_argument("--tls-cert", default=None)
-    p.add_argument("--tls-key", default=None)
+    p.add_argument("--tls-cert", default=None, help="client certificate file for an mqtts:// broker")
+    p.add_argument("--tls-key", default=None, help="the client certificate's key file")
 
 
 def _mqtt_settings(args: argparse.Namespace):
@@ -95,6 +99,9 @@ def _mqtt_settings(args: argparse.Namespace):
 
     if not args.broker:
         return None
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path and not os.path.isfile(path):  # found out up front, not as a traceback at every reconnect
+            raise ConfigurationError(f"{flag} {path}: no such file")
     try:
         return MqttSettings.from_url(args.broker, args.deployment, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                                      tls_key=args.tls_key)
@@ -111,13 +118,14 @@ def add_learner_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token", default=None, help="bearer token required by control operations (or $SPECD_TOKEN)")
     p.add_argument("--target", default=None)
     p.add_argument("-k", type=at_least(1), default=4)
-    p.add_argument("--duty-cycle", type=float, default=0.5,
+    p.add_argument("--duty-cycle", type=fraction, default=0.5,
                    help="share of wall time spent training (default 0.5: servers may share the machine)")
-    p.add_argument("--publish-every", type=float, default=15.0, help="seconds between candidates (default 15)")
+    p.add_argument("--publish-every", type=positive_number, default=15.0,
+                   help="seconds between candidates (default 15)")
     p.add_argument("--client-id", default="specd-learner", help="MQTT client id of the persistent session")
-    p.add_argument("--spool-max-mb", type=float, default=1024,
+    p.add_argument("--spool-max-mb", type=positive_number, default=1024,
                    help="bound on the received-records spool on disk, in MiB (default 1024)")
-    p.add_argument("--dedup-window", type=int, default=200_000,
+    p.add_argument("--dedup-window", type=at_least(1), default=200_000,
                    help="recent record ids remembered to drop QoS 1 redeliveries (default 200000)")
     p.add_argument("--holdout-every", type=at_least(1), default=8,
                    help="hold every N-th record out of training, for the gate (default 8)")
@@ -197,6 +205,8 @@ def listen(app: Any, host: str, port: int) -> None:
 
     try:
         web.run_app(app, host=host, port=port, print=lambda line: print(line, flush=True))
+    except socket.gaierror as error:  # a host name that does not resolve
+        raise ConfigurationError(f"cannot listen on {host}:{port}: {error.strerror}") from None
     except OSError as error:
         if error.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise

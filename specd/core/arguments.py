@@ -1,7 +1,7 @@
 """Command-line value types that refuse impossible numbers where they are parsed.
 
-Contract: `at_least(n)` and `port_number` are argparse `type=` callables. A value they refuse
-raises `argparse.ArgumentTypeError`, which argparse turns into its own usage line and
+Contract: `at_least(n)`, `positive_number`, `fraction` and `port_number` are argparse `type=`
+callables. A value they refuse raises `argparse.ArgumentTypeError`, which argparse turns into its own usage line and
 `error: argument -k: ...` with exit status 2, before anything is loaded: a negative k or a port
 past 65535 is never found out by a traceback minutes later. Imports nothing of specd.
 """
@@ -9,6 +9,7 @@ past 65535 is never found out by a traceback minutes later. Imports nothing of s
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 HIGHEST_PORT = 65535
@@ -31,6 +32,32 @@ def at_least(lowest: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """A finite number above 0 (seconds, MiB, GiB)."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A share of something: above 0, at most 1."""
+    value = _finite(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {text}")
+    return value
 
 
 def port_number(text: str) -> int:

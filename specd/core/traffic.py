@@ -169,8 +169,12 @@ def load_jsonl(path: str | Path) -> list[TrafficItem]:
     path = Path(path)
     if not path.is_file():
         raise TrafficError(f"{path}: no such traffic file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise TrafficError(f"{path}: not UTF-8 text (byte {error.start})") from None
     items = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

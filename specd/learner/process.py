@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from collections import Counter
@@ -155,6 +156,9 @@ def run_child(spec: ChildSpec, target: Transformer, records: Any, reports: Any, 
               submissions: Any, verdicts: Any) -> None:
     """The child's whole life: pin, resume the live version, learn until told to stop."""
     began, began_cpu = time.monotonic(), time.process_time()
+    # Ctrl+C reaches the whole process group: the parent stops this child through `stop` (and, a
+    # daemon, it ends with the parent), so the child's own KeyboardInterrupt would only print a traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # its lines say which process wrote them: they share the server's terminal (and its progress bars)
     logging.basicConfig(level=spec.log_level, format="%(levelname)s learner process: %(message)s")
     os.sched_setaffinity(0, spec.cores)

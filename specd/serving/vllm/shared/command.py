@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any
 
-from specd.core.arguments import at_least, port_number
+from specd.core.arguments import at_least, port_number, positive_number
 from specd.core.errors import ConfigurationError
 from specd.model.bundled import cache_dir
 from specd.serving.vllm.shared.launch import (
@@ -47,7 +47,7 @@ def add_vllm_parser(sub: Any) -> None:
     p.add_argument("--max-num-seqs", type=at_least(1), default=8, help="most requests decoded together (default 8)")
     p.add_argument("--max-model-len", type=at_least(1), default=4096,
                    help="prompt + output tokens per request (default 4096)")
-    p.add_argument("--kv-cache-gib", type=float, default=None,
+    p.add_argument("--kv-cache-gib", type=positive_number, default=None,
                    help="KV cache size; default 2 GiB without CUDA (vLLM's CPU default asks for 92%% of RAM)")
     p.add_argument("--server-id", default="vllm-0")
     p.add_argument("--domain", default=None, help="traffic domain named in records and reports")
@@ -83,18 +83,23 @@ def run_vllm(args: argparse.Namespace) -> int:
                                  "where drafter versions come from")
     target = args.target or str(bundled_target_dir())
     reach = max(args.k, args.context_k or 0)
-    if args.context_k is not None and args.route != "eagle3":
-        raise ConfigurationError(f"--context-k is for the eagle3 route only (got route {args.route})")
+    for flag, value in (("--context-k", args.context_k), ("--drafter-dir", args.drafter_dir)):
+        if value is not None and args.route != "eagle3":
+            raise ConfigurationError(f"{flag} is for the eagle3 route only (got route {args.route})")
+    if args.drafter_dir is not None and not os.path.isdir(args.drafter_dir):
+        raise ConfigurationError(f"--drafter-dir {args.drafter_dir}: no such folder")
+    if args.json and not args.print:
+        raise ConfigurationError("--json goes with --print (it prints the command as JSON instead of running it)")
+    # absolute: a printed command may run from another folder
+    store = os.path.abspath(args.store) if args.store is not None else None
     settings = PluginSettings(broker=args.broker, deployment=args.deployment, learner_url=args.learner_url,
-                              store=args.store, version=args.version, server_id=args.server_id, domain=args.domain,
+                              store=store, version=args.version, server_id=args.server_id, domain=args.domain,
                               drafter_kind=args.drafter, route=args.route, eagle_max=args.k if reach > args.k else 0)
     try:
         settings.mqtt  # noqa: B018 (checks the broker URL)
         extra = [a for a in args.vllm_args if a != "--"]
         kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else (None if _has_cuda() else 2.0)
         if kv_gib is not None:
-            if kv_gib <= 0:
-                raise ValueError(f"--kv-cache-gib must be positive, got {kv_gib}")
             extra = ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30)), *extra]
         drafter_dir = args.drafter_dir
         if args.route == "eagle3" and drafter_dir is None:

@@ -19,6 +19,7 @@ owner, stays the same), and `--print` hands it to a command run later; it goes o
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import multiprocessing.util
@@ -165,6 +166,10 @@ def parse_schedule(text: str, k: int) -> Schedule:
         if not 1 <= first <= last or not 0 <= drafts <= k:
             raise ConfigurationError(f"drafts per batch size ({first}-{last}:{drafts}): batch sizes from 1 "
                                      f"upwards, drafts from 0 to k = {k}")
+    ordered = sorted(schedule)
+    for (_, last, _), (first, _, _) in itertools.pairwise(ordered):
+        if first <= last:
+            raise ConfigurationError(f"drafts per batch size {text!r}: batch size {first} is in two ranges")
     return schedule
 
 
@@ -249,7 +254,12 @@ def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, int]:
     from specd.hotswap.remote import RemoteSource
     from specd.hotswap.store import WeightStore
 
-    if settings.store is not None:
+    if settings.store is not None and not Path(settings.store).is_dir():
+        if settings.version is not None:
+            raise ConfigurationError(f"version {settings.version}: the store {settings.store} does not exist")
+        log.warning("the store %s does not exist (yet): vLLM starts from the shipped drafter and follows the "
+                    "store's versions once it has some", settings.store)
+    elif settings.store is not None:
         store = WeightStore(settings.store)
         version = settings.version if settings.version is not None else store.live_version()
         if version is not None:

@@ -1,0 +1,91 @@
+"""The CLI checks what it will write and read before it loads a model: output paths that could not
+be written at the end, input files that are not what they claim, addresses that do not resolve."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from specd.cli.main import main
+from specd.core.errors import ConfigurationError, TrafficError
+
+
+def _refused(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specd: error:") and "Traceback" not in err
+    return err
+
+
+def test_pretrain_refuses_an_out_that_its_manifest_would_overwrite_or_a_folder(tmp_path, capsys) -> None:
+    work = str(tmp_path / "work")
+    assert "manifest" in _refused(["pretrain", "--out", str(tmp_path / "x.json"), "--work", work], capsys)
+    assert "is a folder" in _refused(["pretrain", "--out", str(tmp_path), "--work", work], capsys)
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    assert "is a file" in _refused(["pretrain", "--out", str(tmp_path / "o.safetensors"), "--work", str(a_file)],
+                                   capsys)
+    assert not (tmp_path / "work").exists()  # refused before the work folder was claimed
+
+
+def test_demo_refuses_output_paths_it_could_not_write_before_it_decodes(tmp_path, capsys) -> None:
+    assert "is a folder" in _refused(["demo", "--json-out", str(tmp_path)], capsys)
+    assert "the suffix picks the format" in _refused(["demo", "--json-out", str(tmp_path / "d.json"),
+                                                      "--plot-out", str(tmp_path / "d.xyz")], capsys)
+
+
+def test_a_traffic_file_that_is_not_utf8_is_a_clear_error(tmp_path) -> None:
+    from specd.core.traffic import load_jsonl
+
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(TrafficError, match="not UTF-8"):
+        load_jsonl(path)
+
+
+def test_missing_tls_files_are_refused_up_front(tmp_path) -> None:
+    import argparse
+
+    from specd.cli.service import _mqtt_settings
+
+    args = argparse.Namespace(broker="mqtts://127.0.0.1:8883", deployment="d", tls_ca=str(tmp_path / "ca.pem"),
+                              tls_cert=None, tls_key=None)
+    with pytest.raises(ConfigurationError, match=r"--tls-ca .*no such file"):
+        _mqtt_settings(args)
+
+
+def test_a_host_that_does_not_resolve_is_a_clear_error() -> None:
+    from aiohttp import web
+
+    from specd.cli.service import listen
+
+    with pytest.raises(ConfigurationError, match=r"cannot listen on not\.a\.host\.invalid:0"):
+        listen(web.Application(), "not.a.host.invalid", 0)
+
+
+def test_ctrl_c_ends_the_command_with_status_130_and_no_traceback(capsys, monkeypatch) -> None:
+    import specd.cli.generate as generate
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "run_generate", interrupted)
+    assert main(["generate", "--prompt", "hi"]) == 130
+    assert capsys.readouterr().err == "specd: interrupted\n"
+
+
+def test_vllm_refuses_flags_it_would_ignore_and_prints_the_store_as_an_absolute_path(tmp_path, capsys,
+                                                                                       monkeypatch) -> None:
+    store = ["--store", "/tmp/store"]
+    assert "eagle3 route" in _refused(["vllm", "--print", *store, "--route", "custom", "--drafter-dir", "x"], capsys)
+    assert "no such folder" in _refused(["vllm", "--print", *store, "--drafter-dir", str(tmp_path / "x")], capsys)
+    assert "goes with --print" in _refused(["vllm", *store, "--json"], capsys)
+    assert "in two ranges" in _refused(["vllm", "--print", *store, "--route", "custom", "--drafts-per-batch",
+                                        "1-2:4,2-8:2"], capsys)
+    monkeypatch.chdir(tmp_path)
+    assert main(["vllm", "--print", "--json", "--store", "st", "--route", "custom"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["env"]["SPECD_STORE"] == os.path.join(str(tmp_path), "st")
+    assert not (tmp_path / "st").exists()  # printing a command makes no store
