@@ -89,3 +89,16 @@ def test_vllm_refuses_flags_it_would_ignore_and_prints_the_store_as_an_absolute_
     printed = json.loads(capsys.readouterr().out)
     assert printed["env"]["SPECD_STORE"] == os.path.join(str(tmp_path), "st")
     assert not (tmp_path / "st").exists()  # printing a command makes no store
+
+
+def test_serve_finds_a_taken_port_before_it_loads_a_model(capsys) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # the default target and learner would take seconds to start: the refusal comes first
+        assert "in use" in _refused(["serve", "--port", str(port), "--no-learner"], capsys)
+        assert "in use" in _refused(["learner", "--store", "s", "--broker", "mqtt://127.0.0.1:1", "--port",
+                                     str(port)], capsys)

@@ -173,6 +173,8 @@ def run_learner(args: argparse.Namespace) -> int:
                                                    gate_min_held_out=args.gate_min_held_out),
                              spool=_spool_config(args.spool_max_mb, args.dedup_window))
     group = RankGroup(info, status_folder=args.store, status_every=args.rank_status_every) if info else None
+    if group is None or group.is_root:
+        check_address(args.host, args.port)
     loaded = LoadedTarget.load(args.target)
     if group is not None and not group.is_root:
         asyncio.run(run_rank(options, loaded, group))
@@ -185,6 +187,7 @@ def run_learner(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from specd.serving.serve import ServeOptions, build_server
 
+    check_address(args.host, args.port)
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
                            max_context=args.max_context, max_queued=args.max_queued or None, api_key=args.api_key,
                            prefill_chunk=args.prefill_chunk or None,
@@ -195,6 +198,22 @@ def run_serve(args: argparse.Namespace) -> int:
                            drafter=drafter_spec(args, traffic_table=not args.no_traffic_table))
     listen(build_server(options), args.host, args.port)
     return 0
+
+
+def check_address(host: str, port: int) -> None:
+    """Bind `host:port` once and let it go, so that a taken or foreign address is found out before a
+    model and a learner start (`listen` still catches the rare case of losing it in between)."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ConfigurationError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+            try:
+                probe.bind(address)
+            except OSError as error:
+                raise ConfigurationError(f"cannot listen on {host}:{port}: {error.strerror}") from None
 
 
 def listen(app: Any, host: str, port: int) -> None:
