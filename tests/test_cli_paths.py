@@ -102,3 +102,9 @@ def test_serve_finds_a_taken_port_before_it_loads_a_model(capsys) -> None:
         assert "in use" in _refused(["serve", "--port", str(port), "--no-learner"], capsys)
         assert "in use" in _refused(["learner", "--store", "s", "--broker", "mqtt://127.0.0.1:1", "--port",
                                      str(port)], capsys)
+
+
+def test_demo_refuses_a_store_an_earlier_run_left_before_it_loads_a_model(tmp_path, capsys) -> None:
+    (tmp_path / "versions" / "000001").mkdir(parents=True)
+    assert "already holds" in _refused(["demo", "--store", str(tmp_path), "--json-out", str(tmp_path / "d.json")],
+                                       capsys)

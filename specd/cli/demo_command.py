@@ -76,11 +76,13 @@ def check_outputs(json_out: Path, plot_out: Path) -> None:
 def run_demo_command(args: argparse.Namespace) -> int:
     from specd.core.provenance import provenance, state_at_start
     from specd.core.traffic import default_held_out, default_shift_traffic, load_jsonl
-    from specd.demo.deployment import DEMO_LEARNER, DemoConfig, run_demo
+    from specd.demo.deployment import DEMO_LEARNER, DemoConfig, check_new_store, run_demo
     from specd.demo.report import plot
 
     at_start, started = state_at_start(), time.time()  # the commit and tree the figures come from
     check_outputs(Path(args.json_out), Path(args.plot_out))
+    if args.store:  # before the model loads (run_demo checks again, for callers other than this command)
+        check_new_store(Path(args.store))
     if args.traffic:
         items, held_out = load_jsonl(args.traffic)[:args.requests], None
     else:

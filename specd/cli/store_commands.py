@@ -1,4 +1,11 @@
-"""`specd versions`, `rollback`, `pin`, `status`: the weight store, locally or over a control plane's HTTP."""
+"""`specd versions`, `rollback`, `pin`, `status`: the weight store, locally or over a control plane's HTTP.
+
+Contract: each command reads or changes the store (a folder, `--store`) or asks a learner's control
+plane (`--url`); what cannot be done is a `SpecdError` (the CLI's one-line error): a folder that is
+no store, a damaged store file (named), a URL that is not http(s), an answer that is not the JSON
+object asked for. `versions` lists what it can: a manifest it cannot read is a row saying so, a
+missing field a `-`, and a live pointer naming a version the store lacks is said on the `live:` line.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from specd.core.errors import ConfigurationError, SpecdError, StoreError, TransportError, VersionNotFound
 from specd.hotswap.store import WeightStore
@@ -22,16 +30,20 @@ def _where(p: argparse.ArgumentParser) -> None:
 def add_store_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("versions", help="list drafter versions")
     _where(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (live version, manifests, served acceptance) instead of the table")
     p.set_defaults(run=run_versions)
-    p = sub.add_parser("rollback", help="make an earlier version live again")
-    p.add_argument("version", nargs="?", type=int, help="version to restore (default: the previous live one)")
+    p = sub.add_parser("rollback", help="make another version live: by default the one live before the current")
+    p.add_argument("version", nargs="?", type=int,
+                   help="version to make live, earlier or later than the live one "
+                        "(default: the last earlier live version whose files are present)")
     _where(p)
     p.set_defaults(run=run_rollback)
     p = sub.add_parser("pin", help="keep a version forever, as a floor to fall back to")
-    p.add_argument("version", type=int)
+    p.add_argument("version", type=int, help="version to pin (or, with --unpin, to unpin)")
     _where(p)
-    p.add_argument("--unpin", action="store_true")
+    p.add_argument("--unpin", action="store_true",
+                   help="remove the pin instead: the version may then be garbage-collected")
     p.set_defaults(run=run_pin)
     p = sub.add_parser("status", help="live version, learner and store status")
     _where(p)
@@ -45,23 +57,34 @@ def _open_store(path: str) -> WeightStore:
 
 
 def _http(args: argparse.Namespace, path: str, body: dict | None = None) -> dict:
-    """GET (or POST with a JSON body) against a learner's control plane.
+    """GET (or POST with a JSON body) against a learner's control plane; its answer, a JSON object.
 
-    An error answer becomes the SpecdError of its status (404: VersionNotFound, other 4xx: StoreError,
-    401: ConfigurationError, a missing token); no answer at all is a TransportError.
+    A URL that is not http(s)://host is a ConfigurationError. An error answer becomes the SpecdError
+    of its status (404: VersionNotFound, other 4xx: StoreError, 401: ConfigurationError, a missing
+    token); no answer at all, or one that is not a JSON object, is a TransportError.
     """
+    import http.client
     import urllib.error
+    import urllib.parse
     import urllib.request
 
+    url = args.url.rstrip("/") + path
+    try:
+        parts = urllib.parse.urlsplit(args.url)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:  # a port that is not a number, a malformed IPv6 host
+        usable = False
+    if not usable:
+        raise ConfigurationError(f"--url {args.url!r} is not an http(s)://host[:port] URL, e.g. http://127.0.0.1:8100")
     headers = {"Content-Type": "application/json"}
     token = args.token or os.environ.get("SPECD_TOKEN")
     if token:
         headers["Authorization"] = f"Bearer {token}"
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(args.url.rstrip("/") + path, data=data, headers=headers)
     try:
+        request = urllib.request.Request(url, data=data, headers=headers)
         with urllib.request.urlopen(request, timeout=30) as response:
-            return dict(json.loads(response.read()))
+            raw = response.read()
     except urllib.error.HTTPError as error:
         try:
             message = json.loads(error.read())["error"]["message"]
@@ -71,8 +94,25 @@ def _http(args: argparse.Namespace, path: str, body: dict | None = None) -> dict
         if error.code >= 500:
             kind = TransportError
         raise kind(f"{args.url}{path}: {error.code} {message}") from None
-    except (urllib.error.URLError, OSError) as error:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
         raise TransportError(f"{args.url}: unreachable ({error})") from None
+    except ValueError as error:  # a URL urllib still cannot use
+        raise ConfigurationError(f"--url {args.url!r} is not a usable URL ({error})") from None
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        raise TransportError(f"{url} answered something that is not JSON: {raw[:60]!r}") from None
+    if not isinstance(answer, dict):
+        raise TransportError(f"{url} answered a JSON {type(answer).__name__}, not an object")
+    return answer
+
+
+def _field(answer: dict, key: str, kind: type | tuple[type, ...], url: str) -> Any:
+    """answer[key], checked to be of `kind`: a control plane's answer as specd's own learner gives it."""
+    value = answer.get(key)
+    if not isinstance(value, kind):
+        raise TransportError(f"{url}: the answer's {key!r} is {value!r}, not what a specd learner sends")
+    return value
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -80,38 +120,76 @@ def run_status(args: argparse.Namespace) -> int:
         print(json.dumps(_http(args, "/v1/status"), indent=2))
         return 0
     store = _open_store(args.store)
-    print(json.dumps({"live": store.live_version(), "versions": len(store.versions()),
-                      "history": store.live_state()["history"]}, indent=2))
+    state = store.live_state()
+    print(json.dumps({"live": state["version"], "versions": len(store.versions()),
+                      "history": state["history"]}, indent=2))
     return 0
 
 
-def run_versions(args: argparse.Namespace) -> int:
-    served: dict[str, dict[str, dict[str, int]]] = {"totals": {}, "source_totals": {}}
-    if args.url:
-        listing = _http(args, "/v1/versions")
-        live, manifests = listing["live"], listing["versions"]
-        served = _http(args, "/v1/acceptance")  # what the servers report, per version and per source
-    else:
+def _local_manifests(store: WeightStore) -> list[dict[str, Any]]:
+    """Every version's manifest; one that cannot be read is a stand-in saying why, so the rest still list."""
+    manifests = []
+    for version in store.versions():
+        try:
+            manifests.append({"version": version, **store.manifest(version)})
+        except StoreError as error:  # a damaged manifest (or one gc took a moment ago)
+            manifests.append({"version": version, "status": "unreadable", "error": str(error)})
+    return manifests
+
+
+def _listing(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """(live, manifests, acceptance by version, acceptance by source), from the store or a control plane."""
+    if not args.url:
         store = _open_store(args.store)
-        live, manifests = store.live_version(), [store.manifest(v) for v in store.versions()]
-    by_version, by_source = served.get("totals", {}), served.get("source_totals", {})
+        return store.live_version(), _local_manifests(store), {}, {}
+    url = args.url.rstrip("/")
+    listing = _http(args, "/v1/versions")
+    manifests = _field(listing, "versions", list, url + "/v1/versions")
+    if not all(isinstance(m, dict) for m in manifests):
+        raise TransportError(f"{url}/v1/versions: the answer's 'versions' are not all manifest objects")
+    served = _http(args, "/v1/acceptance")  # what the servers report, per version and per source
+    by_version = served.get("totals") or {}
+    by_source = served.get("source_totals") or {}
+    if not isinstance(by_version, dict) or not isinstance(by_source, dict):
+        raise TransportError(f"{url}/v1/acceptance: 'totals' and 'source_totals' are not objects")
+    return listing.get("live"), manifests, by_version, by_source
+
+
+def run_versions(args: argparse.Namespace) -> int:
+    live, manifests, by_version, by_source = _listing(args)
+    missing = live is not None and live not in {m.get("version") for m in manifests}
     if args.json:
-        print(json.dumps({"live": live, "versions": manifests, "served_by_version": by_version,
-                          "served_by_source": by_source}))
+        print(json.dumps({"live": live, "live_missing": missing, "versions": manifests,
+                          "served_by_version": by_version, "served_by_source": by_source}))
         return 0
-    print(f"live: {live}")
+    # a live pointer to a version that is gone: the statuses below (a "live" among them) are stale
+    print(f"live: {live}" + ("  (missing: the live pointer names a version the store does not hold)"
+                             if missing else ""))
     print(f"{'version':>7}  {'status':11} {'pinned':6} {'parent':>6}  {'accept len (cand/live)':22} "
           f"{'served acceptance':17} created")
     for m in manifests:
-        evaluation = m.get("evaluation") or {}
-        scores = f"{evaluation.get('candidate') or '-'}/{evaluation.get('live') or '-'}"
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["created"]))
-        print(f"{m['version']:>7}  {m['status']:11} {'yes' if m.get('pinned') else '':6} "
-              f"{m.get('parent') or '-':>6}  {scores:22} {_acceptance(by_version.get(str(m['version']))):17} {created}")
+        print(_row(m, by_version))
     if by_source:
         print("served acceptance by drafting source: " + ", ".join(
             f"{source} {_acceptance(counts)}" for source, counts in sorted(by_source.items()) if source != "none"))
     return 0
+
+
+def _row(m: dict[str, Any], by_version: dict[str, Any]) -> str:
+    """One table row; a field a manifest lacks (an old or hand-edited one) shows as `-`."""
+    if m.get("status") == "unreadable":
+        return f"{m.get('version', '?'):>7}  unreadable: {m.get('error')}"
+    evaluation = m.get("evaluation")
+    evaluation = evaluation if isinstance(evaluation, dict) else {}
+    scores = f"{evaluation.get('candidate') or '-'}/{evaluation.get('live') or '-'}"
+    created = m.get("created")
+    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
+            if isinstance(created, (int, float)) and not isinstance(created, bool) else "-")
+    version = m.get("version", "?")
+    counts = by_version.get(str(version))
+    served = _acceptance(counts if isinstance(counts, dict) else None)
+    return (f"{version!s:>7}  {m.get('status') or '-'!s:11} {'yes' if m.get('pinned') else '':6} "
+            f"{m.get('parent') or '-'!s:>6}  {scores:22} {served:17} {when}")
 
 
 def _acceptance(counts: dict[str, int] | None) -> str:
@@ -123,7 +201,8 @@ def _acceptance(counts: dict[str, int] | None) -> str:
 
 def run_rollback(args: argparse.Namespace) -> int:
     if args.url:
-        restored = _http(args, "/v1/rollback", {"version": args.version})["live"]
+        answer = _http(args, "/v1/rollback", {"version": args.version})
+        restored = _field(answer, "live", int, args.url.rstrip("/") + "/v1/rollback")
     else:
         restored = _open_store(args.store).rollback(args.version, {"by": "operator"})
     print(f"version {restored} is live")

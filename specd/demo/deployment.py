@@ -19,6 +19,8 @@ every mode in turn (the order rotating), so machine noise hits all alike; the re
 a JSON document (top-level `summary`: mode -> domain -> requests, accept length, acceptance rate,
 tokens/s; `rounds`, `swaps`, `learner` with its cost) and a PNG plot. Greedy outputs of every mode
 are compared with `none`'s: they must be identical.
+A `store_dir` given must be new or empty (`check_new_store`, before anything is written): the run
+measures adaptation from its own day-0 version, and an earlier run's versions would be counted in.
 """
 
 from __future__ import annotations
@@ -213,9 +215,23 @@ def run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig,
     given. `held_out` (requests of the last domain that the run never serves) gives the adaptation
     curve; `after_round(number, {"learner": ...})` is called between rounds (tests stop the learner there)."""
     if store_dir is not None:
+        check_new_store(Path(store_dir))
         return _run_demo(loaded, items, config, Path(store_dir), held_out, after_round)
     with tempfile.TemporaryDirectory(prefix="specd-demo-store.") as folder:
         return _run_demo(loaded, items, config, Path(folder), held_out, after_round)
+
+
+def check_new_store(store_dir: Path) -> None:
+    """Refuse a store folder that already holds versions (an earlier demo's, say) or a live pointer:
+    the demo's day 0 would not be version 1 live, and the adaptation curve would count foreign versions."""
+    if store_dir.exists() and not store_dir.is_dir():
+        raise ConfigurationError(f"--store {store_dir} is a file, not a folder for the demo's weight store")
+    versions = store_dir / "versions"
+    held = sorted(p.name for p in versions.iterdir() if p.name.isdigit()) if versions.is_dir() else []
+    if held or (store_dir / "live.json").exists():
+        what = f"{len(held)} drafter version(s)" if held else "a live.json"
+        raise ConfigurationError(f"--store {store_dir} already holds {what} (an earlier run's?): the demo "
+                                 f"needs a new or empty store folder; give another one, or none for a temporary one")
 
 
 def _publish_day0(store: WeightStore, loaded: LoadedTarget, config: DemoConfig) -> int:

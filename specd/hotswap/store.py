@@ -21,6 +21,11 @@ fields of one manifest never lose one another; the lock order is live.lock, then
 `keep_live_within_s` seconds (servers may still be loading or serving it); a collected version
 disappears in one rename, and rollback chooses only versions whose weights are present.
 A version goes live (promotion or rollback) only if its weights still match the manifest's sha256.
+A store file that cannot be read as what it must be (live.json, a manifest: not JSON, not an
+object, live.json's fields of the wrong type) raises `StoreCorrupt` naming the file; nothing
+rewrites or deletes such a file (it is the evidence): gc keeps a version whose manifest is corrupt,
+and a version leaving live whose manifest is corrupt is left unmarked. A server follows this by
+refusing a version whose manifest is corrupt and keeping the one it serves (see the swapper).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -44,11 +50,17 @@ from specd.drafter.checkpoint import DrafterModel, save_drafter
 from specd.hotswap.integrity import check_file, sha256_file
 from specd.model.fingerprint import TargetFingerprint
 
+log = logging.getLogger(__name__)
+
 STATUSES = ("candidate", "live", "retired", "rejected", "rolled-back")
 
 
 class LiveVersionChanged(StoreError):
     """A conditional promotion found another version live than the one it was decided against."""
+
+
+class StoreCorrupt(StoreError):
+    """A store file (live.json, a manifest) that is not what it must be; the message names the file."""
 
 
 class _AnyLive:
@@ -67,6 +79,37 @@ def _write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def _read_json(path: Path) -> Any:
+    """The JSON in `path`; StoreCorrupt when it is not JSON (truncated, overwritten, not text)."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except OSError as error:  # no permission, a folder in the file's place
+        raise StoreError(f"{path} cannot be read ({error.strerror or error})") from None
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError alike
+        raise StoreCorrupt(f"{path} is not valid JSON ({error}): the store is damaged; "
+                           f"restore the file or move it away") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _checked_live_state(path: Path, state: Any) -> dict[str, Any]:
+    """live.json's content, checked: every reader indexes it as {"version": int|None, "history": [int]}."""
+    if not isinstance(state, dict):
+        raise StoreCorrupt(f"{path} holds a JSON {type(state).__name__}, not an object with the live version")
+    version, history = state.get("version"), state.get("history", [])
+    if version is not None and not _is_int(version):
+        raise StoreCorrupt(f"{path}: 'version' is {version!r}, not a version number or null")
+    if not isinstance(history, list) or not all(_is_int(v) for v in history):
+        raise StoreCorrupt(f"{path}: 'history' is {history!r}, not a list of version numbers")
+    if not _is_int(state.get("rollbacks", 0)):
+        raise StoreCorrupt(f"{path}: 'rollbacks' is {state['rollbacks']!r}, not a count")
+    return {**state, "version": version, "history": history}
+
+
 def _last_live(manifest: dict[str, Any]) -> float | None:
     """When a version was last live, as far as its manifest says (None: never; gc keeps the live one anyway)."""
     times = [t for t in (manifest.get("live_until"), manifest.get("live_since")) if isinstance(t, (int, float))]
@@ -83,7 +126,10 @@ class WeightStore:
         # five minutes: longer than servers take to fetch, check and swap to a new version, so the
         # one they still serve (and may roll back to) is never deleted under them
         self.keep_live_within_s = keep_live_within_s
-        (self.root / "versions").mkdir(parents=True, exist_ok=True)
+        try:
+            (self.root / "versions").mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a regular file in the way, no permission, a read-only disk
+            raise StoreError(f"{self.root}: cannot be a weight store folder ({error.strerror or error})") from None
 
     # ---- reading --------------------------------------------------------------------------
     def version_dir(self, version: int) -> Path:
@@ -104,11 +150,19 @@ class WeightStore:
         path = self.version_dir(version) / "manifest.json"
         if not path.is_file():
             raise VersionNotFound(f"version {version} does not exist in {self.root}")
-        return dict(json.loads(path.read_text()))
+        try:
+            manifest = _read_json(path)
+        except FileNotFoundError:  # collected a moment ago
+            raise VersionNotFound(f"version {version} does not exist in {self.root}") from None
+        if not isinstance(manifest, dict):
+            raise StoreCorrupt(f"{path} holds a JSON {type(manifest).__name__}, not a manifest object")
+        return manifest
 
     def live_state(self) -> dict[str, Any]:
         path = self.root / "live.json"
-        return json.loads(path.read_text()) if path.is_file() else {"version": None, "history": []}
+        if not path.is_file():
+            return {"version": None, "history": []}
+        return _checked_live_state(path, _read_json(path))
 
     def live_version(self) -> int | None:
         version = self.live_state()["version"]
@@ -165,7 +219,7 @@ class WeightStore:
         if not isinstance(if_live, _AnyLive) and previous != if_live:
             raise LiveVersionChanged(f"version {previous} is live now, not {if_live}: {version} is not promoted")
         manifest = self.manifest(version)
-        if manifest["status"] == "rejected":
+        if manifest.get("status") == "rejected":
             raise StoreError(f"version {version} was rejected by the gate: {manifest.get('reason')}")
         if version not in self._loadable():
             raise VersionNotFound(f"version {version} has no weights in {self.root}")
@@ -187,8 +241,12 @@ class WeightStore:
 
     def _leave_live(self, version: int, now: float, **fields: Any) -> None:
         """Mark the version that stops being live; `live_until` keeps it from gc for a while."""
-        with contextlib.suppress(VersionNotFound):  # deleted by hand: nothing to mark
+        try:
             self.update(version, live_until=now, **fields)
+        except VersionNotFound:  # deleted by hand: nothing to mark
+            pass
+        except StoreCorrupt as error:  # left as found: a damaged live version must not block its successor
+            log.warning("version %s leaves live unmarked: %s", version, error)
 
     def rollback(self, to: int | None = None, evidence: dict[str, Any] | None = None,
                  if_live: int | _AnyLive | None = ANY_LIVE) -> int:
@@ -206,13 +264,14 @@ class WeightStore:
         if current is None:
             raise StoreError("nothing is live: there is nothing to roll back")
         loadable = self._loadable()  # a version whose files are gone is never chosen
-        history = [v for v in state["history"] if v != current and v in loadable]
+        earlier = [v for v in state["history"] if v != current]
+        history = [v for v in earlier if v in loadable]
         if to is None:
             if not history:
-                raise StoreError(f"version {current} has no earlier live version to roll back to")
+                raise StoreError(_nothing_to_roll_back_to(current, earlier, self.root))
             to = history[-1]
         elif to not in loadable:
-            raise VersionNotFound(f"version {to} does not exist (or has no weights) in {self.root}")
+            raise VersionNotFound(self._missing_files(to))
         if to == current:
             raise StoreError(f"version {to} is already live")
         self.check_weights(to, self.manifest(to))
@@ -223,6 +282,11 @@ class WeightStore:
         _write_json_atomic(self.root / "live.json", {"version": to, "history": remaining,
                                                      "rollbacks": int(state.get("rollbacks", 0)) + 1})
         return to
+
+    def _missing_files(self, version: int) -> str:
+        if version in self.versions():
+            return f"version {version}'s weights are missing from {self.version_dir(version)}"
+        return f"version {version} does not exist in {self.root}"
 
     def pin(self, version: int, pinned: bool = True) -> None:
         self.update(version, pinned=pinned)
@@ -245,6 +309,9 @@ class WeightStore:
                         manifest = self.manifest(version)
                     except VersionNotFound:  # deleted by hand meanwhile
                         continue
+                    except StoreCorrupt as error:  # unknown whether pinned or recently live: keep it
+                        log.warning("gc keeps version %s: %s", version, error)
+                        continue
                     last_live = _last_live(manifest)
                     if manifest.get("pinned") or (last_live is not None and last_live >= cutoff):
                         continue
@@ -257,3 +324,12 @@ class WeightStore:
         trash = self.root / "versions" / f".deleting.{version:06d}.{uuid.uuid4().hex[:8]}"
         os.rename(self.version_dir(version), trash)
         shutil.rmtree(trash, ignore_errors=True)
+
+
+def _nothing_to_roll_back_to(current: int, earlier: list[int], root: Path) -> str:
+    """Why a rollback without a version has no choice: no earlier live version, or none with its files."""
+    if not earlier:
+        return f"version {current} has no earlier live version to roll back to"
+    named = ", ".join(str(v) for v in reversed(earlier[-5:]))
+    return (f"version {current}'s earlier live versions ({named}) have their files missing from {root}/versions: "
+            f"nothing to roll back to; name a version that is there")
