@@ -108,3 +108,21 @@ def test_demo_refuses_a_store_an_earlier_run_left_before_it_loads_a_model(tmp_pa
     (tmp_path / "versions" / "000001").mkdir(parents=True)
     assert "already holds" in _refused(["demo", "--store", str(tmp_path), "--json-out", str(tmp_path / "d.json")],
                                        capsys)
+
+
+def test_generate_drafts_with_the_shipped_drafter_unless_told_otherwise(monkeypatch) -> None:
+    import argparse
+
+    import specd.cli.generate as generate
+
+    chosen: list[str] = []
+
+    def build(choice, *rest):
+        chosen.append(choice)
+        raise KeyboardInterrupt  # stop before decoding: only the choice is under test
+
+    monkeypatch.setattr(generate, "_build_drafter", build)
+    monkeypatch.setattr(generate.LoadedTarget, "load", lambda *a, **k: argparse.Namespace(encode=lambda *a, **k: []))
+    for argv in (["generate", "--prompt", "hi"], ["generate", "--prompt", "hi", "--drafter", "none"]):
+        assert main(argv) == 130
+    assert chosen == ["shipped", "none"]

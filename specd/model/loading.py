@@ -1,19 +1,22 @@
 """Load Hugging Face checkpoint folders (config.json + *.safetensors) into `Transformer`.
 
 Contract: `load_target(path)` returns a model in eval mode with every weight filled, or raises
-`CheckpointError` naming what does not fit: an unknown architecture, an unsupported setting, a
-missing or unexpected tensor, a tensor of the wrong shape. Weights are read with safetensors only
-(never pickle). q/k/v and gate/up projections are fused here, once, at load time.
+`CheckpointError` naming the file and what does not fit: a config.json that is not a JSON object,
+an unknown architecture, an unsupported setting, a weight file that is not readable safetensors, a
+missing or unexpected tensor, a tensor of the wrong shape. `read_config` and `read_target_head`
+refuse the same way. Weights are read with safetensors only (never pickle). q/k/v and gate/up
+projections are fused here, once, at load time.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from specd.core.errors import CheckpointError
 from specd.model.transformer import ModelConfig, Transformer
@@ -29,20 +32,24 @@ SUPPORTED_ARCHITECTURES = {
 def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Translate a Hugging Face config dict into a ModelConfig, refusing what we do not run."""
     architectures = hf.get("architectures") or []
-    family = next((SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if not isinstance(architectures, list):
+        raise CheckpointError(f"{source}: architectures should be a list of class names, got {architectures!r}")
+    family = next((SUPPORTED_ARCHITECTURES[a] for a in architectures
+                   if isinstance(a, str) and a in SUPPORTED_ARCHITECTURES), None)
     if family is None:
         raise CheckpointError(f"{source}: unsupported architecture {architectures or '(none given)'}; "
                               f"specd runs {sorted(SUPPORTED_ARCHITECTURES)}")
-    rope_llama3 = None
     # transformers 5 writes rope settings as rope_parameters; older configs use rope_scaling
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: rope settings should be an object, got {type(rope).__name__}")
     kind = rope.get("rope_type", rope.get("type"))
-    if kind == "llama3":
-        rope_llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]),
-                       float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
-    elif kind not in (None, "default"):
+    if kind not in (None, "default", "llama3"):
         raise CheckpointError(f"{source}: rope scaling {kind!r} is not supported (only llama3)")
     try:
+        rope_llama3 = None if kind != "llama3" else (
+            float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]))
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         return ModelConfig(
@@ -63,7 +70,7 @@ def config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConf
         )
     except KeyError as missing:
         raise CheckpointError(f"{source}: missing field {missing}") from None
-    except ValueError as bad:
+    except (ValueError, TypeError, ZeroDivisionError) as bad:  # a field of the wrong type, or zero heads
         raise CheckpointError(f"{source}: {bad}") from None
 
 
@@ -117,11 +124,21 @@ def load_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
             params[name].copy_(tensor)
 
 
-def _read_config(folder: Path) -> ModelConfig:
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint folder's config.json, or CheckpointError naming the file."""
+    folder = Path(path)
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{folder}: no config.json (expected a Hugging Face checkpoint folder)")
-    return config_from_hf(json.loads(config_file.read_text()), str(config_file))
+    try:
+        hf = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{config_file}: cannot be read ({error})") from None
+    except json.JSONDecodeError as error:  # truncated or hand-edited: say where it stops being JSON
+        raise CheckpointError(f"{config_file}: not valid JSON ({error})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{config_file}: expected a JSON object, got {type(hf).__name__}")
+    return config_from_hf(hf, str(config_file))
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -131,6 +148,18 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
+def _read_tensors(file: Path, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file whose names pass `wanted`; CheckpointError for a file that
+    is garbage, truncated or unreadable (safetensors' own error names neither the file nor the fix)."""
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            names = [name for name in handle.keys() if wanted(name)]  # noqa: SIM118 (safe_open is not iterable)
+            return {name: handle.get_tensor(name) for name in names}
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({error}); "
+                              "re-download or re-save the checkpoint") from None
+
+
 def read_target_head(path: str | Path) -> tuple[ModelConfig, torch.Tensor, torch.Tensor]:
     """The target's config, input embedding and output layer (the same tensor when tied), in float32.
 
@@ -138,13 +167,11 @@ def read_target_head(path: str | Path) -> tuple[ModelConfig, torch.Tensor, torch
     inside another engine's process (vLLM's worker) that already holds the target's weights.
     """
     folder = Path(path)
-    config = _read_config(folder)
+    config = read_config(folder)
     wanted: dict[str, torch.Tensor | None] = {"model.embed_tokens.weight": None, "lm_head.weight": None}
     for file in _weight_files(folder):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
-                if name in wanted:
-                    wanted[name] = handle.get_tensor(name).float()
+        for name, tensor in _read_tensors(file, lambda name: name in wanted).items():
+            wanted[name] = tensor.float()
     embed = wanted["model.embed_tokens.weight"]
     if embed is None:
         raise CheckpointError(f"{folder}: missing tensor 'model.embed_tokens.weight'")
@@ -158,12 +185,10 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> Transformer:
     """Build and fill a Transformer from a Hugging Face checkpoint folder."""
     folder = Path(path)
-    config = _read_config(folder)
+    config = read_config(folder)
     read: dict[str, torch.Tensor] = {}
     for file in _weight_files(folder):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
-                read[name] = handle.get_tensor(name)
+        read.update(_read_tensors(file, lambda name: True))
     if config.tie_embeddings:
         read.pop("lm_head.weight", None)  # some tied checkpoints still store the copy
     try:

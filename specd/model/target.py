@@ -3,7 +3,9 @@
 Contract: `LoadedTarget.load(path)` takes a Hugging Face checkpoint folder, or None for the
 embedded default (SmolLM2-135M-Instruct, converted once from the bundled GGUF), and returns the
 model plus what turns text into prompt ids and ids back into text. Tokenizers and chat templates
-come from transformers; the engine itself never sees text.
+come from transformers; the engine itself never sees text. What a user can get wrong (an unknown
+dtype or device, a folder without config.json or without a tokenizer) is refused in one line, as
+`ConfigurationError` or `CheckpointError`, before the weights load.
 """
 
 from __future__ import annotations
@@ -17,10 +19,42 @@ import torch
 from specd.core.errors import CheckpointError, ConfigurationError, RequestRefused
 from specd.model.bundled import bundled_target_dir
 from specd.model.fingerprint import TargetFingerprint
-from specd.model.loading import load_target
+from specd.model.loading import load_target, read_config
 from specd.model.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = "cpu, cuda or cuda:N"  # what the engine runs on, as --device help and errors say it
+# files any of which holds a tokenizer transformers can load (fast, sentencepiece, BPE, WordPiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_device(device: str) -> None:
+    """Refuse, before anything loads, a device the engine cannot run on or this machine lacks."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):  # torch's message lists every backend it was built to know
+        raise ConfigurationError(f"unknown device {device!r}; use {DEVICES}") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ConfigurationError(f"device {device!r} is not supported; use {DEVICES}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigurationError(f"--device {device} was asked for, but torch sees no CUDA device here")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ConfigurationError(f"--device {device}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The folder's transformers tokenizer, or CheckpointError in one line (transformers' own
+    messages run to several lines and do not say which folder)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as error:  # transformers and tokenizers raise assorted types for one bad file
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise CheckpointError(f"{folder}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                                  "copy the checkpoint's tokenizer files into the folder") from None
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise CheckpointError(f"{folder}: no usable tokenizer ({reason[:300]})") from None
 
 
 @dataclass
@@ -33,17 +67,11 @@ class LoadedTarget:
     def load(cls, path: str | Path | None = None, dtype: str = "float32", device: str = "cpu") -> LoadedTarget:
         if dtype not in DTYPES:
             raise ConfigurationError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigurationError("--device cuda was asked for, but torch sees no CUDA device here")
+        check_device(device)
         folder = Path(path) if path is not None else bundled_target_dir()
-        model = load_target(folder, DTYPES[dtype], device)
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        except (OSError, ValueError) as error:
-            raise CheckpointError(f"{folder}: no usable tokenizer ({error})") from None
-        return cls(folder, model, tokenizer)
+        read_config(folder)  # a missing or broken config.json is the first thing to say, and cheap
+        tokenizer = load_tokenizer(folder)  # before the weights: a missing tokenizer is found in a moment
+        return cls(folder, load_target(folder, DTYPES[dtype], device), tokenizer)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
