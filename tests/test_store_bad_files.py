@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,7 +118,7 @@ def test_a_live_version_with_a_damaged_manifest_can_still_be_left(store: WeightS
     assert store.rollback(to=2) == 2  # and a rollback away from a damaged one too
 
 
-def test_a_server_refuses_a_version_with_a_damaged_manifest_and_keeps_serving(store: WeightStore) -> None:
+def test_a_server_refuses_a_version_with_a_damaged_manifest_and_keeps_serving(store: WeightStore, caplog) -> None:
     drafter = TokenDrafter(new_drafter_model(tiny_target(), SHAPE, seed=2), 3)
     candidate = publish(store, 7)
     manifest_path(store, candidate).write_text('{"sha256": ')
@@ -126,7 +127,44 @@ def test_a_server_refuses_a_version_with_a_damaged_manifest_and_keeps_serving(st
     assert candidate in swapper.refused and "manifest.json" in swapper.refused[candidate]
     assert drafter.version == 3
     (store.root / "live.json").write_text("[")
-    assert not swapper.check_once()  # an unreadable live pointer: nothing changes, no exception
+    with caplog.at_level(logging.WARNING, logger="specd.hotswap.swapper"):
+        for _ in range(5):  # an unreadable live pointer: nothing changes, no exception
+            assert not swapper.check_once()
+    assert sum("cannot read the store's live version" in r.message for r in caplog.records) == 1  # said once
+
+
+def test_the_control_plane_lists_the_readable_versions_beside_a_damaged_one(store: WeightStore) -> None:
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from specd.control.acceptance import AcceptanceLog
+    from specd.control.plane import ControlPlane, add_control_routes
+
+    manifest_path(store, 2).write_text("{")
+
+    async def listing() -> dict:
+        app = web.Application()
+        add_control_routes(app, ControlPlane(store, AcceptanceLog(), "token"))
+        async with TestClient(TestServer(app)) as client:
+            response = await client.get("/v1/versions")
+            assert response.status == 200
+            return await response.json()
+
+    answer = asyncio.run(listing())
+    assert [(m["version"], m["status"]) for m in answer["versions"]] == [(1, "retired"), (2, "unreadable"),
+                                                                          (3, "live")]
+
+
+def test_the_canary_stands_aside_while_the_live_pointer_is_damaged(store: WeightStore) -> None:
+    from specd.learner.shadow import ShadowCanary
+
+    canary = ShadowCanary(store, lambda v: None, lambda model, records: 0.0, margin=0.05, min_records=1, z=2.33,
+                          every=1)
+    assert canary._live_pair() == (3, 2)
+    (store.root / "live.json").write_text("[")
+    assert canary._live_pair() is None
 
 
 def test_a_regular_file_is_no_store_folder(tmp_path: Path, capsys) -> None:

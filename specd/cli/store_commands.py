@@ -126,22 +126,11 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _local_manifests(store: WeightStore) -> list[dict[str, Any]]:
-    """Every version's manifest; one that cannot be read is a stand-in saying why, so the rest still list."""
-    manifests = []
-    for version in store.versions():
-        try:
-            manifests.append({"version": version, **store.manifest(version)})
-        except StoreError as error:  # a damaged manifest (or one gc took a moment ago)
-            manifests.append({"version": version, "status": "unreadable", "error": str(error)})
-    return manifests
-
-
 def _listing(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """(live, manifests, acceptance by version, acceptance by source), from the store or a control plane."""
     if not args.url:
         store = _open_store(args.store)
-        return store.live_version(), _local_manifests(store), {}, {}
+        return store.live_version(), store.manifests(), {}, {}
     url = args.url.rstrip("/")
     listing = _http(args, "/v1/versions")
     manifests = _field(listing, "versions", list, url + "/v1/versions")

@@ -112,7 +112,7 @@ def _optional_int(body: dict[str, Any], name: str, required: bool) -> int | None
 
 async def versions(request: web.Request) -> web.Response:
     store = request.app[PLANE].store
-    return web.json_response({"live": store.live_version(), "versions": [store.manifest(v) for v in store.versions()]})
+    return web.json_response({"live": store.live_version(), "versions": store.manifests()})
 
 
 async def manifest(request: web.Request) -> web.Response:

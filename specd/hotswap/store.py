@@ -158,6 +158,17 @@ class WeightStore:
             raise StoreCorrupt(f"{path} holds a JSON {type(manifest).__name__}, not a manifest object")
         return manifest
 
+    def manifests(self) -> list[dict[str, Any]]:
+        """Every version's manifest with its version number, for listings: one that cannot be read is a
+        stand-in `{"version", "status": "unreadable", "error"}`, so that the others still list."""
+        listing = []
+        for version in self.versions():
+            try:
+                listing.append({"version": version, **self.manifest(version)})
+            except StoreError as error:  # damaged (or collected a moment ago)
+                listing.append({"version": version, "status": "unreadable", "error": str(error)})
+        return listing
+
     def live_state(self) -> dict[str, Any]:
         path = self.root / "live.json"
         if not path.is_file():

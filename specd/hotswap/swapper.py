@@ -101,6 +101,7 @@ class Swapper:
         self.fetch_failures = 0             # every transient failure since start
         self.retry_at = 0.0                 # `clock` time before which the retried version is not fetched
         self._wanted: int | None = None
+        self._live_error: str | None = None  # the last failure to read the live version, while it lasts
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -114,8 +115,13 @@ class Swapper:
         try:
             live = self.source.live_version()
         except (OSError, ValueError) as error:
-            log.warning("cannot read the store's live version: %s", error)
+            if str(error) != self._live_error:  # said once, not at every poll (five a second)
+                log.warning("cannot read the store's live version (the version served stays): %s", error)
+            self._live_error = str(error)
             return False
+        if self._live_error is not None:
+            log.info("the store's live version is readable again")
+            self._live_error = None
         if live is None or live in (self.drafter.version, self._wanted) or live in self.refused:
             self.retrying.clear()  # whatever was retried is not wanted any more
             return False

@@ -25,6 +25,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
+from specd.core.errors import StoreError
 from specd.core.records import LEARNED_SOURCE, TrajectoryRecord
 from specd.drafter.checkpoint import DrafterModel
 from specd.hotswap.store import LiveVersionChanged, WeightStore
@@ -102,9 +103,12 @@ class ShadowCanary:
 
     def _live_pair(self) -> tuple[int, int] | None:
         """(live, predecessor) while a canary can judge; the pairs start again when it changes."""
-        live = self.store.live_version()
-        history = self.store.live_state()["history"] if live is not None else []
-        pinned = live is not None and bool(self.store.manifest(live).get("pinned"))
+        try:
+            live = self.store.live_version()
+            history = self.store.live_state()["history"] if live is not None else []
+            pinned = live is not None and bool(self.store.manifest(live).get("pinned"))
+        except StoreError:  # a damaged store file: no pair to judge until it is repaired (the store says why)
+            live, history, pinned = None, [], False
         pair = (live, history[-1]) if live is not None and history and not pinned else None
         if pair != self._pair:
             self._pair, self.models = pair, {}
