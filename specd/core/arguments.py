@@ -1,9 +1,10 @@
 """Command-line value types that refuse impossible numbers where they are parsed.
 
 Contract: `at_least(n)`, `positive_number`, `fraction` and `port_number` are argparse `type=`
-callables. A value they refuse raises `argparse.ArgumentTypeError`, which argparse turns into its own usage line and
-`error: argument -k: ...` with exit status 2, before anything is loaded: a negative k or a port
-past 65535 is never found out by a traceback minutes later. Imports nothing of specd.
+callables. A value they refuse raises `argparse.ArgumentTypeError`, which argparse turns into its
+own usage line and `error: argument -k: ...` with exit status 2, before anything is loaded: a
+negative k or a port past 65535 is never found out by a traceback minutes later. Imports nothing
+of specd.
 """
 
 from __future__ import annotations
