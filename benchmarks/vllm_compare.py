@@ -16,23 +16,21 @@ leaves vLLM's cores mostly alone) for the whole run, so every configuration shar
   drafting: context matches and the traffic table where they pay, EAGLE-3 elsewhere): records to
   the learner, which trains (recomputing features) and publishes; versions swap in place. Its
   per-source acceptance (context vs learned) comes from its status.
-- A/Bs, each only with `--only`: `specd_full_eagle` is specd adaptive with `SPECD_EAGLE_K=full` (EAGLE-3
-  drafts k every step, where the default drafts only what its rows are worth) and a learner of its own,
-  reported as specd_adaptive / specd_full_eagle; `specd_static` is specd's plugin and hybrid exactly as
-  specd adaptive with no broker and no learner (the shipped drafter serves throughout); `specd_confident`
-  is specd static with `SPECD_CONFIDENCE=1` (EAGLE-3's rows trimmed by its own calibrated confidence),
-  reported as specd_confident / specd_static; `specd_native_gemm` is specd static with
-  `SPECD_DRAFTER_GEMM=native` (the drafter's layers in the server's dtype, where by default a float32
-  eager server's drafter computes in bfloat16 if the CPU has it), reported as specd_static /
-  specd_native_gemm; `specd_plugin_only` is the plugin with hybrid drafting off and EAGLE-3's full k
-  (`SPECD_DRAFTER=learned`, `SPECD_EAGLE_K=full`), no learner: the plugin's own cost beside frozen
-  EAGLE-3, which then drafts the same; `specd_custom` is specd's other route (custom_class, token-level).
+- A/Bs, each only with `--only`: `specd_full_eagle`, specd adaptive with `SPECD_EAGLE_K=full` (EAGLE-3
+  drafts k every step, not only what its rows are worth) and a learner of its own; `specd_static`, specd
+  adaptive with no broker and no learner (the shipped drafter throughout); `specd_confident`, specd
+  static with `SPECD_CONFIDENCE=1` (EAGLE-3's rows trimmed by its calibrated confidence);
+  `specd_native_gemm`, specd static with `SPECD_DRAFTER_GEMM=native` (drafter layers in the server's
+  dtype, not bfloat16); `specd_plugin_only`, the plugin with `SPECD_DRAFTER=learned`, `SPECD_EAGLE_K=full`
+  and no learner (its own cost beside frozen EAGLE-3, drafting the same); `specd_custom`, specd's
+  custom_class route (token-level). Paired: adaptive / full_eagle, confident / static, static / native_gemm.
 - A static peer at another k than `-k` is named with it (`--only ...,ngram@8,suffix@8`) and counts as
   a static peer of its own, so the best static peer is the best of every k measured. `--specd-k`
   gives specd's servers a larger vLLM k than `-k`: context and table rows may then send up to it,
   EAGLE-3 still drafts at most `-k` (`SPECD_EAGLE_MAX`).
-1. Warm-up: every server answers the same warm-up traffic (HumanEval and ShareGPT prompts,
-   greedy, 8 in flight); specd adaptive's records reach the learner.
+1. Warm-up: every server answers the same warm-up traffic (HumanEval and ShareGPT, greedy, 8 in
+   flight; `--warmup-serial N`: then N of them one at a time, so that no server meets batch 1 first
+   in round 0); specd adaptive's records reach the learner.
 2. Measurement: `--repeats` rounds; in each round every configuration (order rotated) answers
    the round's prompts at batch 1 (one request at a time) and batch 8 (eight in flight). Each
    round has prompts of its own, never seen by any server before (disjoint from warm-up and from
@@ -41,8 +39,7 @@ Tokens are the token ids each answer returns; accept length is 1 + accepted draf
 verification step, from vLLM's own per-request metrics, overall and per domain; each output is
 compared with plain vLLM's for the same prompt. Per configuration and batch: tokens/s, per-round
 ratios to plain and to n-gram, and specd adaptive's per-round ratio to the frozen drafter per
-domain (batch 1: requests run one at a time, so each domain's tokens/s is its own).
-Writes out/vllm_compare.json (or --out).
+domain (batch 1: one request at a time, so each domain's tokens/s is its own). Writes --out.
 """
 
 from __future__ import annotations
@@ -101,8 +98,7 @@ def prompt_sets(args: Any) -> tuple[list[Prompt], list[dict[int, list[Prompt]]]]
 
 
 def requests_at(requests: int, batch: int) -> int:
-    """Measured requests per round at `batch`: `--requests`, but never fewer than the batch keeps in
-    flight (runs before this rule measured "batch 8" with 4 requests, so 4 in flight)."""
+    """Measured requests per round at `batch`: `--requests`, never fewer than the batch keeps in flight."""
     return max(requests, batch + batch % 2)
 
 
@@ -183,6 +179,9 @@ class Fleet:
             server = self.servers[name] = make().start()
             server.chat("Hello!", 8)  # first-request costs stay out of the figures
             warmup = run_traffic(server, warm, 8, self.args.max_tokens)
+            if self.args.warmup_serial:
+                warmup["serial"] = run_traffic(server, warm[:self.args.warmup_serial], 1, self.args.max_tokens)
+                warmup["serial"].pop("outputs")
             warmup.pop("outputs")
             return warmup
         except Exception as error:
@@ -325,6 +324,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8,
                    help="measured requests per batch and round (half code, half chat; at least the batch size)")
     p.add_argument("--warmup", type=int, default=32, help="warm-up requests every server answers first")
+    p.add_argument("--warmup-serial", type=int, default=0, help="of them, answered again one at a time after")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens for every drafter (default 4)")
     p.add_argument("--specd-k", type=int, default=None,
