@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import os
 import socket
 from typing import Any
@@ -15,6 +16,8 @@ from specd.drafter.hybrid import WIDE_PASS_ROWS
 from specd.engine.engine import EngineConfig
 from specd.learner.config import LearnerConfig
 from specd.model.target import LoadedTarget
+
+log = logging.getLogger(__name__)
 
 # continuations up to 8 drafts: the reach the vLLM route's context rows measured best
 # (docs/measurements.md, "Context rows past EAGLE-3's k")
@@ -82,7 +85,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target folder name)")
     _add_broker(p)
     p.add_argument("--learner-url", default=None, help="learner to fetch weights from (announcements name it too)")
-    p.add_argument("--token", default=None, help="bearer token for the embedded control plane")
+    p.add_argument("--token", default=None,
+                   help="bearer token for the embedded control plane's live, rollback and pin (or $SPECD_TOKEN)")
     p.set_defaults(run=run_serve)
 
 
@@ -166,7 +170,7 @@ def run_learner(args: argparse.Namespace) -> int:
         return launch_ranks(args.ranks, args.max_restarts)  # torchrun runs this same command once per rank
     options = SidecarOptions(store=args.store, mqtt=settings, client_id=args.client_id,
                              public_url=args.public_url or f"http://{args.host}:{args.port}",
-                             token=args.token or os.environ.get("SPECD_TOKEN"), drafter=drafter_spec(args),
+                             token=control_token(args), drafter=drafter_spec(args),
                              learner=LearnerConfig(k=args.k, duty_cycle=args.duty_cycle,
                                                    publish_every_seconds=args.publish_every,
                                                    holdout_every=args.holdout_every,
@@ -184,6 +188,16 @@ def run_learner(args: argparse.Namespace) -> int:
     return 0
 
 
+def control_token(args: argparse.Namespace) -> str | None:
+    """--token, else $SPECD_TOKEN; without either the control plane's live, rollback and pin are
+    open to whoever reaches the port, which is said aloud unless only this machine can."""
+    token = args.token or os.environ.get("SPECD_TOKEN") or None
+    if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no --token: anyone who reaches %s:%s can change the live drafter version "
+                    "(POST /v1/live, /v1/rollback, /v1/pin)", args.host, args.port)
+    return token
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from specd.serving.serve import ServeOptions, build_server
 
@@ -194,7 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
                            learner=not args.no_learner, learner_mode=args.learner_mode, duty_cycle=args.duty_cycle,
                            server_id=args.server_id,
                            model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,
-                           token=args.token, publish_records=not args.no_records, canary=not args.no_canary,
+                           token=control_token(args), publish_records=not args.no_records, canary=not args.no_canary,
                            drafter=drafter_spec(args, traffic_table=not args.no_traffic_table))
     listen(build_server(options), args.host, args.port)
     return 0

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
-import json
+import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from aiohttp import web
 
 from specd.control.acceptance import AcceptanceLog
 from specd.core.errors import BadRequest, SpecdError, StoreError
+from specd.core.http_requests import bearer_matches, json_object, read_body
 from specd.hotswap.store import WeightStore
 
 
@@ -51,11 +51,13 @@ class ControlPlane:
     gate_timeout_s: float = 300.0
 
 
+log = logging.getLogger(__name__)
 PLANE = web.AppKey("control_plane", ControlPlane)
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                        "code": None}}, status=status)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -75,6 +77,10 @@ def _answers_errors(handler: Handler) -> Handler:
             return web.json_response(error.as_json(), status=error.http_status)
         except web.HTTPException as error:
             return _error(error.status, error.reason)
+        except Exception:  # a bug: its traceback in the log, a JSON 500 to the client (never aiohttp's text page)
+            log.exception("control route %s %s failed", request.method, request.path)
+            return web.json_response({"error": {"message": "internal error (see the server's log)",
+                                                "type": "internal_error", "param": None, "code": None}}, status=500)
 
     return answered
 
@@ -88,17 +94,9 @@ def _version(request: web.Request) -> int:
 
 async def _authorised_body(request: web.Request) -> dict[str, Any] | web.Response:
     plane = request.app[PLANE]
-    given = request.headers.get("Authorization", "")
-    # constant time: how long a wrong token takes to refuse says nothing about the right one
-    if plane.token and not hmac.compare_digest(given.encode(), f"Bearer {plane.token}".encode()):
+    if plane.token and not bearer_matches(request.headers.get("Authorization", ""), plane.token):
         return _error(401, "this control operation needs `Authorization: Bearer <token>`")
-    try:
-        body = await request.json() if request.can_read_body else {}
-    except json.JSONDecodeError:
-        return _error(400, "the request body is not valid JSON")
-    if not isinstance(body, dict):
-        return _error(400, "the request body must be a JSON object")
-    return body
+    return json_object(await read_body(request)) if request.can_read_body else {}
 
 
 def _optional_int(body: dict[str, Any], name: str, required: bool) -> int | None:
@@ -186,9 +184,15 @@ async def rollback(request: web.Request) -> web.Response:
                                                                  {"by": "operator"}))
 
 
+def _pinned(body: dict[str, Any]) -> bool:
+    value = body.get("pinned", True)
+    if not isinstance(value, bool):  # "false" is a true string: it must not pin
+        raise BadRequest(f"'pinned' must be true or false, got {value!r}")
+    return value
+
+
 async def pin(request: web.Request) -> web.Response:
-    return await _operate(request, lambda p, b: p.store.pin(_optional_int(b, "version", True) or 0,
-                                                            bool(b.get("pinned", True))))
+    return await _operate(request, lambda p, b: p.store.pin(_optional_int(b, "version", True) or 0, _pinned(b)))
 
 
 async def dashboard(request: web.Request) -> web.Response:
@@ -204,5 +208,6 @@ def add_control_routes(app: web.Application, plane: ControlPlane) -> None:
         ("GET", "/v1/versions/{version}/weights", weights), ("GET", "/v1/acceptance", acceptance),
         ("GET", "/v1/status", status), ("POST", "/v1/live", set_live), ("POST", "/v1/rollback", rollback),
         ("POST", "/v1/pin", pin), ("GET", "/", dashboard), ("GET", "/dashboard", dashboard)]
-    for method, path, handler in routes:
-        app.router.add_route(method, path, _answers_errors(handler))
+    for method, path, handler in routes:  # add_get: HEAD too, as HTTP says every GET route takes it
+        add = app.router.add_get if method == "GET" else app.router.add_post
+        add(path, _answers_errors(handler))

@@ -41,7 +41,12 @@ class BadRequest(SpecdError, ValueError):
 
 
 class RequestRefused(BadRequest):
-    """A request the engine will not serve, with the reason in words a client can act on."""
+    """A request the engine will not serve, with the reason in words a client can act on (and the
+    request field at fault, or OpenAI's error code, where there is one)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class RefusalReason(StrEnum):

@@ -132,7 +132,7 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > self.max_context:
             raise RequestRefused(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context window of {self.max_context} tokens")
+                f"context window of {self.max_context} tokens", code="context_length_exceeded")
         vocab = self.target.config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:

@@ -41,18 +41,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:  # NaN and infinity fail too (JSON parsers accept them)
-            raise RequestRefused(f"temperature must be a finite number, 0 or more, got {self.temperature}")
+            raise RequestRefused(f"temperature must be a finite number, 0 or more, got {self.temperature}",
+                                 param="temperature")
         if not 0 < self.top_p <= 1:
-            raise RequestRefused(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestRefused(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if 0 < self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         if self.top_p < MIN_TOP_P:
             object.__setattr__(self, "top_p", MIN_TOP_P)
         # torch's generators take seeds in [-2**63, 2**64); outside it the engine step would fail
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise RequestRefused(f"seed must be in [-2**63, 2**64), got {self.seed}")
+            raise RequestRefused(f"seed must be in [-2**63, 2**64), got {self.seed}", param="seed")
         if self.max_tokens < 1:
-            raise RequestRefused(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise RequestRefused(f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
 
     @property
     def is_greedy(self) -> bool:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -29,6 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from specd.core.errors import SpecdError
+from specd.core.http_requests import bearer_matches, json_object, read_body
 from specd.engine.request import SamplingParams, Sequence
 from specd.engine.worker import EngineWorker, Submission
 from specd.model.target import LoadedTarget
@@ -63,6 +64,7 @@ class ApiState:
     api_key: str | None = None  # when set, the OpenAI routes need `Authorization: Bearer <api_key>`
 
 
+log = logging.getLogger(__name__)
 STATE = web.AppKey("state", ApiState)
 MAX_DOMAINS = 32
 OTHER_DOMAIN = "other"
@@ -79,17 +81,22 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
     except web.HTTPException as error:  # aiohttp's own 404 / 405, in OpenAI's shape
         body = {"error": {"message": error.reason, "type": "invalid_request_error", "param": None, "code": None}}
         return web.json_response(body, status=error.status)
+    except Exception:  # a bug: its traceback in the log, a JSON 500 to the client (never aiohttp's text page)
+        log.exception("%s %s failed", request.method, request.path)
+        body = {"error": {"message": "internal error (see the server's log)", "type": "internal_error",
+                          "param": None, "code": None}}
+        return web.json_response(body, status=500)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
-        raw = await request.read()
+        raw = await read_body(request)
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the request body is over this server's limit of {request.client_max_size} bytes",
                        code="request_too_large") from None
     if len(raw) <= INLINE_JSON_BYTES:
-        return fields.parse_json(raw)
-    return await asyncio.to_thread(fields.parse_json, raw)  # a large body would stall every other stream
+        return json_object(raw)
+    return await asyncio.to_thread(json_object, raw)  # a large body would stall every other stream
 
 
 # ---- decoding ---------------------------------------------------------------------------------
@@ -308,11 +315,10 @@ async def _api_key(request: web.Request, handler: Callable[[web.Request], Awaita
                    ) -> web.StreamResponse:
     """As vLLM's `--api-key`: the OpenAI routes answer only requests that carry the key."""
     key = request.app[STATE].api_key
-    if key is not None and request.path in OPENAI_ROUTES:
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key",
-                           kind="authentication_error")
+    if key is not None and request.path in OPENAI_ROUTES \
+            and not bearer_matches(request.headers.get("Authorization", ""), key):
+        raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key",
+                       kind="authentication_error")
     return await handler(request)
 
 

@@ -5,13 +5,13 @@ Contract: these functions turn a request body into what the engine takes (prompt
 that names the field at fault and says why. Whatever JSON a client sends (wrong types, huge or
 non-finite numbers, lone surrogates, nesting too deep to parse) ends here as a 4xx; nothing a
 client sends reaches the engine in a shape that could fail its step. The functions are plain
-and synchronous; `parse_json` (of a large body), `completion_prompt_ids` and `chat_prompt_ids`
-cost time in proportion to the body, and the handlers run them off the event loop.
+and synchronous; `completion_prompt_ids` and `chat_prompt_ids` cost time in proportion to the
+body, and the handlers run them off the event loop (as `json_object` of a large body, which reads
+the body itself: `specd.core.http_requests`).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from specd.core.errors import BadRequest, RequestRefused
@@ -30,19 +30,6 @@ class ApiError(BadRequest):
         super().__init__(message)
         self.http_status, self.param, self.code, self.kind = status, param, code, kind
         self.headers = headers
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object."""
-    try:
-        body = json.loads(raw)
-    except RecursionError:  # e.g. a hundred thousand nested '['
-        raise ApiError(400, "the request body is nested too deeply to parse") from None
-    except ValueError as error:  # not JSON, not UTF-8, or an integer literal past Python's digit limit
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 def field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
@@ -107,7 +94,7 @@ def sampling(body: dict[str, Any], default_max_tokens: int) -> tuple[SamplingPar
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                 seed=field(body, "seed", (int,), None))
     except RequestRefused as error:
-        raise ApiError(400, str(error)) from None
+        raise ApiError(400, str(error), param=error.param) from None
     return params, [_valid_text(s, "stop") for s in stops], bool(field(body, "stream", (bool,), False))
 
 
