@@ -5,6 +5,9 @@ target passes, tokens emitted), per drafter version of the learned drafter's own
 drafting source kind. `AcceptanceLog.add` turns them into per-interval deltas per server and
 version or source (a restarted server's counters start again at zero: a drop is a reset, not a
 negative delta), keeps bounded time series for the dashboard, and totals per version and source.
+Everything it keeps is bounded, whatever reports name: the last counts of at most `MAX_TRACKED`
+(server, domain, version or source) keys (the longest unreported go first), totals of the newest
+`MAX_VERSIONS` versions and of the `MAX_SOURCES` most drafted sources.
 These figures are what was served, on whatever traffic each version met; rollback decisions do not
 read them (two versions that served different traffic are not comparable), the learner's canary
 compares versions on the same records instead (`specd.learner.shadow`).
@@ -19,6 +22,10 @@ from typing import Any, TypeVar
 from specd.core.records import AcceptanceCounts, AcceptanceReport, validate_report
 
 Name = TypeVar("Name", int, str)   # a version number or a source name
+
+MAX_TRACKED = 10_000   # (server, domain, version or source) keys whose last counts are kept
+MAX_VERSIONS = 1_000   # versions with totals (the newest)
+MAX_SOURCES = 64       # sources with totals (the most drafted)
 
 
 class AcceptanceLog:
@@ -49,11 +56,21 @@ class AcceptanceLog:
         previous = self._last.get(key, AcceptanceCounts())
         # a restarted server's counters start again at zero: then the whole count is new
         delta = counts.minus(previous) if counts.covers(previous) else counts
-        self._last[key] = counts
+        self._last.pop(key, None)
+        self._last[key] = counts  # re-inserted: the dict's order is the order keys were last reported
+        if len(self._last) > MAX_TRACKED:
+            del self._last[next(iter(self._last))]
         if not delta.is_empty:
             totals.setdefault(name, AcceptanceCounts()).add(delta)
+            self._bound(totals)
             series.append({"time": at, "server": report.server_id, field: name, "domain": report.domain,
                            **delta.as_dict()})
+
+    def _bound(self, totals: dict[Name, AcceptanceCounts]) -> None:
+        if totals is self.totals and len(totals) > MAX_VERSIONS:
+            del totals[min(totals)]
+        elif totals is self.source_totals and len(totals) > MAX_SOURCES:
+            del totals[min(totals, key=lambda source: totals[source].drafts)]
 
     def acceptance(self, version: int) -> tuple[float | None, int]:
         total = self.totals.get(version)

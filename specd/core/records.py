@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import time as clock
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,8 @@ NO_DRAFTS_SOURCE = "none"  # a pass that verified no drafts: no drafter's accept
 MAX_SOURCE_CHARS = 32
 MAX_TOKENS_PER_RECORD = 65_536
 MAX_DRAFTS_PER_STEP = 64
+MAX_NAME_CHARS = 128              # record ids, server ids and domains
+MAX_REPORT_ENTRIES = 64           # versions (and sources) one report names: a server reports the few it served
 MAX_FEATURE_BYTES = 64 * 2**20   # per record: ~14k positions of SmolLM2's four 576-wide states
 FEATURE_DTYPE = "float16"
 
@@ -168,6 +171,31 @@ def _int_list(value: Any, name: str, vocab_size: int, limit: int) -> list[int]:
     return value
 
 
+def _name(raw: dict[str, Any], field: str, optional: bool = False) -> str | None:
+    """An id or label: a string (or, from older servers, an integer) of at most MAX_NAME_CHARS."""
+    value = raw.get(field)
+    if value in (None, "") and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int) or not 0 < len(str(value)) <= MAX_NAME_CHARS:
+        raise RecordRefused(f"{field} must be a name of 1 to {MAX_NAME_CHARS} characters", RefusalReason.MALFORMED)
+    return str(value)
+
+
+def _number(raw: dict[str, Any], field: str, low: float = -math.inf, high: float = math.inf,
+            low_open: bool = False) -> float:
+    """A finite number in [low, high] ((low, high] with `low_open`): NaN, infinities and integers too
+    large for a float (JSON allows all three) are refused here, not met by the learner's arithmetic."""
+    value = raw.get(field)
+    try:
+        number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        number = math.nan
+    if not math.isfinite(number) or number < low or number > high or (low_open and number == low):
+        raise RecordRefused(f"{field} must be a finite number in {'(' if low_open else '['}{low}, {high}], "
+                            f"got {str(value)[:40]}", RefusalReason.MALFORMED)
+    return number
+
+
 def validate_record(raw: Any, vocab_size: int, feature_size: int | None = None) -> TrajectoryRecord:
     """Check an untrusted record dict field by field; returns the typed record. Features, when
     present, must be `feature_size` wide (any width when None)."""
@@ -204,14 +232,11 @@ def validate_record(raw: Any, vocab_size: int, feature_size: int | None = None) 
                                                                             RefusalReason.STEPS)
         steps.append(StepRecord(position, drafts, accepted, version, source))
     features = None if raw.get("features") is None else validate_features(raw["features"], total, feature_size)
-    try:
-        return TrajectoryRecord(
-            record_id=str(raw["record_id"]), server_id=str(raw["server_id"]), prompt_ids=prompt,
-            output_ids=output, steps=steps, temperature=float(raw["temperature"]), top_p=float(raw["top_p"]),
-            created=float(raw["created"]), finished=float(raw["finished"]),
-            domain=None if raw.get("domain") is None else str(raw["domain"]), features=features)
-    except (KeyError, TypeError, ValueError) as error:
-        raise RecordRefused(f"missing or malformed field: {error}", RefusalReason.MALFORMED) from None
+    return TrajectoryRecord(
+        record_id=str(_name(raw, "record_id")), server_id=str(_name(raw, "server_id")), prompt_ids=prompt,
+        output_ids=output, steps=steps, temperature=_number(raw, "temperature", 0.0),
+        top_p=_number(raw, "top_p", 0.0, 1.0, low_open=True), created=_number(raw, "created"),
+        finished=_number(raw, "finished"), domain=_name(raw, "domain", optional=True), features=features)
 
 
 @dataclass
@@ -315,12 +340,16 @@ def validate_report(raw: Any) -> AcceptanceReport:
                                                 for s in sources):
         raise RecordRefused(f"a report's `sources` must map names of 1 to {MAX_SOURCE_CHARS} characters to counts",
                             RefusalReason.REPORT)
-    at = raw.get("time")
-    if at is not None and (not isinstance(at, int | float) or isinstance(at, bool)):
-        raise RecordRefused(f"report time must be a number, got {at!r}", RefusalReason.REPORT)
+    if len(versions) > MAX_REPORT_ENTRIES or len(sources) > MAX_REPORT_ENTRIES:
+        raise RecordRefused(f"a report names at most {MAX_REPORT_ENTRIES} versions and sources each",
+                            RefusalReason.REPORT)
+    try:
+        at = None if raw.get("time") is None else _number(raw, "time")
+        server_id, domain = _name(raw, "server_id", optional=True), _name(raw, "domain", optional=True)
+    except RecordRefused as error:
+        raise RecordRefused(f"report: {error}", RefusalReason.REPORT) from None
     return AcceptanceReport(
-        server_id=str(raw.get("server_id", "?")), time=float(at) if at is not None else clock.time(),
-        domain=str(raw.get("domain") or "default"),
+        server_id=server_id or "?", time=at if at is not None else clock.time(), domain=domain or "default",
         versions={parse_version(version, f"versions[{version!r}]", RefusalReason.REPORT):
                   AcceptanceCounts.from_dict(counts, f"versions[{version!r}]") for version, counts in versions.items()},
         sources={source: AcceptanceCounts.from_dict(counts, f"sources[{source!r}]")

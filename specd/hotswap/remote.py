@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -57,12 +58,14 @@ class RemoteSource:
         self._lock = threading.Lock()
 
     def announce(self, payload: dict[str, Any]) -> None:
-        version = payload.get("version")
-        if not isinstance(version, int):
-            raise ValueError(f"announcement without an integer version: {payload}")
+        version, url = payload.get("version"), payload.get("url")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"announcement without a drafter version number: {str(payload)[:200]}")
+        if url is not None and (not isinstance(url, str) or urllib.parse.urlsplit(url).scheme not in ("http", "https")):
+            raise ValueError(f"announcement with a learner URL that is not http(s): {str(url)[:200]}")
         with self._lock:
             self._live = version
-            self.learner_url = str(payload.get("url") or self.learner_url or "") or None
+            self.learner_url = url or self.learner_url
 
     def live_version(self) -> int | None:
         with self._lock:

@@ -6,12 +6,16 @@ target's vocabulary and the drafter's feature width, and counts a refusal under 
 are refused as `too-short`. Every `holdout_every`-th accepted record, greedy or sampled, goes to
 the gate (`Gate.hold_out`); the rest join `buffer`, a bounded deque of the newest trajectories.
 Every accepted record is also shown to `observe` (the canary's shadow scoring), when given.
+Whatever a record holds, validating it never raises out of `take`: an error validation did not
+foresee is a `malformed` refusal too, so one odd record cannot cost the batch it came in. Refusals
+are logged by `note_refusal`: the first few of each reason, then every thousandth (a flood of bad
+records is counted, not written out line by line).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from specd.core.errors import RecordRefused, RefusalReason
@@ -22,6 +26,19 @@ from specd.learner.objectives import Objective
 from specd.transport.bus import Bus
 
 log = logging.getLogger(__name__)
+
+LOGGED_PER_REASON = 10   # refusals of one reason logged one by one; after that every 1000th
+LOG_EVERY = 1000
+
+
+def note_refusal(counts: Counter, reason: str, message: str) -> None:
+    """Count a refusal under `reason`; log it while there are few of its kind."""
+    counts[reason] += 1
+    seen = counts[reason]
+    if seen <= LOGGED_PER_REASON or seen % LOG_EVERY == 0:
+        more = f" ({seen} {reason} refusals so far; from now on every {LOG_EVERY}th is logged)" \
+            if seen >= LOGGED_PER_REASON else ""
+        log.warning("refused %s%s", message, more)
 
 
 class Intake:
@@ -38,8 +55,11 @@ class Intake:
             try:
                 record = validate_record(raw, self.vocab_size, self.objective.feature_size)
             except RecordRefused as error:
-                self.stats.refused[str(error.reason)] += 1
-                log.warning("refused a record: %s", error)
+                note_refusal(self.stats.refused, str(error.reason), f"a record: {error}")
+                continue
+            except Exception as error:  # unforeseen by validation: still the record's fault, not the batch's
+                note_refusal(self.stats.refused, str(RefusalReason.MALFORMED),
+                             f"a record: {type(error).__name__}: {str(error)[:200]}")
                 continue
             if record.num_tokens < self.objective.min_tokens:
                 self.stats.refused[str(RefusalReason.TOO_SHORT)] += 1

@@ -5,7 +5,10 @@ session, stores each new record in its spool (`spool.py`) before training on it 
 broker's message is acknowledged (so neither a restarted learner nor a killed one loses a record
 the broker gave up; recent duplicates from QoS 1 redelivery are dropped by record id), trains
 and publishes versions to its weight store, announces the live version as a retained MQTT
-message whenever it changes (a publish, an operator's control operation, a canary rollback),
+message whenever it changes (a publish, an operator's control operation, a canary rollback) and
+every `REANNOUNCE_S` besides (a garbled retained message must not hide it from servers started
+later), refuses and counts any message it cannot use without raising (an unacknowledged message
+would come back at every reconnect),
 and serves the control plane and dashboard over HTTP (127.0.0.1 by default; POSTs need the
 bearer token when one is set). Reports feed the acceptance log that the dashboard shows; the
 learner's canary (`specd.learner.shadow`) replays the live version and its predecessor on the
@@ -32,6 +35,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +46,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from specd.control.acceptance import AcceptanceLog
 from specd.control.plane import ControlPlane, add_control_routes
 from specd.core.background_metrics import BackgroundCollector
+from specd.core.errors import RefusalReason
 from specd.core.threads import BackgroundHealth, supervise
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.hotswap.store import WeightStore
 from specd.learner.collector import LearnerCollector
 from specd.learner.config import LearnerConfig
+from specd.learner.intake import note_refusal
 from specd.learner.learner import Learner
 from specd.learner.memory import memory_breakdown
 from specd.learner.ranks import RankGroup, read_statuses
@@ -57,6 +63,7 @@ from specd.transport.mqtt import MqttSettings, announce, subscribe_forever
 
 log = logging.getLogger(__name__)
 
+REANNOUNCE_S = 30.0   # the live version is announced (retained) again this often, even unchanged
 SUBSCRIBER_LOOP = "subscriber-loop"   # subscribe_forever counts its own failures as "mqtt-subscriber"
 ANNOUNCER_TASK = "announcer"
 
@@ -81,7 +88,7 @@ class Sidecar:
         self.bus = InProcessBus(capacity=100_000)
         self.acceptance = AcceptanceLog()
         self.health = BackgroundHealth()
-        self.refused_messages = 0
+        self.refused_messages: Counter = Counter()   # messages refused before they reached the learner, by reason
         embedding = loaded.model.embed.weight
         initial = initial_model(loaded.model, options.drafter, fingerprint=loaded.fingerprint)
         self.learner = Learner(options.learner, self.bus, self.store, initial, loaded.fingerprint, embedding.dtype,
@@ -91,6 +98,7 @@ class Sidecar:
         for record in self.spool.load():  # what the learner had received, for its buffers again
             self.bus.publish(record)
         self._announced: int | None = None
+        self._announced_at = -REANNOUNCE_S
         self._changed = asyncio.Event()
         self.plane = ControlPlane(self.store, self.acceptance, options.token, self.status, self._changed.set,
                                   submit=self.learner.submit)
@@ -110,7 +118,8 @@ class Sidecar:
         staleness = self.learner.staleness
         spool = self.spool
         return {"records_in": spool.records_in, "records_waiting": self.bus.backlog,
-                "records_refused": sum(stats.refused.values()) + self.refused_messages,
+                "records_refused": sum(stats.refused.values()) + sum(self.refused_messages.values()),
+                "records_refused_by_reason": dict(stats.refused + self.refused_messages),
                 "records_duplicate": spool.duplicates,
                 "spool": {"records": spool.num_records, "bytes": spool.num_bytes, "compactions": spool.compactions,
                           "dropped_for_space": spool.dropped_for_space},
@@ -133,20 +142,22 @@ class Sidecar:
                                  self.health, share_group=options.client_id, reports=group.is_root)
 
     async def handle(self, topic: str, payload: bytes) -> None:
+        # whatever a message holds, it is refused and counted here, never raised: a message that
+        # raised would go unacknowledged, and the broker would send it again after every reconnect
         try:
             message = json.loads(payload)
             if not isinstance(message, dict):
                 raise ValueError("not a JSON object")
-        except ValueError as error:
-            self.refused_messages += 1
-            log.warning("refused a malformed message on %s: %s", topic, error)
+        except (ValueError, RecursionError) as error:
+            note_refusal(self.refused_messages, str(RefusalReason.NOT_AN_OBJECT),
+                         f"a malformed message on {topic}: {str(error)[:200]}")
             return
         if "/reports/" in topic:
             try:
                 self.acceptance.add(message)
-            except ValueError as error:
-                self.refused_messages += 1
-                log.warning("refused a malformed report: %s", error)
+            except Exception as error:  # RecordRefused, or what validation did not foresee
+                note_refusal(self.refused_messages, str(RefusalReason.REPORT),
+                             f"a malformed report: {type(error).__name__}: {str(error)[:200]}")
             return
         if message.get("record_id") is None:
             self.bus.publish(message)  # nothing to spool or deduplicate: the learner refuses and counts it
@@ -161,11 +172,14 @@ class Sidecar:
     async def announcer(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             live = self.store.live_version()
-            if live is not None and live != self._announced:
+            # again every REANNOUNCE_S even when unchanged: the retained message is what a server
+            # starting later reads first, and something else may have been retained over it
+            due = time.monotonic() - self._announced_at >= REANNOUNCE_S
+            if live is not None and (live != self._announced or due):
                 try:
                     await announce(self.options.mqtt, {"version": live, "url": self.options.public_url,
                                                        "time": time.time()})
-                    self._announced = live
+                    self._announced, self._announced_at = live, time.monotonic()
                 except Exception as error:  # the broker may be down: try again shortly
                     log.warning("could not announce version %s: %s", live, error)
                     self.health.failed(ANNOUNCER_TASK, error)
