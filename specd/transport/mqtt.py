@@ -258,13 +258,15 @@ async def subscribe_forever(settings: MqttSettings, client_id: str,
             client._client.manual_ack_set(True)
             records = settings.topic("records") + "/+"
             async with client:
-                attempt = 0
                 await client.subscribe(records if share_group is None else f"$share/{share_group}/{records}", qos=1)
                 if reports:
                     await client.subscribe(settings.topic("reports") + "/+", qos=1)
                 async for message in client.messages:
                     await handle(str(message.topic), bytes(message.payload))
                     client._client.ack(message.mid, message.qos)
+                    # reset only once a message went through: a message whose handling fails each
+                    # time it comes back must meet a growing backoff, not a reconnect per second
+                    attempt = 0
         except aiomqtt.MqttError as error:
             log.warning("MQTT broker unreachable (%s); retrying", error)
             health.failed(SUBSCRIBER_TASK, error)
