@@ -30,14 +30,6 @@ from specd.model.target import DEVICES, DTYPES, LoadedTarget
 MAX_DRAFTS = 32
 
 
-def draft_count(text: str) -> int:
-    """-k: a whole number from 0 to MAX_DRAFTS."""
-    value = at_least(0)(text)
-    if value > MAX_DRAFTS:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_DRAFTS}, got {value}")
-    return value
-
-
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="decode one prompt with speculative decoding")
     p.add_argument("--prompt", required=True, help="prompt text")
@@ -46,7 +38,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter", default=None,
                    help="a drafter checkpoint file, or shipped (the bundled pretrained drafter) | random | replay "
                         "| none (default: shipped for the bundled target, random for another --target)")
-    p.add_argument("-k", type=draft_count, default=4,
+    p.add_argument("-k", type=at_least(0, MAX_DRAFTS), default=4,
                    help=f"drafts per step, 0 to {MAX_DRAFTS}, capped at --max-tokens (default: 4)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0,

@@ -219,15 +219,18 @@ def check_address(host: str, port: int) -> None:
     model and a learner start (`listen` still catches the rare case of losing it in between)."""
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as error:
-        raise ConfigurationError(f"cannot listen on {host}:{port}: {error.strerror}") from None
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
-            try:
+        for family, kind, proto, _, address in addresses:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
                 probe.bind(address)
-            except OSError as error:
-                raise ConfigurationError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    except OSError as error:  # socket.gaierror (a host that does not resolve) among them
+        raise _cannot_listen(host, port, error) from None
+
+
+def _cannot_listen(host: str, port: int, error: OSError) -> ConfigurationError:
+    # the errno's own words ("Address already in use"); a resolver error (negative code) has only its text
+    reason = os.strerror(error.errno) if error.errno and error.errno > 0 else error.strerror or str(error)
+    return ConfigurationError(f"cannot listen on {host}:{port}: {reason}")
 
 
 def listen(app: Any, host: str, port: int) -> None:
@@ -239,8 +242,8 @@ def listen(app: Any, host: str, port: int) -> None:
     try:
         web.run_app(app, host=host, port=port, print=lambda line: print(line, flush=True))
     except socket.gaierror as error:  # a host name that does not resolve
-        raise ConfigurationError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+        raise _cannot_listen(host, port, error) from None
     except OSError as error:
         if error.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise
-        raise ConfigurationError(f"cannot listen on {host}:{port}: {os.strerror(error.errno)}") from None
+        raise _cannot_listen(host, port, error) from None

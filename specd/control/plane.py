@@ -34,7 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from specd.control.acceptance import AcceptanceLog
-from specd.core.errors import BadRequest, SpecdError, StoreError
+from specd.core.errors import BadRequest, InternalError, SpecdError, StoreError
 from specd.core.http_requests import bearer_matches, json_object, read_body
 from specd.hotswap.store import WeightStore
 
@@ -79,8 +79,7 @@ def _answers_errors(handler: Handler) -> Handler:
             return _error(error.status, error.reason)
         except Exception:  # a bug: its traceback in the log, a JSON 500 to the client (never aiohttp's text page)
             log.exception("control route %s %s failed", request.method, request.path)
-            return web.json_response({"error": {"message": "internal error (see the server's log)",
-                                                "type": "internal_error", "param": None, "code": None}}, status=500)
+            return web.json_response(InternalError().as_json(), status=InternalError.http_status)
 
     return answered
 

@@ -23,13 +23,15 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
-def at_least(lowest: int) -> Callable[[str], int]:
-    """A whole number no smaller than `lowest`."""
+def at_least(lowest: int, highest: int | None = None) -> Callable[[str], int]:
+    """A whole number no smaller than `lowest` (and, when given, no larger than `highest`)."""
 
     def parse(text: str) -> int:
         value = _integer(text)
         if value < lowest:
             raise argparse.ArgumentTypeError(f"must be at least {lowest}, got {value}")
+        if highest is not None and value > highest:
+            raise argparse.ArgumentTypeError(f"must be at most {highest}, got {value}")
         return value
 
     return parse

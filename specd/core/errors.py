@@ -35,6 +35,15 @@ class SpecdError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class InternalError(SpecdError):
+    """A bug met while answering: the client gets this in JSON, the server's log the traceback."""
+
+    kind = "internal_error"
+
+    def __init__(self, message: str = "internal error (see the server's log)") -> None:
+        super().__init__(message)
+
+
 class BadRequest(SpecdError, ValueError):
     kind = "invalid_request_error"
     http_status = 400

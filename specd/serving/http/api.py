@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from specd.core.errors import SpecdError
+from specd.core.errors import InternalError, SpecdError
 from specd.core.http_requests import bearer_matches, json_object, read_body
 from specd.engine.request import SamplingParams, Sequence
 from specd.engine.worker import EngineWorker, Submission
@@ -83,9 +83,7 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return web.json_response(body, status=error.status)
     except Exception:  # a bug: its traceback in the log, a JSON 500 to the client (never aiohttp's text page)
         log.exception("%s %s failed", request.method, request.path)
-        body = {"error": {"message": "internal error (see the server's log)", "type": "internal_error",
-                          "param": None, "code": None}}
-        return web.json_response(body, status=500)
+        return web.json_response(InternalError().as_json(), status=InternalError.http_status)
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

@@ -1,20 +1,21 @@
 """Request bodies to engine inputs: every field the OpenAI routes read, checked at the edge.
 
 Contract: these functions turn a request body into what the engine takes (prompt ids,
-`SamplingParams`, stop strings, stream flags) or raise `ApiError`, a 4xx in OpenAI's error shape
-that names the field at fault and says why. Whatever JSON a client sends (wrong types, huge or
-non-finite numbers, lone surrogates, nesting too deep to parse) ends here as a 4xx; nothing a
-client sends reaches the engine in a shape that could fail its step. The functions are plain
-and synchronous; `completion_prompt_ids` and `chat_prompt_ids` cost time in proportion to the
-body, and the handlers run them off the event loop (as `json_object` of a large body, which reads
-the body itself: `specd.core.http_requests`).
+`SamplingParams`, stop strings, stream flags) or raise `ApiError` (or, for a sampling setting, the
+`RequestRefused` of `SamplingParams`), a 4xx in OpenAI's error shape that names the field at fault
+and says why. Whatever JSON a client sends (wrong types, huge or non-finite numbers, lone
+surrogates, nesting too deep to parse) ends here as a 4xx; nothing a client sends reaches the
+engine in a shape that could fail its step. The functions are plain and synchronous;
+`completion_prompt_ids` and `chat_prompt_ids` cost time in proportion to the body, and the
+handlers run them off the event loop (as they do `json_object` of a large body:
+`specd.core.http_requests`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from specd.core.errors import BadRequest, RequestRefused
+from specd.core.errors import BadRequest
 from specd.engine.request import SamplingParams
 from specd.model.target import LoadedTarget
 
@@ -90,11 +91,9 @@ def sampling(body: dict[str, Any], default_max_tokens: int) -> tuple[SamplingPar
         raise ApiError(400, f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings",
                        param="stop")
     temperature, top_p = _number(body, "temperature", 1.0), _number(body, "top_p", 1.0)
-    try:
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                seed=field(body, "seed", (int,), None))
-    except RequestRefused as error:
-        raise ApiError(400, str(error), param=error.param) from None
+    # a setting SamplingParams refuses raises RequestRefused, a 400 naming its field as ApiError does
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                            seed=field(body, "seed", (int,), None))
     return params, [_valid_text(s, "stop") for s in stops], bool(field(body, "stream", (bool,), False))
 
 
