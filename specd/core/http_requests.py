@@ -1,5 +1,6 @@
 """What every specd HTTP route that takes a body or a token reads from a request (the OpenAI API
-and the control plane alike), so that both refuse bad input the same way.
+and the control plane alike), so that both refuse bad input the same way; the learner reads its
+MQTT messages with `json_object` too.
 
 Contract: `json_object(raw)` is the body as a dict, or `BadRequest` saying why (not UTF-8, not
 JSON, nested too deeply, not an object), never another exception whatever the bytes.

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import Counter
@@ -46,7 +45,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from specd.control.acceptance import AcceptanceLog
 from specd.control.plane import ControlPlane, add_control_routes
 from specd.core.background_metrics import BackgroundCollector
-from specd.core.errors import RefusalReason
+from specd.core.errors import BadRequest, RefusalReason
+from specd.core.http_requests import json_object
 from specd.core.threads import BackgroundHealth, supervise
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.hotswap.store import WeightStore
@@ -145,10 +145,8 @@ class Sidecar:
         # whatever a message holds, it is refused and counted here, never raised: a message that
         # raised would go unacknowledged, and the broker would send it again after every reconnect
         try:
-            message = json.loads(payload)
-            if not isinstance(message, dict):
-                raise ValueError("not a JSON object")
-        except (ValueError, RecursionError) as error:
+            message = json_object(payload)
+        except BadRequest as error:
             note_refusal(self.refused_messages, str(RefusalReason.NOT_AN_OBJECT),
                          f"a malformed message on {topic}: {str(error)[:200]}")
             return
