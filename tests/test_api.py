@@ -123,6 +123,11 @@ async def test_stop_string_cuts_the_text(client) -> None:
     ({"model": "tiny", "prompt": "x", "temperature": -2}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "temperature": 1.0, "seed": 2**80}, 400, "seed"),
     ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "tiny", "prompt": "x", "echo": True}, 400, "'echo' is not supported"),
+    ({"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n = 1"),
     ({"model": "tiny", "prompt": "x" * 600, "max_tokens": 10}, 400, "context window"),
     ({"model": "tiny", "prompt": [1, 2, 99999]}, 400, "vocabulary"),
@@ -149,6 +154,19 @@ async def test_malformed_json_and_unknown_route_are_json_errors(client) -> None:
                          (b'{"max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON")):
         response = await client.post("/v1/completions", data=body, headers={"Content-Type": "application/json"})
         assert response.status == 400 and needle in (await response.json())["error"]["message"]
+
+
+async def test_unsupported_fields_sent_at_their_no_op_values_are_served(client) -> None:
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
+    plain = await (await client.post("/v1/chat/completions", json=body)).json()
+    no_ops = {"logprobs": False, "echo": False, "best_of": 1, "logit_bias": {}, "presence_penalty": 0.0,
+              "frequency_penalty": 0, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+    response = await client.post("/v1/chat/completions", json={**body, **no_ops})
+    assert response.status == 200
+    assert (await response.json())["choices"][0]["message"] == plain["choices"][0]["message"]
+    # a boolean is not the number it equals in Python
+    refused = await client.post("/v1/chat/completions", json={**body, "frequency_penalty": False})
+    assert refused.status == 400 and (await refused.json())["error"]["param"] == "frequency_penalty"
 
 
 async def test_chat_content_may_be_a_list_of_text_parts_and_other_parts_are_refused(client) -> None:

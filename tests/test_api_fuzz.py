@@ -73,6 +73,10 @@ FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
     "n": (st.just(1), st.integers(-1, 3) | junk),
     "logprobs": (st.just(False), st.booleans() | st.integers(0, 5) | junk),
     "top_logprobs": (st.just(0), st.integers(0, 5) | junk),
+    "echo": (st.just(False), st.booleans() | junk),
+    "presence_penalty": (st.sampled_from([0, 0.0]), numbers | junk),
+    "tool_choice": (st.sampled_from(["none", "auto"]), texts | junk),
+    "response_format": (st.just({"type": "text"}), junk),
     "user": (valid_text, junk),
     "metadata": (st.fixed_dictionaries({"domain": valid_text}), st.fixed_dictionaries({"domain": texts | junk}) | junk),
 }

@@ -72,13 +72,39 @@ def include_usage(body: dict[str, Any]) -> bool:
     return include
 
 
+# OpenAI (and vLLM) fields this server does not implement, with the values that ask for nothing:
+# any other value is refused by name, since ignoring it would answer something the client did not ask for
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",),
+    "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+}
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    """A 400 naming the first field in `UNSUPPORTED` set to anything but null or a value asking for nothing."""
+    for name, harmless in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not any(_same_json(value, h) for h in harmless):
+            raise ApiError(400, f"'{name}' is not supported by this server (send it as null or leave it out)",
+                           param=name)
+
+
+def _same_json(value: Any, expected: Any) -> bool:
+    """JSON equality: 0 and 0.0 alike, a boolean never equal to a number (Python alone takes True for 1)."""
+    if isinstance(value, bool) or isinstance(expected, bool):
+        return value is expected
+    if isinstance(value, (int, float)) and isinstance(expected, (int, float)):
+        return value == expected
+    return type(value) is type(expected) and value == expected
+
+
 def sampling(body: dict[str, Any], default_max_tokens: int) -> tuple[SamplingParams, list[str], bool]:
     """The sampling settings, stop strings and stream flag of a request."""
     if field(body, "n", (int,), 1) != 1:
         raise ApiError(400, "only n = 1 is supported", param="n")
-    for name in ("logprobs", "top_logprobs"):  # refused rather than silently ignored
-        if body.get(name) not in (None, False, 0):
-            raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+    refuse_unsupported(body)
     max_tokens = field(body, "max_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = field(body, "max_completion_tokens", (int,), default_max_tokens)
