@@ -23,6 +23,15 @@ def record(i: int, size: int = 0) -> dict:
     return {"record_id": f"r{i}", "server_id": "s", "pad": "x" * size}
 
 
+def valid_record(i: int) -> dict:
+    """A record any learner on the tiny target takes: ids inside its vocabulary, long enough to train on."""
+    from specd.core.records import SCHEMA_VERSION
+
+    return {"schema_version": SCHEMA_VERSION, "record_id": f"r{i}", "server_id": "s", "prompt_ids": [1, 2, 3],
+            "output_ids": [4, 5, 6, 7], "steps": [], "temperature": 0.0, "top_p": 1.0, "created": 1.0,
+            "finished": 2.0}
+
+
 def open_spool(folder: Path, keep: int = 10, **config) -> tuple[RecordSpool, list[dict]]:
     spool = RecordSpool(folder, SpoolConfig(**config), keep=lambda: keep)
     return spool, list(spool.load())
@@ -141,7 +150,7 @@ def test_the_sidecar_counts_records_across_restarts_and_spools_only_what_it_keep
 
     async def deliver(sidecar: Sidecar, numbers: range) -> None:
         for i in numbers:
-            await sidecar.handle("specd/default/records/s", json.dumps(record(i)).encode())
+            await sidecar.handle("specd/default/records/s", json.dumps(valid_record(i)).encode())
 
     first = Sidecar(options, loaded)
     asyncio.run(deliver(first, range(5)))
@@ -155,6 +164,20 @@ def test_the_sidecar_counts_records_across_restarts_and_spools_only_what_it_keep
     assert status["records_in"] == 7
     assert status["learner_loop_failures"] == getattr(second.learner.stats, "loop_failures", 0)
     assert second._records_of_use() >= second.learner.buffer.maxlen
+
+
+def test_a_record_the_learner_would_refuse_is_counted_and_never_spooled(tmp_path) -> None:
+    from specd.learner.sidecar import Sidecar, SidecarOptions
+    from specd.testing import tiny_loaded_target
+
+    sidecar = Sidecar(SidecarOptions(store=str(tmp_path / "store")), tiny_loaded_target())
+    bad = [{**valid_record(1), "output_ids": [3, 10**9]}, {**valid_record(2), "prompt_ids": [1], "output_ids": [3]},
+           {"record_id": "r3", "server_id": "s"}]
+    for message in [*bad, valid_record(4)]:
+        asyncio.run(sidecar.handle("specd/default/records/s", json.dumps(message).encode()))
+    status = sidecar.status()
+    assert status["records_in"] == 1 and status["spool"]["records"] == 1 and sidecar.bus.backlog == 1
+    assert status["records_refused_by_reason"] == {"tokens": 1, "too-short": 1, "schema": 1}
 
 
 @pytest.mark.mqtt

@@ -1,9 +1,9 @@
 """Record intake: what comes off the bus is validated, counted, held out for the gate or buffered.
 
 Contract: `Intake.take(bus, timeout)` takes up to 1024 raw records, validates each against the
-target's vocabulary and the drafter's feature width, and counts a refusal under its
-`RefusalReason` (`stats.refused`) instead of raising; records shorter than the objective can use
-are refused as `too-short`. Every `holdout_every`-th accepted record, greedy or sampled, goes to
+target's vocabulary and the drafter's feature width (`Intake.check`), and counts a refusal under
+its `RefusalReason` (`stats.refused`) instead of raising; records shorter than the objective can
+use are refused as `too-short`. Every `holdout_every`-th accepted record, greedy or sampled, goes to
 the gate (`Gate.hold_out`); the rest join `buffer`, a bounded deque of the newest trajectories.
 Every accepted record is also shown to `observe` (the canary's shadow scoring), when given.
 Whatever a record holds, validating it never raises out of `take`: an error validation did not
@@ -48,21 +48,28 @@ class Intake:
         self.observe = observe
         self.buffer: deque[TrajectoryRecord] = deque(maxlen=capacity)
 
+    def check(self, raw: object) -> TrajectoryRecord:
+        """`raw` as a typed record, or `RecordRefused` under the reason `take` would count it by.
+        Reads nothing that changes, so any thread may call it (the sidecar does, before spooling)."""
+        try:
+            record = validate_record(raw, self.vocab_size, self.objective.feature_size)
+        except RecordRefused:
+            raise
+        except Exception as error:  # unforeseen by validation: still the record's fault, not the batch's
+            raise RecordRefused(f"{type(error).__name__}: {str(error)[:200]}", RefusalReason.MALFORMED) from None
+        if record.num_tokens < self.objective.min_tokens:
+            raise RecordRefused(f"{record.num_tokens} tokens, fewer than the {self.objective.min_tokens} the "
+                                f"objective can use", RefusalReason.TOO_SHORT)
+        return record
+
     def take(self, bus: Bus, timeout: float = 0.0) -> int:
         """Records accepted from one take of the bus (held out or buffered)."""
         taken = 0
         for raw in bus.take(1024, timeout):
             try:
-                record = validate_record(raw, self.vocab_size, self.objective.feature_size)
+                record = self.check(raw)
             except RecordRefused as error:
                 note_refusal(self.stats.refused, str(error.reason), f"a record: {error}")
-                continue
-            except Exception as error:  # unforeseen by validation: still the record's fault, not the batch's
-                note_refusal(self.stats.refused, str(RefusalReason.MALFORMED),
-                             f"a record: {type(error).__name__}: {str(error)[:200]}")
-                continue
-            if record.num_tokens < self.objective.min_tokens:
-                self.stats.refused[str(RefusalReason.TOO_SHORT)] += 1
                 continue
             self.stats.records_in += 1
             taken += 1

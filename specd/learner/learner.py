@@ -122,6 +122,10 @@ class Learner(SupervisedLoop):
     def intake(self, timeout: float = 0.0) -> int:
         return self._intake.take(self.bus, timeout)
 
+    def check_record(self, raw: object) -> None:
+        """`RecordRefused` for a record intake would refuse; callable from any thread."""
+        self._intake.check(raw)
+
     def train_step(self) -> float:
         return self.trainer.step(self.trainer.batch(self.buffer), self.stats, self.live_version)
 

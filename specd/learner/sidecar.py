@@ -1,8 +1,9 @@
 """`specd learner`: the learner as a sidecar process beside one or many servers, over MQTT.
 
 Contract: the sidecar subscribes to every server's records and reports with a persistent QoS 1
-session, stores each new record in its spool (`spool.py`) before training on it and before the
-broker's message is acknowledged (so neither a restarted learner nor a killed one loses a record
+session, validates each record as the learner's intake would (a refused one is counted by reason,
+never spooled), stores each new valid record in its spool (`spool.py`) before training on it and
+before the broker's message is acknowledged (so neither a restarted learner nor a killed one loses a record
 the broker gave up; recent duplicates from QoS 1 redelivery are dropped by record id), trains
 and publishes versions to its weight store, announces the live version as a retained MQTT
 message whenever it changes (a publish, an operator's control operation, a canary rollback) and
@@ -14,8 +15,8 @@ bearer token when one is set). Reports feed the acceptance log that the dashboar
 learner's canary (`specd.learner.shadow`) replays the live version and its predecessor on the
 same records and rolls a regression back with the evidence.
 The spool (SQLite) and the duplicate filter are bounded (`SpoolConfig`) and streamed back at a
-restart; `records_in` in `/v1/status` counts unique records ever received, across restarts and
-compaction.
+restart; `records_in` in `/v1/status` counts unique valid records ever received, across restarts
+and compaction.
 The subscriber and the announcer are supervised: a failure is logged, counted under
 `background` in `/v1/status` (with the learner loop's own failure count) and the loop restarts.
 `/v1/status` breaks the learner's memory down by part (`memory.py`).
@@ -45,7 +46,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from specd.control.acceptance import AcceptanceLog
 from specd.control.plane import ControlPlane, add_control_routes
 from specd.core.background_metrics import BackgroundCollector
-from specd.core.errors import BadRequest, RefusalReason
+from specd.core.errors import BadRequest, RecordRefused, RefusalReason
 from specd.core.http_requests import json_object
 from specd.core.threads import BackgroundHealth, supervise
 from specd.drafter.factory import DrafterSpec, initial_model
@@ -157,8 +158,10 @@ class Sidecar:
                 note_refusal(self.refused_messages, str(RefusalReason.REPORT),
                              f"a malformed report: {type(error).__name__}: {str(error)[:200]}")
             return
-        if message.get("record_id") is None:
-            self.bus.publish(message)  # nothing to spool or deduplicate: the learner refuses and counts it
+        try:  # before the spool: a record the learner would refuse must not take a good one's place there
+            await asyncio.to_thread(self.learner.check_record, message)
+        except RecordRefused as error:
+            note_refusal(self.refused_messages, str(error.reason), f"a record on {topic}: {error}")
             return
         if not self.spool.add(message):
             return  # QoS 1 may deliver twice
