@@ -28,8 +28,6 @@ from specd.model.fingerprint import TargetFingerprint
 from specd.testing import TINY, learnable_target
 from specd.transport.bus import InProcessBus
 
-pytestmark = pytest.mark.asyncio
-
 FINGERPRINT = TargetFingerprint(TINY.vocab_size, "none")
 SHAPE = DrafterShape(num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
 TOKEN = "secret"
@@ -76,6 +74,7 @@ def judged_by_norm(learner: Learner, monkeypatch: pytest.MonkeyPatch) -> None:
                         lambda model, records: float(model.norm.weight.detach().float().mean()))
 
 
+@pytest.mark.asyncio
 async def test_a_worse_candidate_is_refused_by_the_gate_and_never_goes_live(tmp_path, monkeypatch) -> None:
     learner = learner_on(tmp_path, records=6)
     judged_by_norm(learner, monkeypatch)
@@ -86,6 +85,7 @@ async def test_a_worse_candidate_is_refused_by_the_gate_and_never_goes_live(tmp_
     assert learner.store.live_version() == 1 and learner.store.manifest(worse)["status"] == "rejected"
 
 
+@pytest.mark.asyncio
 async def test_a_better_candidate_passes_the_gate_and_goes_live(tmp_path, monkeypatch) -> None:
     learner = learner_on(tmp_path, records=6)
     judged_by_norm(learner, monkeypatch)
@@ -97,6 +97,7 @@ async def test_a_better_candidate_passes_the_gate_and_goes_live(tmp_path, monkey
     assert learner.store.live_version() == 1
 
 
+@pytest.mark.asyncio
 async def test_without_held_out_evidence_the_gate_answers_503_and_nothing_goes_live(tmp_path, monkeypatch) -> None:
     learner = learner_on(tmp_path, records=2)  # 2 held out, the gate needs 4
     judged_by_norm(learner, monkeypatch)
@@ -107,6 +108,7 @@ async def test_without_held_out_evidence_the_gate_answers_503_and_nothing_goes_l
     assert learner.store.live_version() == 1 and learner.store.manifest(better)["status"] == "candidate"
 
 
+@pytest.mark.asyncio
 async def test_a_corrupt_version_cannot_go_live_by_hand(tmp_path, monkeypatch) -> None:
     learner = learner_on(tmp_path, records=6)
     judged_by_norm(learner, monkeypatch)
@@ -120,6 +122,7 @@ async def test_a_corrupt_version_cannot_go_live_by_hand(tmp_path, monkeypatch) -
     assert learner.store.live_version() == 1
 
 
+@pytest.mark.asyncio
 async def test_an_operators_verdict_does_not_wait_for_the_training_step_in_progress(tmp_path, monkeypatch) -> None:
     learner = learner_on(tmp_path, records=6)
     judged_by_norm(learner, monkeypatch)
@@ -161,6 +164,7 @@ def test_the_live_side_is_replayed_once_per_live_model_and_held_out_set(tmp_path
     assert replayed[-2:] == pytest.approx([0.5, 1.0])
 
 
+@pytest.mark.asyncio
 async def test_training_steps_aside_until_an_operators_verdict_is_answered(tmp_path, monkeypatch) -> None:
     learner = learner_on(tmp_path, records=6)
     monkeypatch.setattr(learner, "config", dataclasses.replace(learner.config, min_records=0))
@@ -184,3 +188,41 @@ async def test_training_steps_aside_until_an_operators_verdict_is_answered(tmp_p
     release.set()
     stepper.join(timeout=30)
     assert trained == [True] and verdict.result(timeout=5)["reason"] == "judged"
+
+
+@pytest.mark.asyncio
+async def test_a_gate_timeout_says_the_verdict_goes_on_and_never_calls_it_off(tmp_path) -> None:
+    from concurrent.futures import Future
+
+    store = WeightStore(tmp_path)
+    model = new_drafter_model(learnable_target(), SHAPE).float()
+    store.set_live(store.publish(model, FINGERPRINT, None, {}), "day 0")
+    candidate = store.publish(model, FINGERPRINT, 1, {})
+    pending: Future = Future()
+    app = web.Application()
+    add_control_routes(app, ControlPlane(store, AcceptanceLog(), TOKEN, submit=lambda version: pending,
+                                         gate_timeout_s=0.2))
+    async with TestClient(TestServer(app)) as client:
+        response = await client.post("/v1/live", json={"version": candidate},
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+        assert response.status == 504
+        assert "still being judged" in (await response.json())["error"]["message"]
+    assert not pending.cancelled()   # the learner still answers it (a process learner's reader must not die on it)
+    pending.set_result({"passed": True})
+
+
+def test_a_rollback_never_makes_a_version_live_that_has_not_served(tmp_path) -> None:
+    from specd.core.errors import StoreError
+
+    store = WeightStore(tmp_path)
+    model = new_drafter_model(learnable_target(), SHAPE).float()
+    first = store.publish(model, FINGERPRINT, None, {})
+    store.set_live(first, "day 0")
+    second = store.publish(model, FINGERPRINT, first, {})
+    store.set_live(second, "gate")
+    candidate, rejected = store.publish(model, FINGERPRINT, second, {}), store.publish(model, FINGERPRINT, second, {})
+    store.update(rejected, status="rejected", reason="worse")
+    for version in (candidate, rejected):
+        with pytest.raises(StoreError, match="never been live"):
+            store.rollback(version)
+    assert store.live_version() == second and store.rollback(first) == first

@@ -34,6 +34,9 @@ def test_dashboard_renders_live_charts_and_rolls_back_from_the_page(tmp_path: Pa
         version = store.publish(new_drafter_model(loaded.model, shape, seed=seed), loaded.fingerprint,
                                 store.live_version(), {})
         store.set_live(version)
+    # a refused candidate whose reason carries markup: shown as text, never parsed as HTML
+    refused = store.publish(new_drafter_model(loaded.model, shape, seed=2), loaded.fingerprint, 2, {})
+    store.update(refused, status="rejected", reason="<b id='injected'>worse</b>")
     server = SpecdProcess(["serve", "--target", str(checkpoint), "--store", str(tmp_path / "store"), "--no-learner",
                            "--model-name", "tiny", "--token", "secret"], free_port(), tmp_path / "serve.log").start()
     try:
@@ -52,11 +55,16 @@ def test_dashboard_renders_live_charts_and_rolls_back_from_the_page(tmp_path: Pa
             assert page.locator("#length polyline.series").count() > 0
             assert page.locator("#source-rate polyline.series").count() > 0  # acceptance per drafting source
             assert int(page.locator("#rate").get_attribute("data-points") or 0) > 0
-            assert page.locator("#versions tbody tr").count() == 2
+            assert page.locator("#versions tbody tr").count() == 3
+            assert page.locator("#injected").count() == 0
+            assert "<b id='injected'>worse</b>" in page.locator(f"#versions tr[data-version='{refused}']").inner_text()
+            assert page.locator(f"#versions tr[data-version='{refused}'] button").count() == 0  # never served
             assert "live: v2" in page.locator("#live").inner_text()
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)  # for people: see the log
             page.click("#versions tr[data-version='1'] button")
             page.wait_for_function("document.querySelector('#live').textContent.includes('v1')", timeout=20000)
+            # the operator's rollback is marked as the canary's would be
+            page.wait_for_function("document.querySelectorAll('#events li.rolled-back').length > 0", timeout=20000)
             browser.close()
         wait_for(lambda: server.health()["drafter_version"] == 1, 15, what="the rollback reaching the server")
         assert store.manifest(2)["status"] == "rolled-back"

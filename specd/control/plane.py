@@ -142,9 +142,12 @@ async def _operate(request: web.Request, operation: Callable[[ControlPlane, dict
             return authorised
         body = authorised
     plane = request.app[PLANE]
-    operation(plane, body)  # a malformed body, or an operation the store refuses, raises: see _answers_errors
+    # off the event loop: the store hashes weights and waits for its lock, and in `specd serve` this
+    # loop also streams answers. A malformed body, or an operation the store refuses, raises: see
+    # _answers_errors. The answer is the version the operation made live, not a later reading.
+    made_live = await asyncio.to_thread(operation, plane, body)
     plane.on_change()
-    return web.json_response({"live": plane.store.live_version()})
+    return web.json_response({"live": made_live if isinstance(made_live, int) else plane.store.live_version()})
 
 
 async def set_live(request: web.Request) -> web.Response:
@@ -155,15 +158,22 @@ async def set_live(request: web.Request) -> web.Response:
     version = _optional_int(body, "version", True) or 0
     status = plane.store.manifest(version).get("status")
     if plane.submit is None or status != "candidate":  # a version that has been live before is trusted
-        return await _operate(request, lambda p, b: p.store.set_live(version, "operator"), body)
+        def make_live(plane: ControlPlane, body: dict[str, Any]) -> int:
+            plane.store.set_live(version, "operator")
+            return version
+
+        return await _operate(request, make_live, body)
     try:  # a file that fails its checksum needs no evaluation (a replay of the held-out records)
         await asyncio.to_thread(plane.store.check_weights, version)
     except (StoreError, OSError) as error:
         return _error(409, f"version {version} cannot go live: {error}")
     try:  # evaluated on the learner's thread; this loop keeps serving meanwhile
-        verdict = await asyncio.wait_for(asyncio.wrap_future(plane.submit(version)), plane.gate_timeout_s)
+        # shielded: a verdict already under way cannot be called off, so the timeout must not pretend to
+        verdict = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(plane.submit(version))),
+                                         plane.gate_timeout_s)
     except TimeoutError:
-        return _error(504, f"the gate did not decide on version {version} within {plane.gate_timeout_s:.0f} s")
+        return _error(504, f"the gate has not decided on version {version} within {plane.gate_timeout_s:.0f} s; "
+                           f"it is still being judged and goes live if it passes (GET /v1/versions/{version})")
     except (SpecdError, OSError) as error:
         return _error(409, f"version {version} cannot be evaluated: {error}")
     if verdict.get("waiting"):

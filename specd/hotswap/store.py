@@ -285,9 +285,16 @@ class WeightStore:
             raise VersionNotFound(self._missing_files(to))
         if to == current:
             raise StoreError(f"version {to} is already live")
-        self.check_weights(to, self.manifest(to))
+        manifest = self.manifest(to)
+        if manifest.get("status") in ("candidate", "rejected"):  # never live: a rollback must not skip the gate
+            raise StoreError(f"version {to} has never been live (it is {manifest.get('status')}): a rollback "
+                             f"returns to a version that served; a candidate goes live through the gate "
+                             f"(POST /v1/live)")
+        self.check_weights(to, manifest)
         now = time.time()
-        self._leave_live(current, now, status="rolled-back", rollback_evidence=evidence or {"by": "operator"})
+        # timed, so that the dashboard marks an operator's rollback as it marks the canary's
+        self._leave_live(current, now, status="rolled-back",
+                         rollback_evidence={"time": now, **(evidence or {"by": "operator"})})
         self.update(to, status="live", live_since=now, live_reason=f"rollback from {current}")
         remaining = history[:history.index(to)] if to in history else history
         _write_json_atomic(self.root / "live.json", {"version": to, "history": remaining,

@@ -259,7 +259,7 @@ class LearnerProcess:
                 continue
             with self._pending_lock:
                 future = self._pending.pop(request_id, None)
-            if future is not None:
+            if future is not None and not future.done():  # a caller may have given up on it (cancelled)
                 if error is None:
                     future.set_result(verdict)
                 else:
@@ -267,7 +267,8 @@ class LearnerProcess:
         with self._pending_lock:  # the child is gone: nobody will answer these
             pending, self._pending = self._pending, {}
         for future in pending.values():
-            future.set_exception(SpecdError("the learner process ended before judging this version"))
+            if not future.done():
+                future.set_exception(SpecdError("the learner process ended before judging this version"))
 
     def _refresh(self) -> dict[str, Any]:
         while True:

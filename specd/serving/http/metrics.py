@@ -11,9 +11,10 @@ drafter's own steps). Scrapes and reports run on other threads than the engine: 
 snapshot taken under the same lock the engine's updates take, so `/metrics` never fails
 mid-update. Only the `max_versions` drafter versions served most recently keep their own
 `version` label (and their own counts in the reports); an older one is evicted when a new one is
-observed: its counts move into the label `version="older"`, so sums over versions stay
-monotonic, and a version that is served again starts its own counts from zero (the canary reads
-a restart).
+observed: its series end (sum `rate()` over versions, not raw counters: folding its lifetime count
+into another series would read as a burst of traffic at every eviction), its per-source counts stay
+in the reports' `sources` (cumulative there, so the learner never reads a restart), and a version
+that is served again starts its own counts from zero (the canary reads a restart).
 Names (the `specd_` twins of vLLM's `vllm:spec_decode_*`):
   specd_spec_decode_num_draft_tokens_total{version,source}       drafts proposed
   specd_spec_decode_num_accepted_tokens_total{version,source}    drafts accepted
@@ -95,9 +96,6 @@ def _domain_counters(totals: dict[tuple[str, str, str], AcceptanceCounts]) -> It
         yield family
 
 
-OLDER = "older"   # the label that evicted versions' counts move into
-
-
 class ServingMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, max_versions: int = 8,
                  background: BackgroundHealth | None = None) -> None:
@@ -125,7 +123,8 @@ class ServingMetrics:
         # the engine thread, read by scrapes and reports: only under `_lock`
         self.totals: dict[Key, AcceptanceCounts] = {}
         self._versions: OrderedDict[int | None, None] = OrderedDict()   # labelled versions, least recent first
-        self._older: dict[tuple[str, str], AcceptanceCounts] = {}   # evicted versions' counts per (source, domain)
+        self._older: dict[tuple[str, str], AcceptanceCounts] = {}   # evicted versions' counts per (source, domain),
+        # for the reports' cumulative per-source figures
         self._lock = threading.Lock()
         r.register(_DerivedRates(self))
         if background is not None:
@@ -153,17 +152,14 @@ class ServingMetrics:
             self.accepted_per_pos.labels(str(position)).inc()
 
     def _evict(self, version: int | None) -> None:
-        """Fold a version's counts into `older` and forget its label sets (caller holds `_lock`)."""
+        """End a version's series, keeping its counts for the reports' sources (caller holds `_lock`)."""
         del self._versions[version]
-        folded: dict[str, AcceptanceCounts] = {}
+        sources = set()
         for key in [key for key in self.totals if key[0] == version]:
-            counts = self.totals.pop(key)
-            folded.setdefault(key[1], AcceptanceCounts()).add(counts)
-            self._older.setdefault(key[1:], AcceptanceCounts()).add(counts)
-        for source, counts in folded.items():
-            for counter, amount in ((self.draft_tokens, counts.drafts), (self.accepted_tokens, counts.accepted),
-                                    (self.passes, counts.passes), (self.emitted, counts.emitted)):
-                counter.labels(OLDER, source).inc(amount)
+            self._older.setdefault(key[1:], AcceptanceCounts()).add(self.totals.pop(key))
+            sources.add(key[1])
+        for source in sources:
+            for counter in (self.draft_tokens, self.accepted_tokens, self.passes, self.emitted):
                 counter.remove(version_label(version), source)
 
     def snapshot(self) -> dict[Key, AcceptanceCounts]:
@@ -172,13 +168,10 @@ class ServingMetrics:
             return {key: replace(counts) for key, counts in self.totals.items()}
 
     def labelled_snapshot(self) -> dict[tuple[str, str, str], AcceptanceCounts]:
-        """The same keyed by version label, with evicted versions' counts under the label `older`."""
+        """The same keyed by version label (versions still labelled only)."""
         with self._lock:
-            copy = {(version_label(version), source, domain): replace(counts)
+            return {(version_label(version), source, domain): replace(counts)
                     for (version, source, domain), counts in self.totals.items()}
-            copy.update({(OLDER, source, domain): replace(counts)
-                         for (source, domain), counts in self._older.items()})
-            return copy
 
     def record_published(self) -> None:
         self.records_published.inc()
@@ -186,7 +179,11 @@ class ServingMetrics:
     def reports(self, server_id: str) -> list[AcceptanceReport]:
         """One cumulative report per traffic domain: per drafter version, of the learned drafter's
         own drafts; per source kind, of every version."""
-        return reports_from(server_id, self.snapshot())
+        with self._lock:  # evicted versions' counts stay in `sources` (keyed without a version)
+            totals = {key: replace(counts) for key, counts in self.totals.items()}
+            for (source, domain), counts in self._older.items():
+                totals.setdefault((None, source, domain), AcceptanceCounts()).add(counts)
+        return reports_from(server_id, totals)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
