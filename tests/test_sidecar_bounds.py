@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from specd.learner.spool import RecordSpool, SpoolConfig
 from specd.serving.http.metrics import ServingMetrics
@@ -98,6 +99,8 @@ def test_the_spool_stays_within_its_byte_cap(tmp_path) -> None:
 
 KILLED_WRITER = """
 import sys
+from prometheus_client import generate_latest
+
 from specd.learner.spool import RecordSpool, SpoolConfig
 spool = RecordSpool(sys.argv[1], SpoolConfig(dedup_window=50), keep=lambda: 30)
 list(spool.load())
@@ -178,6 +181,8 @@ def test_a_record_the_learner_would_refuse_is_counted_and_never_spooled(tmp_path
     status = sidecar.status()
     assert status["records_in"] == 1 and status["spool"]["records"] == 1 and sidecar.bus.backlog == 1
     assert status["records_refused_by_reason"] == {"tokens": 1, "too-short": 1, "schema": 1}
+    scraped = generate_latest(sidecar.registry).decode()  # /metrics counts them as /v1/status does
+    assert "specd_learner_records_refused_total 3.0" in scraped
 
 
 @pytest.mark.mqtt
@@ -285,3 +290,20 @@ def test_metrics_scrape_while_the_engine_thread_counts(tmp_path) -> None:
         stop.set()
         thread.join()
     assert not errors
+
+
+def test_records_shed_by_a_full_bus_are_not_counted_as_waiting() -> None:
+    from types import SimpleNamespace
+
+    from specd.core.threads import BackgroundHealth
+    from specd.learner.config import LearnerStats
+    from specd.serving.serve import _learner_status
+    from specd.transport.bus import InProcessBus
+
+    bus = InProcessBus(capacity=2)
+    for i in range(5):
+        bus.publish(record(i))   # three shed: the oldest go first
+    bus.take(1, 0.0)
+    learner = SimpleNamespace(stats=LearnerStats(), staleness={}, health=lambda: {})
+    status = _learner_status(SimpleNamespace(learner=learner, counters=bus.counters, health=BackgroundHealth()))()
+    assert status["records_waiting"] == bus.backlog == 1

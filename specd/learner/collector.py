@@ -1,12 +1,13 @@
 """Prometheus metrics of the learner and its weight store, read at scrape time.
 
-Contract: `LearnerCollector(learner, store)` is a prometheus_client collector that reads the
-learner's counters and the store's manifests when scraped (nothing is updated from the learner's
+Contract: `LearnerCollector(learner, store, refused_before)` is a prometheus_client collector that
+reads the learner's counters and the store's manifests when scraped (nothing is updated from the learner's
 thread, so a scrape never races it beyond reading integers). The learner sidecar serves it on
 its own `/metrics`; an embedded `specd serve` registers it beside the serving metrics.
 Names:
   specd_learner_records_received_total      records taken from the bus (held out or trained on)
-  specd_learner_records_refused_total       records refused at validation
+  specd_learner_records_refused_total       records (and messages) refused at validation: the learner's
+                                            and `refused_before`'s (a sidecar's, before its spool)
   specd_learner_steps_total                 training steps
   specd_learner_tokens_trained_total        tokens trained on
   specd_learner_versions_published_total    candidates that passed the gate and went live
@@ -21,7 +22,7 @@ Names:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -33,15 +34,19 @@ if TYPE_CHECKING:
 
 
 class LearnerCollector(Collector):
-    def __init__(self, learner: LearnerHandle, store: WeightStore) -> None:
+    def __init__(self, learner: LearnerHandle, store: WeightStore,
+                 refused_before: Callable[[], Mapping[str, int]] | None = None) -> None:
         self.learner = learner
         self.store = store
+        self.refused_before = refused_before
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         stats = self.learner.stats
+        before = self.refused_before() if self.refused_before is not None else {}
+        refused = sum(dict(stats.refused).values()) + sum(before.values())
         counters = [
             ("specd_learner_records_received", "records taken from the bus", stats.records_in),
-            ("specd_learner_records_refused", "records refused at validation", sum(dict(stats.refused).values())),
+            ("specd_learner_records_refused", "records refused at validation", refused),
             ("specd_learner_steps", "training steps", stats.steps),
             ("specd_learner_tokens_trained", "tokens trained on", stats.tokens_trained),
             ("specd_learner_versions_published", "candidates that passed the gate", len(stats.published)),

@@ -47,7 +47,8 @@ def model_bytes(model: torch.nn.Module | None) -> int:
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return tensors_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+    states = list(optimizer.state.values())  # a copy: the learner thread may add to it meanwhile
+    return tensors_bytes(v for state in states for v in state.values() if torch.is_tensor(v))
 
 
 def resident_bytes() -> int | None:
@@ -65,7 +66,7 @@ def memory_breakdown(learner: Any, backlog_records: int = 0) -> dict[str, int | 
     canary = learner.canary
     models = (model_bytes(learner.model) + optimizer_bytes(learner.optimizer)
               + sum(model_bytes(m) for m in learner.promoter.gate_copies)
-              + (sum(model_bytes(m) for m in canary.models.values()) if canary is not None else 0))
+              + (sum(model_bytes(m) for m in list(canary.models.values())) if canary is not None else 0))
     parts: dict[str, int | None] = {
         "buffer": records_bytes(learner.buffer),
         "held_out": records_bytes(learner.holdout),

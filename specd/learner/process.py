@@ -169,19 +169,24 @@ def run_child(spec: ChildSpec, target: Transformer, records: Any, reports: Any, 
         raise RuntimeError(f"{spec.store_dir} has no live version: publish day 0 before starting the learner")
     embedding = target.embed.weight
     initial = load_drafter(store.weights_path(live), spec.fingerprint, target_embedding=embedding)
-    learner = Learner(spec.config, QueueBus(records), store, initial, spec.fingerprint,
+    bus = QueueBus(records)
+    learner = Learner(spec.config, bus, store, initial, spec.fingerprint,
                       getattr(torch, spec.serving_dtype), embedding, target=target).start()
     where = {"pid": os.getpid(), "affinity": sorted(os.sched_getaffinity(0))}
-    reports.put({**learner_report(learner, began_cpu, began, True), **where})
+
+    def report(alive: bool) -> dict[str, Any]:  # records_taken: off the queue, refused ones too
+        return {**learner_report(learner, began_cpu, began, alive), "records_taken": bus.counters.delivered, **where}
+
+    reports.put(report(True))
     last_report = time.monotonic()
     while not stop.value:
         time.sleep(0.05)
         _answer_submissions(learner, submissions, verdicts)
         if time.monotonic() - last_report >= spec.report_every_s:
-            reports.put({**learner_report(learner, began_cpu, began, True), **where})
+            reports.put(report(True))
             last_report = time.monotonic()
     learner.stop()
-    reports.put({**learner_report(learner, began_cpu, began, False), **where})
+    reports.put(report(False))
 
 
 class LearnerProcess:
@@ -276,8 +281,8 @@ class LearnerProcess:
                 self._last = self._reports.get_nowait()
             except queue.Empty:
                 break
-        # what the child has taken off the queue: the serving side's "delivered", as a bus counts it
-        self.sink.counters.delivered = int(self._last.get("records_in", 0))
+        # what the child has taken off the queue (refused records too): "delivered", as a bus counts it
+        self.sink.counters.delivered = int(self._last.get("records_taken", 0))
         return self._last
 
     @property

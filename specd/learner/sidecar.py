@@ -104,7 +104,7 @@ class Sidecar:
         self.plane = ControlPlane(self.store, self.acceptance, options.token, self.status, self._changed.set,
                                   submit=self.learner.submit)
         self.registry = CollectorRegistry()  # the learner's /metrics: its counters, lag and background failures
-        self.registry.register(LearnerCollector(self.learner, self.store))
+        self.registry.register(LearnerCollector(self.learner, self.store, lambda: dict(self.refused_messages)))
         self.registry.register(BackgroundCollector(self.health))
 
     def _records_of_use(self) -> int:

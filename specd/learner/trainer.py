@@ -123,7 +123,10 @@ class Trainer:
         stats.losses.append(value)
         now = time.time()
         ages = [now - r.finished for r in records]
-        behind = [(live_version or 0) - s.version for r in records for s in r.steps[:1] if s.version is not None]
+        # version numbers apart (rejected candidates count too); 0, not negative, for records drafted
+        # by a version rolled back from
+        behind = [max(0, (live_version or 0) - s.version) for r in records for s in r.steps[:1]
+                  if s.version is not None]
         self._staleness = {"mean_record_age_s": sum(ages) / len(ages),
                            "mean_versions_behind": sum(behind) / len(behind) if behind else None}
         return value

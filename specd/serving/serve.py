@@ -195,7 +195,8 @@ def _learner_status(wiring: Wiring) -> Callable[[], dict[str, Any]]:
         if learner is None:
             return {}
         stats = learner.stats  # one read: a learner process builds it from its latest report
-        return {"records_in": stats.records_in, "records_waiting": counters.published - counters.delivered,
+        waiting = max(0, counters.published - counters.shed - counters.delivered)  # shed ones wait no more
+        return {"records_in": stats.records_in, "records_waiting": waiting,
                 "records_refused": sum(stats.refused.values()), "learner_steps": stats.steps,
                 "mean_record_age_s": learner.staleness.get("mean_record_age_s"),
                 "learner_loop_failures": stats.loop_failures, "learner": learner.health(),
