@@ -89,6 +89,14 @@ def test_vllm_refuses_flags_it_would_ignore_and_prints_the_store_as_an_absolute_
     printed = json.loads(capsys.readouterr().out)
     assert printed["env"]["SPECD_STORE"] == os.path.join(str(tmp_path), "st")
     assert not (tmp_path / "st").exists()  # printing a command makes no store
+    # settings no flag names are passed on from the environment; those a flag decides are the flag's
+    for name, value in (("SPECD_CONFIDENCE", "1"), ("SPECD_DRAFTER_GEMM", "native"), ("SPECD_BROKER", "mqtt://x")):
+        monkeypatch.setenv(name, value)
+    assert main(["vllm", "--print", "--json", "--store", "st", "--route", "custom"]) == 0
+    env = json.loads(capsys.readouterr().out)["env"]
+    assert env["SPECD_CONFIDENCE"] == "1" and env["SPECD_DRAFTER_GEMM"] == "native" and "SPECD_BROKER" not in env
+    monkeypatch.setenv("SPECD_EAGLE_MIN_CHANCE", "abc")  # refused here, not in vLLM's worker
+    assert "SPECD_EAGLE_MIN_CHANCE" in _refused(["vllm", "--print", "--store", "st", "--route", "custom"], capsys)
 
 
 def test_serve_finds_a_taken_port_before_it_loads_a_model(capsys) -> None:

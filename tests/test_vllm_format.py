@@ -354,3 +354,49 @@ def test_the_eagle3_route_starts_from_the_stores_live_version_else_the_shipped_d
     assert "shipped drafter" in caplog.text
     with pytest.raises(ConfigurationError, match="cannot start"):  # the shipped drafter is SmolLM2's, not this one's
         prepare_eagle3_drafter(folder, unreachable, tmp_path / "mismatch")
+
+
+def test_the_eagle3_start_refuses_what_it_cannot_start_from_in_one_line(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    import http.server
+
+    from specd.hotswap.store import WeightStore
+    from specd.model.target import LoadedTarget
+    from specd.serving.vllm.shared.launch import prepare_eagle3_drafter
+    from specd.testing.processes import free_port
+
+    bundled = LoadedTarget.load().folder
+
+    class Garbage(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"[1, 2]")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        garbage = f"http://127.0.0.1:{server.server_address[1]}"
+        # a learner answering nonsense: a warning and the shipped drafter, not a traceback
+        export = prepare_eagle3_drafter(bundled, PluginSettings(learner_url=garbage), tmp_path / "garbage")
+        assert read_metadata(export / SPECD_CHECKPOINT)["specd_version"] == "0" and "JSON object" in caplog.text
+        # a version asked for by number is that version or an error, never the shipped drafter instead
+        with pytest.raises(ConfigurationError, match="version 3 cannot be fetched"):
+            prepare_eagle3_drafter(bundled, PluginSettings(learner_url=garbage, version=3), tmp_path / "three")
+    finally:
+        server.shutdown()
+    with pytest.raises(ConfigurationError, match="version 3 cannot be fetched"):
+        prepare_eagle3_drafter(bundled, PluginSettings(learner_url=f"http://127.0.0.1:{free_port()}", version=3),
+                               tmp_path / "unreachable")
+    a_file = tmp_path / "not-a-store"
+    a_file.write_text("")
+    with pytest.raises(ConfigurationError, match="is a file"):
+        prepare_eagle3_drafter(bundled, PluginSettings(store=str(a_file)), tmp_path / "file")
+    store = WeightStore(tmp_path / "store")
+    (store.version_dir(1)).mkdir(parents=True)
+    (store.version_dir(1) / "manifest.json").write_text(json.dumps({"version": 1, "sha256": "0" * 64}))
+    with pytest.raises(ConfigurationError, match="version 1"):
+        prepare_eagle3_drafter(bundled, PluginSettings(store=str(store.root), version=1), tmp_path / "missing")

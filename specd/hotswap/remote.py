@@ -84,6 +84,8 @@ class RemoteSource:
             manifest = json.loads(self._read(f"/v1/versions/{version}"))
         except ValueError:
             raise TransportError(f"version {version}: the learner's manifest is not JSON") from None
+        if not isinstance(manifest, dict):
+            raise TransportError(f"version {version}: the learner's manifest is not a JSON object")
         expected = str(manifest.get("sha256"))
         target = self.path(version)
         if target.is_file():

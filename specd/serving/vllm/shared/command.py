@@ -10,6 +10,7 @@ Bad arguments end as `specd: error: ...` like every specd command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -69,6 +70,11 @@ def add_vllm_parser(sub: Any) -> None:
     p.set_defaults(run=run_vllm)
 
 
+# the plugin's settings this command's flags decide (their SPECD_* variables are overwritten)
+FLAG_OWNED = frozenset({"SPECD_BROKER", "SPECD_DEPLOYMENT", "SPECD_LEARNER_URL", "SPECD_STORE", "SPECD_VERSION",
+                        "SPECD_SERVER_ID", "SPECD_DOMAIN", "SPECD_DRAFTER", "SPECD_ROUTE", "SPECD_EAGLE_MAX"})
+
+
 def _has_cuda() -> bool:
     import torch
 
@@ -81,6 +87,9 @@ def run_vllm(args: argparse.Namespace) -> int:
     if args.broker is None and args.store is None and args.version is None:
         raise ConfigurationError("specd vllm needs --broker (with a learner) or --store: "
                                  "where drafter versions come from")
+    if args.version is not None and args.store is None and args.learner_url is None and args.broker is None:
+        raise ConfigurationError(f"--version {args.version} needs --store, --learner-url or --broker (whose "
+                                 "learner announces its URL): where to read it from")
     target = args.target or str(bundled_target_dir())
     reach = max(args.k, args.context_k or 0)
     for flag, value in (("--context-k", args.context_k), ("--drafter-dir", args.drafter_dir)):
@@ -92,9 +101,14 @@ def run_vllm(args: argparse.Namespace) -> int:
         raise ConfigurationError("--json goes with --print (it prints the command as JSON instead of running it)")
     # absolute: a printed command may run from another folder
     store = os.path.abspath(args.store) if args.store is not None else None
-    settings = PluginSettings(broker=args.broker, deployment=args.deployment, learner_url=args.learner_url,
-                              store=store, version=args.version, server_id=args.server_id, domain=args.domain,
-                              drafter_kind=args.drafter, route=args.route, eagle_max=args.k if reach > args.k else 0)
+    # the settings no flag names (SPECD_CONFIDENCE, SPECD_DRAFTER_GEMM, ...) come from the environment,
+    # checked here: the exec'd server would otherwise get this command's defaults over them
+    unflagged = PluginSettings.from_env({name: value for name, value in os.environ.items()
+                                         if name not in FLAG_OWNED})
+    settings = dataclasses.replace(unflagged, broker=args.broker, deployment=args.deployment,
+                                   learner_url=args.learner_url, store=store, version=args.version,
+                                   server_id=args.server_id, domain=args.domain, drafter_kind=args.drafter,
+                                   route=args.route, eagle_max=args.k if reach > args.k else 0)
     try:
         settings.mqtt  # noqa: B018 (checks the broker URL)
         extra = [a for a in args.vllm_args if a != "--"]

@@ -19,6 +19,7 @@ owner, stays the same), and `--print` hands it to a command run later; it goes o
 
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import logging
@@ -33,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from specd.core.errors import ConfigurationError, SpecdError
+from specd.core.errors import ConfigurationError, SpecdError, TransportError
 from specd.transport.mqtt import MqttSettings
 
 log = logging.getLogger(__name__)
@@ -254,6 +255,8 @@ def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, int]:
     from specd.hotswap.remote import RemoteSource
     from specd.hotswap.store import WeightStore
 
+    if settings.store is not None and Path(settings.store).exists() and not Path(settings.store).is_dir():
+        raise ConfigurationError(f"the store {settings.store} is a file, not a weight store folder")
     if settings.store is not None and not Path(settings.store).is_dir():
         if settings.version is not None:
             raise ConfigurationError(f"version {settings.version}: the store {settings.store} does not exist")
@@ -263,22 +266,42 @@ def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, int]:
         store = WeightStore(settings.store)
         version = settings.version if settings.version is not None else store.live_version()
         if version is not None:
-            check_file(version, store.weights_path(version), store.manifest(version), ConfigurationError)
+            try:
+                check_file(version, store.weights_path(version), store.manifest(version), ConfigurationError)
+            except OSError as error:
+                raise ConfigurationError(f"version {version} of {settings.store} cannot be read: "
+                                         f"{error.strerror or error}") from None
             return store.weights_path(version), version
     elif settings.learner_url is not None:
         try:
-            with urllib.request.urlopen(settings.learner_url.rstrip("/") + "/v1/status", timeout=10) as response:
-                live = json.loads(response.read())["live"]
-            version = settings.version if settings.version is not None else live
+            version = settings.version if settings.version is not None else _learners_live(settings.learner_url)
             if version is not None:
-                version = int(version)
                 path, manifest = RemoteSource(folder / "fetched", settings.learner_url).fetch(version)
                 check_file(version, path, manifest, ConfigurationError)
                 return path, version
-        except (OSError, ValueError, KeyError, SpecdError) as error:
+        except (OSError, http.client.HTTPException, SpecdError) as error:
+            if settings.version is not None:  # asked for by number: the shipped drafter is not what was asked
+                raise ConfigurationError(f"version {settings.version} cannot be fetched from the learner at "
+                                         f"{settings.learner_url}: {error}") from None
             log.warning("cannot read the learner's live version (%s); vLLM starts from the shipped drafter and "
                         "follows the learner's versions once they are announced", error)
+    else:
+        log.warning("no store or learner URL to start from: vLLM starts from the shipped drafter and follows "
+                    "the versions the learner announces")
     return SHIPPED_DRAFTER, BUILT_IN_VERSION
+
+
+def _learners_live(learner_url: str) -> int | None:
+    """The live version a learner's /v1/status names; TransportError for an answer that names none."""
+    with urllib.request.urlopen(learner_url.rstrip("/") + "/v1/status", timeout=10) as response:
+        raw = response.read()
+    try:
+        live = json.loads(raw).get("live")
+    except (ValueError, AttributeError, RecursionError):  # not JSON, or JSON that is not an object
+        raise TransportError(f"{learner_url}/v1/status did not answer a JSON object") from None
+    if live is not None and (not isinstance(live, int) or isinstance(live, bool) or live < 0):
+        raise TransportError(f"{learner_url}/v1/status names no version as live: {str(live)[:100]}")
+    return live
 
 
 OWNER_FILE = ".specd-owner"  # the process id that removes the folder when it exits
