@@ -135,6 +135,25 @@ def test_step_tracker_infers_accepted_counts_and_voids_drafts_that_were_never_ve
     assert tracker.finish("a") is None and tracker.is_finished("a")
 
 
+def test_a_request_that_leaves_vllm_is_recorded_with_its_own_sampling_not_as_greedy() -> None:
+    from types import SimpleNamespace
+
+    from specd.serving.vllm.shared.tracking import Trajectory
+    from specd.serving.vllm.shared.worker_loop import RequestBook
+
+    book = RequestBook(PluginSettings(), max_model_len=100)
+    for request_id in ("sampled", "unseen"):
+        book.tracker.live[request_id] = Trajectory(prompt_ids=[1, 2], tokens=[1, 2, 3, 4], created=0.0)
+    params = SimpleNamespace(temperature=0.8, top_p=0.9, stop_token_ids=[], eos_token_id=None, max_tokens=50)
+    waiting = {request_id: SimpleNamespace(sampling_params=params) for request_id in ("sampled", "unseen")}
+    assert book.close_finished(waiting, ["sampled"], [[4]]) == []  # "unseen" has no row in this step
+    # a stop string (or an abort) takes both out of vLLM's map: each ends as "gone"
+    assert sorted(book.close_finished({}, [], [])) == ["sampled", "unseen"]
+    record = book.telemetry._finished.get_nowait()
+    assert (record.temperature, record.top_p, record.output_ids) == (0.8, 0.9, [3, 4])
+    assert book.telemetry._finished.empty()  # "unseen" never showed its sampling: no record claims it greedy
+
+
 def test_stop_index_mirrors_vllms_stop_rules() -> None:
     assert stop_index([5, 6, 2, 7], max_tokens=10, stop_ids={2}, room=100) == 3   # stop token kept
     assert stop_index([5, 6, 7], max_tokens=2, stop_ids=set(), room=100) == 2       # max_tokens

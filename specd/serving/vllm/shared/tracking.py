@@ -137,6 +137,9 @@ class Trajectory:
     version: int = BUILT_IN_VERSION  # of the drafter that proposed `drafts`
     source: str = LEARNED_SOURCE       # who drafted them
     stop_checked: int = 0              # output tokens already known not to be stop tokens
+    # {"temperature", "top_p"} from vLLM's params while the request is in its map: a request that
+    # leaves it (a stop string, an abort) is recorded with them, not as greedy
+    sampling: dict[str, float] | None = None
 
 
 def stop_index(output: Sequence[int], max_tokens: int | None, stop_ids: set[int], room: int,

@@ -109,7 +109,10 @@ class RequestBook:
             state = requests.get(request_id)
             params = getattr(state, "sampling_params", None)
             trajectory = self.tracker.live.get(request_id)
-            if params is None or trajectory is None or not sampled[row]:
+            if params is None or trajectory is None:
+                continue
+            trajectory.sampling = {"temperature": float(params.temperature), "top_p": float(params.top_p)}
+            if not sampled[row]:
                 continue
             stop_ids = set(params.stop_token_ids or ())
             if getattr(params, "eos_token_id", None) is not None:
@@ -119,16 +122,19 @@ class RequestBook:
                               trajectory.stop_checked)
             trajectory.stop_checked = len(output)
             if keep is not None:
-                self._finish(request_id, keep, params)
+                self._finish(request_id, keep)
                 finished.append(request_id)
         gone = [request_id for request_id in self.tracker.live if request_id not in requests]
         for request_id in gone:  # aborted, stopped by a stop string, or otherwise ended by vLLM
-            self._finish(request_id, None, None)
+            self._finish(request_id, None)
         return finished + gone
 
-    def _finish(self, request_id: str, keep: int | None, params: Any) -> None:
-        sampling = {"temperature": getattr(params, "temperature", 0.0), "top_p": getattr(params, "top_p", 1.0)}
+    def _finish(self, request_id: str, keep: int | None) -> None:
         with self.telemetry.lock:
+            trajectory = self.tracker.live.get(request_id)
+            sampling = trajectory.sampling if trajectory is not None else None
             record = self.tracker.finish(request_id, keep, sampling)
-        if record is not None:
+        # a request never seen with its params (gone within its first step): how it sampled is not
+        # known, and a record labelled greedy would teach the learner the wrong targets, so none is sent
+        if record is not None and sampling is not None:
             self.telemetry.finish(record)
