@@ -154,6 +154,42 @@ def test_a_request_that_leaves_vllm_is_recorded_with_its_own_sampling_not_as_gre
     assert book.telemetry._finished.empty()  # "unseen" never showed its sampling: no record claims it greedy
 
 
+def test_a_fault_in_specds_part_of_a_step_leaves_vllms_own_drafts_and_is_counted(caplog) -> None:
+    from specd.serving.vllm.custom.proposer import SpecdProposer
+    from specd.serving.vllm.eagle3.companion import Eagle3Companion
+    from specd.serving.vllm.shared.worker_loop import RequestBook, StepFaults
+
+    def broken_companion(after_vllm: bool) -> Eagle3Companion:
+        companion = object.__new__(Eagle3Companion)  # the parts propose touches on a fault, no vLLM
+        companion.faults, companion.book = StepFaults(), RequestBook(PluginSettings(), 100)
+        companion.book.tracker.previous_rows = ["r1"]
+
+        def fails(runner, vllm_propose, *args):
+            if after_vllm:
+                companion._vllm_answer = vllm_propose(runner, *args)
+            raise KeyError("a bug in specd's step")
+
+        companion._propose = fails  # type: ignore[method-assign]
+        return companion
+
+    def vllm_propose(runner, scheduler_output, sampled):
+        calls.append(sampled)
+        return [[7, 8]]
+
+    for after_vllm in (False, True):
+        calls: list = []
+        companion = broken_companion(after_vllm)
+        assert companion.propose(None, vllm_propose, None, [[5]]) == [[7, 8]]
+        assert len(calls) == 1  # vLLM drafts once: its answer is kept when it already made it
+        assert companion.faults.status()["step_faults"] == 1 and companion.book.tracker.previous_rows == []
+    proposer = object.__new__(SpecdProposer)
+    proposer.faults, proposer.book = StepFaults(), RequestBook(PluginSettings(), 100)
+    proposer._propose = lambda *args: 1 / 0  # type: ignore[method-assign]
+    assert proposer.propose([[1], [2]], np.zeros(2), np.zeros((2, 4))) == [[], []]  # no drafts, the step goes on
+    assert proposer.faults.status()["last_step_fault"].startswith("ZeroDivisionError")
+    assert "the step goes on without it" in caplog.text
+
+
 def test_stop_index_mirrors_vllms_stop_rules() -> None:
     assert stop_index([5, 6, 2, 7], max_tokens=10, stop_ids={2}, room=100) == 3   # stop token kept
     assert stop_index([5, 6, 7], max_tokens=2, stop_ids=set(), room=100) == 2       # max_tokens

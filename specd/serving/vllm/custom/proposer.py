@@ -46,6 +46,7 @@ from specd.serving.vllm.shared.tracking import SlotTable
 from specd.serving.vllm.shared.worker_loop import (
     PinnedSource,
     RequestBook,
+    StepFaults,
     find_model_runner,
     follow_versions,
     force_version,
@@ -73,6 +74,7 @@ class SpecdProposer:
         self.slots = SlotTable(self.max_rows, self.max_rows)
         self.policy = DraftPolicy(DraftBudget(self.k), self.max_model_len)
         self.num_steps = 0
+        self.faults = StepFaults()
         self.seconds_proposing = 0.0
 
     @property
@@ -106,6 +108,15 @@ class SpecdProposer:
     # ---- the decoding thread ----------------------------------------------------------------
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None, **_: Any) -> list[list[int]]:
+        """Drafts per row; a fault in specd's part leaves the step without drafts (see `StepFaults`)."""
+        try:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        except Exception as error:
+            self.faults.note(error, self.book)
+            return [[] for _ in sampled_token_ids]
+
+    def _propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                 token_ids_cpu: np.ndarray) -> list[list[int]]:
         begin = time.perf_counter()
         assert self.drafter is not None, "vLLM called propose before load_model"
         if self.runner is None:
@@ -180,7 +191,7 @@ class SpecdProposer:
                 "source_live_version": self.source.inner.live_version() if self.source else None,
                 "k": self.k, "drafter": self.settings.drafter_kind, "steps": self.num_steps,
                 "mean_propose_ms": 1000 * self.seconds_proposing / max(self.num_steps, 1),
-                **self.policy.status(), **self.telemetry.status(),
+                **self.faults.status(), **self.policy.status(), **self.telemetry.status(),
                 "traffic_table_rows": self.drafter.num_table_rows if isinstance(self.drafter, HybridDrafter) else 0,
                 "swaps": self.drafter.num_swaps if self.drafter else 0,
                 "refused_versions": dict(self.swapper.refused) if self.swapper else {}}

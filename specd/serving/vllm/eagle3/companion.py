@@ -78,7 +78,7 @@ from specd.serving.vllm.eagle3.weights import (
 from specd.serving.vllm.shared.budget import DraftBudget
 from specd.serving.vllm.shared.launch import PluginSettings
 from specd.serving.vllm.shared.policy import DraftPolicy
-from specd.serving.vllm.shared.worker_loop import PinnedSource, RequestBook, follow_versions, force_version
+from specd.serving.vllm.shared.worker_loop import PinnedSource, RequestBook, StepFaults, follow_versions, force_version
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,8 @@ class Eagle3Companion:
         self.drafter_dir = Path(str(vllm_config.speculative_config.model))
         self.book = RequestBook(self.settings, self.max_model_len)
         self.num_steps = 0
+        self.faults = StepFaults()
+        self._vllm_answer: Any = None      # vLLM's drafts of the step in progress, once it has made them
         self.seconds_outside_vllm = 0.0    # observing, closing and installing: specd's cost per step
         self.seconds_drafting = 0.0        # vLLM's own EAGLE-3 drafting, for comparison
         self.install_seconds: deque[float] = deque(maxlen=32)
@@ -180,6 +182,18 @@ class Eagle3Companion:
     # ---- the decoding thread ----------------------------------------------------------------
     def propose(self, runner: Any, vllm_propose: Any, scheduler_output: Any, sampled: Any, *args: Any,
                 **kwargs: Any) -> Any:
+        """This step's drafts; a fault in specd's part leaves vLLM's own EAGLE-3 drafts (see `StepFaults`)."""
+        self._vllm_answer = None
+        try:
+            return self._propose(runner, vllm_propose, scheduler_output, sampled, *args, **kwargs)
+        except Exception as error:
+            self.faults.note(error, self.book)
+            if self._vllm_answer is not None:
+                return self._vllm_answer
+            return vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)  # vLLM's own step
+
+    def _propose(self, runner: Any, vllm_propose: Any, scheduler_output: Any, sampled: Any, *args: Any,
+                 **kwargs: Any) -> Any:
         begin = time.perf_counter()
         if not isinstance(sampled, list):
             raise RuntimeError("specd's eagle3 route needs the speculative config's disable_padded_drafter_batch")
@@ -265,10 +279,11 @@ class Eagle3Companion:
         (vLLM's own dynamic speculation path; at 0 its proposer runs just the pass that feeds its KV cache)."""
         scheduled = scheduler_output.num_spec_tokens_to_schedule
         if eagle_k >= scheduled:
-            return vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
+            self._vllm_answer = vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
+            return self._vllm_answer
         scheduler_output.num_spec_tokens_to_schedule = eagle_k
         try:
-            drafts = vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
+            drafts = self._vllm_answer = vllm_propose(runner, scheduler_output, sampled, *args, **kwargs)
         finally:  # the scheduler's own object: leave it as it was
             scheduler_output.num_spec_tokens_to_schedule = scheduled
         self.eagle_stood_down += eagle_k == 0
@@ -312,7 +327,7 @@ class Eagle3Companion:
                 "eagle_k": self.settings.eagle_k, "eagle_stood_down": self.eagle_stood_down,
                 "eagle_passes_saved": self.eagle_passes_saved,
                 "rows_by_source": dict(self.hybrid.rows_by_source), "mixed_steps": self.hybrid.mixed_steps,
-                **self.policy.status(), **self.book.telemetry.status()}
+                **self.faults.status(), **self.policy.status(), **self.book.telemetry.status()}
 
     def set_hybrid(self, on: bool) -> dict[str, Any]:
         """Hybrid drafting on or off from the next step (the decoding thread reads one flag)."""

@@ -5,6 +5,9 @@ or retained MQTT announcements plus HTTP fetches from the learner) and the MQTT 
 sends records and reports; `PinnedSource` lets an operator force a version over them.
 Without `SPECD_CACHE_DIR`, fetched versions go to a temporary folder removed when the worker
 exits; either way the swapper prunes it to the recent, serving and pinned versions.
+`StepFaults` counts (and logs sparingly) a fault in specd's own work inside a vLLM step, which the
+routes catch: an exception there would end vLLM's engine and every request in flight, while a step
+can always go on without specd's drafts (they are verified either way).
 `RequestBook` turns vLLM's steps into trajectory records: `observe` (the previous step's outcome,
 from the sampled tokens per row), `remember` (the drafts just made) and `close_finished` (requests
 that stopped this step or left vLLM become records for the telemetry threads). It reads vLLM's
@@ -13,6 +16,7 @@ buffers and the runner's request map only; nothing here imports vLLM.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +31,31 @@ from specd.serving.vllm.shared.launch import PluginSettings, temporary_folder
 from specd.serving.vllm.shared.telemetry import Telemetry
 from specd.serving.vllm.shared.tracking import StepTracker, stop_index
 from specd.transport.mqtt import MqttPublisher
+
+log = logging.getLogger(__name__)
+
+FAULTS_LOGGED = 3   # faults logged with their traceback; after that every 1000th
+
+
+class StepFaults:
+    """Faults in specd's part of vLLM's steps, each answered by the step going on without it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last: str | None = None
+
+    def note(self, error: Exception, book: RequestBook) -> None:
+        """Count and log `error`; the step's drafts are forgotten, as if none had been remembered."""
+        self.count += 1
+        self.last = f"{type(error).__name__}: {error}"[:300]
+        with book.telemetry.lock:
+            book.tracker.previous_rows = []
+        if self.count <= FAULTS_LOGGED or self.count % 1000 == 0:
+            log.error("specd's part of a vLLM step failed (%d so far); the step goes on without it", self.count,
+                      exc_info=error)
+
+    def status(self) -> dict[str, Any]:
+        return {"step_faults": self.count, "last_step_fault": self.last}
 
 
 class PinnedSource:
