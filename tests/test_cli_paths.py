@@ -84,6 +84,14 @@ def test_vllm_refuses_flags_it_would_ignore_and_prints_the_store_as_an_absolute_
     assert "goes with --print" in _refused(["vllm", *store, "--json"], capsys)
     assert "in two ranges" in _refused(["vllm", "--print", *store, "--route", "custom", "--drafts-per-batch",
                                         "1-2:4,2-8:2"], capsys)
+    (tmp_path / "empty").mkdir()
+    assert "not a folder specd exported" in _refused(["vllm", "--print", *store, "--drafter-dir",
+                                                       str(tmp_path / "empty")], capsys)
+    assert "no config.json" in _refused(["vllm", "--print", *store, "--route", "custom", "--target",
+                                         str(tmp_path / "empty")], capsys)
+    monkeypatch.setenv("VLLM_PLUGINS", "someone_else")
+    assert "leaves out specd" in _refused(["vllm", "--print", *store], capsys)
+    monkeypatch.delenv("VLLM_PLUGINS")
     monkeypatch.chdir(tmp_path)
     assert main(["vllm", "--print", "--json", "--store", "st", "--route", "custom"]) == 0
     printed = json.loads(capsys.readouterr().out)

@@ -225,6 +225,17 @@ def test_force_version_only_pins_and_the_swapper_thread_fetches(store: WeightSto
     assert swapper.check_once() is True and flaky.fetches == [4]
 
 
+def test_a_pin_to_a_version_not_yet_published_waits_for_it_instead_of_refusing_it(store: WeightStore) -> None:
+    now = [0.0]
+    pinned = PinnedSource(LocalStore(store))
+    swapper = Swapper(pinned, serving(), FINGERPRINT, clock=lambda: now[0])
+    force_version(pinned, 7)  # the store holds versions 1-6
+    assert swapper.check_once() is False and 7 not in swapper.refused and swapper.retrying == {7: 1}
+    store.publish(new_drafter_model(tiny_target(), SHAPE, seed=7), FINGERPRINT, None, {})
+    now[0] += 60  # past the backoff
+    assert swapper.check_once() is True and swapper.prepared_version == 7
+
+
 def test_a_version_counts_as_prepared_only_once_it_is_offered_to_the_drafter(store: WeightStore) -> None:
     # a test (or an operator) that waits for `prepared_version` then sends a request must find the
     # version pending for the drafter's next step, however long the drafter takes to prepare it

@@ -439,6 +439,7 @@ class RecordingPublisher:
         self.counters = BusCounters()
         self.records: list[tuple[str, dict]] = []
         self.last_report: dict | None = None
+        self.reports_shed, self.backlog = 0, 0
         self.record_arrived, self.report_arrived = threading.Event(), threading.Event()
 
     def publish(self, record: dict) -> None:
@@ -474,9 +475,30 @@ def test_telemetry_hands_a_finished_record_to_the_publisher_the_recent_records_a
     assert list(telemetry.recent) == [record.to_dict()]
     assert len(table) > 0 and table.draft([1, 2, 3, 10], 2) == [11, 12]   # the table learned its tokens
     status = telemetry.status()
-    assert status["records_published"] == 1 and status["live_requests"] == 0
+    assert status["records_published"] == 1 and status["live_requests"] == 0 and status["records_failed"] == 0
     assert status["totals"]["1"] == {"drafts": 2, "accepted": 2, "passes": 1, "emitted": 3}
     assert status["totals_by_source"]["none"] == {"drafts": 0, "accepted": 0, "passes": 1, "emitted": 1}
+
+
+def test_a_record_that_fails_to_publish_is_counted_and_the_record_thread_goes_on() -> None:
+    class TableFailingOnce:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def add(self, tokens: list[int]) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                raise IndexError("a bug in the traffic table")
+
+        def __len__(self) -> int:
+            return self.calls
+
+    tracker, publisher = StepTracker("vllm-test"), RecordingPublisher()
+    telemetry = Telemetry(tracker, report_seconds=3600).start(publisher, TableFailingOnce())  # type: ignore[arg-type]
+    telemetry.finish(finished_record(tracker))
+    telemetry.finish(finished_record(StepTracker("vllm-test")))  # the next request's
+    assert publisher.record_arrived.wait(timeout=10), "the record thread ended on the broken record"
+    assert len(publisher.records) == 1 and telemetry.status()["records_failed"] == 1
 
 
 def test_telemetry_reports_acceptance_totals_on_its_own_thread() -> None:

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from specd.core.errors import SpecdError, TransportError
+from specd.core.errors import SpecdError, TransportError, VersionNotFound
 from specd.core.threads import BackgroundHealth, backoff_delay, lower_thread_priority, supervised_thread
 from specd.drafter.checkpoint import DrafterModel
 from specd.drafter.swap import Swappable
@@ -80,8 +80,9 @@ class LocalStore:
         """Nothing to do: the files are the store's, and its own collection bounds them."""
 
 
-# the weights could not be fetched: worth another try (every other SpecdError is a refusal)
-TRANSIENT = (TransportError, OSError)
+# the weights could not be fetched: worth another try (every other SpecdError is a refusal). A
+# version not in the store (yet) too: a pin may name it before the learner publishes it
+TRANSIENT = (TransportError, OSError, VersionNotFound)
 
 
 class Swapper:

@@ -17,10 +17,11 @@ import os
 from typing import Any
 
 from specd.core.arguments import at_least, port_number, positive_number
-from specd.core.errors import ConfigurationError
+from specd.core.errors import CheckpointError, ConfigurationError
 from specd.model.bundled import cache_dir
 from specd.serving.vllm.shared.launch import (
     PluginSettings,
+    check_exported_drafter,
     parse_schedule,
     prepare_eagle3_drafter,
     shell_line,
@@ -75,6 +76,14 @@ FLAG_OWNED = frozenset({"SPECD_BROKER", "SPECD_DEPLOYMENT", "SPECD_LEARNER_URL",
                         "SPECD_SERVER_ID", "SPECD_DOMAIN", "SPECD_DRAFTER", "SPECD_ROUTE", "SPECD_EAGLE_MAX"})
 
 
+def _check_plugin_allowed(allowed: str | None) -> None:
+    """vLLM loads only the general plugins `VLLM_PLUGINS` names (all when unset): without specd's, the
+    eagle3 route would serve vLLM's frozen EAGLE-3 with no records, swaps or hybrid drafting."""
+    if allowed is not None and "specd" not in {name.strip() for name in allowed.split(",")}:
+        raise ConfigurationError(f"VLLM_PLUGINS={allowed!r} leaves out specd's plugin, which the eagle3 route runs "
+                                 "in: add specd to it, or unset it")
+
+
 def _has_cuda() -> bool:
     import torch
 
@@ -83,6 +92,7 @@ def _has_cuda() -> bool:
 
 def run_vllm(args: argparse.Namespace) -> int:
     from specd.model.bundled import bundled_target_dir
+    from specd.model.loading import read_config
 
     if args.broker is None and args.store is None and args.version is None:
         raise ConfigurationError("specd vllm needs --broker (with a learner) or --store: "
@@ -111,6 +121,11 @@ def run_vllm(args: argparse.Namespace) -> int:
                                    route=args.route, eagle_max=args.k if reach > args.k else 0)
     try:
         settings.mqtt  # noqa: B018 (checks the broker URL)
+        read_config(target)  # both routes: vLLM would fail on it later, with a traceback
+        if args.route == "eagle3":
+            _check_plugin_allowed(os.environ.get("VLLM_PLUGINS"))
+            if args.drafter_dir is not None:
+                check_exported_drafter(target, args.drafter_dir)
         extra = [a for a in args.vllm_args if a != "--"]
         kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else (None if _has_cuda() else 2.0)
         if kv_gib is not None:
@@ -124,7 +139,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         schedule = parse_schedule(args.drafts_per_batch, reach) if args.drafts_per_batch else None
         env, argv = vllm_command(target, settings, reach, args.host, args.port, args.max_num_seqs,
                                  args.max_model_len, extra, drafter_dir=drafter_dir, per_batch_size=schedule)
-    except ValueError as error:
+    except (ValueError, CheckpointError) as error:
         raise ConfigurationError(str(error)) from None
     if args.print:
         print(json.dumps({"env": env, "argv": argv}) if args.json else shell_line(env, argv))

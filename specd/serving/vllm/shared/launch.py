@@ -245,6 +245,29 @@ def prepare_eagle3_drafter(target_dir: str | Path, settings: PluginSettings, fol
         shutil.rmtree(folder / "fetched", ignore_errors=True)  # a fetched start version: the export holds a copy
 
 
+def check_exported_drafter(target_dir: str | Path, drafter_dir: str | Path) -> None:
+    """ConfigurationError unless `drafter_dir` is an eagle3 export of a feature drafter for this target
+    (what the worker loads at start: found wrong there, it would end vLLM's engine with a traceback)."""
+    from specd.drafter.checkpoint import load_drafter
+    from specd.drafter.feature_model import FeatureDrafterModel
+    from specd.drafter.vllm_format import SPECD_CHECKPOINT
+    from specd.model.fingerprint import TargetFingerprint
+    from specd.model.loading import read_target_head
+
+    path = Path(drafter_dir) / SPECD_CHECKPOINT
+    if not path.is_file():
+        raise ConfigurationError(f"--drafter-dir {drafter_dir}: no {SPECD_CHECKPOINT} (not a folder specd exported; "
+                                 "leave --drafter-dir out to export one)")
+    try:
+        config, embed, _ = read_target_head(target_dir)
+        model = load_drafter(path, TargetFingerprint.of(config, target_dir), target_embedding=embed)
+    except SpecdError as error:
+        raise ConfigurationError(f"--drafter-dir {drafter_dir}: {error}") from None
+    if not isinstance(model, FeatureDrafterModel):
+        raise ConfigurationError(f"--drafter-dir {drafter_dir}: a token-level drafter; the eagle3 route serves "
+                                 "feature drafters")
+
+
 def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, int]:
     """The file and version to start from: `settings.version` (else the live one) from the store, or
     from the learner over HTTP; the shipped pretrained drafter (`BUILT_IN_VERSION`) when there is none yet or the

@@ -17,6 +17,7 @@ buffers and the runner's request map only; nothing here imports vLLM.
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -108,6 +109,9 @@ def follow_versions(settings: PluginSettings) -> tuple[PinnedSource, MqttPublish
     if settings.mqtt is not None:
         announce = inner.announce if isinstance(inner, RemoteSource) else None
         publisher = MqttPublisher(settings.mqtt, settings.server_id, on_announcement=announce).start()
+        # records still queued when vLLM's worker ends get their moment to leave (as `specd serve`
+        # gives them): multiprocessing's finaliser, since vLLM's worker processes exit through it
+        multiprocessing.util.Finalize(None, publisher.stop, exitpriority=10)
     return PinnedSource(inner, settings.version), publisher
 
 
