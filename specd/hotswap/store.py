@@ -9,7 +9,8 @@ Contract: a store is a directory:
 Every write goes to a temporary file in the same directory and is renamed into place, so a crash
 leaves either the old file or the new one, never half of one; a version directory appears only
 once complete. Status is one of candidate / live / retired / rejected / rolled-back; `pinned` is a
-separate flag: pinned versions are never garbage-collected and act as the rollback floor.
+separate flag: pinned versions are never garbage-collected, and the canary never rolls back a pinned
+live version (an operator still may).
 Changes of the live version (`set_live`, `rollback`) and `gc` hold an exclusive lock on
 `live.lock`, so a learner, an operator's CLI and the canary in other processes (or threads) never
 interleave them; `set_live(..., if_live=n)` and `rollback(..., if_live=n)` act only while n is still
