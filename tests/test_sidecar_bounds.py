@@ -169,6 +169,32 @@ def test_the_sidecar_counts_records_across_restarts_and_spools_only_what_it_keep
     assert second._records_of_use() >= second.learner.buffer.maxlen
 
 
+def test_a_record_keeps_its_role_held_out_or_trained_across_a_restart_after_compaction(tmp_path) -> None:
+    import sqlite3
+
+    from specd.learner.config import LearnerConfig
+    from specd.learner.sidecar import Sidecar, SidecarOptions
+    from specd.testing import tiny_loaded_target
+
+    loaded = tiny_loaded_target()
+    options = SidecarOptions(store=str(tmp_path / "store"), learner=LearnerConfig(holdout_every=3))
+
+    def roles(sidecar: Sidecar) -> tuple[set[str], set[str]]:
+        sidecar.learner.intake()
+        return ({r.record_id for r in sidecar.learner.holdout}, {r.record_id for r in sidecar.learner.buffer})
+
+    first = Sidecar(options, loaded)
+    for i in range(9):
+        asyncio.run(first.handle("specd/default/records/s", json.dumps(valid_record(i)).encode()))
+    held, trained = roles(first)
+    assert len(held) == 3 and len(trained) == 6
+    first.spool.close()
+    with sqlite3.connect(first.spool.path) as db:  # compaction dropped the two oldest records
+        db.execute("DELETE FROM records WHERE n <= 2")
+    again_held, again_trained = roles(Sidecar(options, loaded))
+    assert again_held == held - {"r0", "r1"} and again_trained == trained - {"r0", "r1"}
+
+
 def test_a_record_the_learner_would_refuse_is_counted_and_never_spooled(tmp_path) -> None:
     from specd.learner.sidecar import Sidecar, SidecarOptions
     from specd.testing import tiny_loaded_target

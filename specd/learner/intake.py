@@ -4,7 +4,8 @@ Contract: `Intake.take(bus, timeout)` takes up to 1024 raw records, validates ea
 target's vocabulary and the drafter's feature width (`Intake.check`), and counts a refusal under
 its `RefusalReason` (`stats.refused`) instead of raising; records shorter than the objective can
 use are refused as `too-short`. Every `holdout_every`-th accepted record, greedy or sampled, goes to
-the gate (`Gate.hold_out`); the rest join `buffer`, a bounded deque of the newest trajectories.
+the gate (`Gate.hold_out`), counted by the number the sidecar's spool gave it where it has one (so
+that its role survives restarts); the rest join `buffer`, a bounded deque of the newest trajectories.
 Every accepted record is also shown to `observe` (the canary's shadow scoring), when given.
 Whatever a record holds, validating it never raises out of `take`: an error validation did not
 foresee is a `malformed` refusal too, so one odd record cannot cost the batch it came in. Refusals
@@ -23,6 +24,7 @@ from specd.core.records import TrajectoryRecord, validate_record
 from specd.learner.config import LearnerStats
 from specd.learner.gate import Gate
 from specd.learner.objectives import Objective
+from specd.learner.spool import SPOOL_INDEX
 from specd.transport.bus import Bus
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,11 @@ class Intake:
             taken += 1
             if self.observe is not None:
                 self.observe(record)
+            # the sidecar numbers records in its spool, the same number at every restart: a record
+            # the live version trained on must not come back held out (see specd.learner.spool)
+            index = raw.get(SPOOL_INDEX) if isinstance(raw, dict) else None
+            index = index if isinstance(index, int) and not isinstance(index, bool) else self.stats.records_in
             # sampled records are held out too: they are evidence for the gate (see specd.learner.gate)
-            if not self.gate.hold_out(record, self.stats.records_in):
+            if not self.gate.hold_out(record, index):
                 self.buffer.append(record)
         return taken

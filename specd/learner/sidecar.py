@@ -57,7 +57,7 @@ from specd.learner.intake import note_refusal
 from specd.learner.learner import Learner
 from specd.learner.memory import memory_breakdown
 from specd.learner.ranks import RankGroup, read_statuses
-from specd.learner.spool import RecordSpool, SpoolConfig
+from specd.learner.spool import SPOOL_INDEX, RecordSpool, SpoolConfig
 from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus
 from specd.transport.mqtt import MqttSettings, announce, subscribe_forever
@@ -165,7 +165,7 @@ class Sidecar:
             return
         if not self.spool.add(message):
             return  # QoS 1 may deliver twice
-        self.bus.publish(message)
+        self.bus.publish({**message, SPOOL_INDEX: self.spool.records_in})  # its number, as `load` gives it
         if self.spool.needs_compaction():
             # off the event loop; the subscriber awaits it, so nothing appends meanwhile
             await asyncio.to_thread(self.spool.compact)

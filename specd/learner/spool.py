@@ -15,7 +15,10 @@ Contract:
   `max_bytes` of record JSON, and the ids past the window. SQLite reuses the freed pages, so the
   file stays near the bound.
 - `load()` (once, at start) restores the count and yields the stored records oldest first, read
-  from the database in pages: the spool is never held whole in memory.
+  from the database in pages: the spool is never held whole in memory. Each carries its number n
+  under `SPOOL_INDEX` (the sidecar sends new ones with it too): the learner holds a record out for
+  its gate by that number, so a record keeps its role (held out or trained on) across restarts
+  and compaction.
 - A folder that still holds the JSONL spool of earlier versions (`received.jsonl`,
   `received-ids.jsonl`) is imported once at the first `load()`, then those files are renamed
   with a `.imported` suffix.
@@ -37,6 +40,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 DATABASE = "spool.sqlite3"
+SPOOL_INDEX = "_spool_index"  # a record's number n, beside its fields on the learner's bus
 PAGE = 256  # records read per query at load
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (n INTEGER PRIMARY KEY, record_id TEXT NOT NULL UNIQUE,
@@ -74,7 +78,7 @@ class RecordSpool:
     # ---- start ------------------------------------------------------------------------------
     def load(self) -> Iterator[dict[str, Any]]:
         """Open (or create) the database and restore the counts; then yield the stored records,
-        oldest first, a page at a time."""
+        oldest first, a page at a time, each with its place in the spool under `SPOOL_INDEX`."""
         self.folder.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
@@ -94,8 +98,8 @@ class RecordSpool:
             if not rows:
                 return
             last = rows[-1][0]
-            for _, body in rows:
-                yield json.loads(body)
+            for n, body in rows:
+                yield {**json.loads(body), SPOOL_INDEX: n}
 
     def _count(self) -> None:
         db = self._conn
