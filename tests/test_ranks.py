@@ -149,3 +149,19 @@ def test_rank_0s_gate_judges_gathered_records_as_if_it_had_held_them_out_itself(
 
     candidate, live = drafter(seed=0), drafter(seed=1)
     assert gathered.verdict(candidate, live, judged) == alone.verdict(candidate, live, judged)
+
+
+def test_a_step_with_a_non_finite_loss_is_skipped_and_learning_goes_on() -> None:
+    model = drafter(0)
+    trainer = Trainer(model, config(0), learnable_target(VOCAB).float())
+    stats = LearnerStats()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    real_loss = trainer._loss
+    trainer._loss = lambda records, rng: (real_loss(records, rng)[0] * float("nan"), 1)  # type: ignore[assignment]
+    trainer.step(records_of(0), stats, None)
+    assert stats.skipped_steps == 1 and stats.steps == 0
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    trainer._loss = real_loss
+    trainer.step(records_of(0), stats, None)  # Adam's moments were not poisoned: a finite step still trains
+    assert stats.steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())

@@ -102,4 +102,5 @@ class LearnerStats:
     training_seconds: float = 0.0
     gate_waits: int = 0              # publications due but skipped: too few held-out records
     loop_failures: int = 0           # steps of the learner thread that raised
+    skipped_steps: int = 0           # training steps skipped for a non-finite loss or gradient
     last_failure: dict[str, Any] | None = None  # {"error": "Type: message", "time": unix seconds}

@@ -16,6 +16,7 @@ rank takes the same optimiser step.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,8 @@ from specd.learner.config import LearnerConfig, LearnerStats
 from specd.learner.objectives import FeatureObjective, Objective, TokenObjective
 from specd.learner.ranks import RankGroup
 from specd.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,17 @@ class Trainer:
             loss, num_tokens = self._loss(records, self.rng)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        if not (torch.isfinite(loss) and torch.isfinite(norm)):
+            # one such step would make every weight and Adam's moments NaN for good (the gate refuses
+            # the versions, but learning stops until a restart): skipped, on every rank alike (the
+            # norm is taken after the ranks' gradients are averaged)
+            self.optimizer.zero_grad(set_to_none=True)
+            stats.skipped_steps += 1
+            if stats.skipped_steps <= 3 or stats.skipped_steps % 1000 == 0:
+                log.warning("a training step with a non-finite loss or gradient was skipped (%d so far)",
+                            stats.skipped_steps)
+            return float(loss.detach())
         self.optimizer.step()
         if self._anchor is not None:
             with torch.no_grad():
