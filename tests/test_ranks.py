@@ -165,3 +165,12 @@ def test_a_step_with_a_non_finite_loss_is_skipped_and_learning_goes_on() -> None
     trainer.step(records_of(0), stats, None)  # Adam's moments were not poisoned: a finite step still trains
     assert stats.steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_a_version_drafting_another_vocabulary_is_not_adopted_into_the_trainer() -> None:
+    model = drafter(0)
+    trainer = Trainer(model, config(0), learnable_target(VOCAB).float())
+    other = drafter(7)
+    other.get_buffer("draft_ids").copy_(torch.arange(VOCAB).flip(0))  # the same shape, other ids
+    assert not trainer.take_weights(other)  # its head's rows would mean other tokens than the labels'
+    assert trainer.take_weights(drafter(7))

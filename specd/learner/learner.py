@@ -196,6 +196,7 @@ class Learner(SupervisedLoop):
         """For a status endpoint: is the thread running, its failures, and is the gate waiting for evidence."""
         return {"running": self.running,
                 "loop_failures": self.stats.loop_failures, "last_failure": self.stats.last_failure,
-                "skipped_steps": self.stats.skipped_steps, "gate_waits": self.stats.gate_waits, "held_out_records": len(self.holdout),
+                "skipped_steps": self.stats.skipped_steps, "gate_waits": self.stats.gate_waits,
+                "held_out_records": len(self.holdout),
                 "canary_rollbacks": len(self.canary.rollbacks) if self.canary is not None else None,
                 "gate_min_held_out": self.config.gate_min_held_out}

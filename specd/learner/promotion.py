@@ -153,7 +153,8 @@ class Promoter:
             log.warning("cannot load live version %s (%s); training goes on from the learner's own", live, error)
             return
         if not self.take_weights(restored):
-            log.warning("live version %s is another kind of drafter; training goes on from the learner's own", live)
+            log.warning("live version %s is another kind or shape of drafter (or drafts another vocabulary); "
+                        "training goes on from the learner's own", live)
 
     def held(self) -> bool:
         """Follow a live version an operator or the canary set: True while publishing is held."""

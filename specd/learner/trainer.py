@@ -157,8 +157,13 @@ class Trainer:
         return self.objective.simulate(model, records, self.config.k).accept_length or 0.0
 
     def take_weights(self, restored: DrafterModel) -> bool:
-        """Train on from `restored` if it is this architecture and shape; False (nothing changed) if not."""
+        """Train on from `restored` if it is this architecture and shape, with the same draft vocabulary;
+        False (nothing changed) if not."""
         if type(restored) is not type(self.model) or restored.config != self.model.config:
+            return False
+        ids = "draft_ids"  # the objective's labels were built for these ids: others would scramble them
+        if isinstance(self.model, FeatureDrafterModel) and not torch.equal(restored.get_buffer(ids).cpu(),
+                                                                           self.model.get_buffer(ids).cpu()):
             return False
         self.model.load_state_dict(restored.float().state_dict())
         if self._anchor is not None:
