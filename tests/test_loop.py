@@ -315,6 +315,23 @@ def test_a_rollback_while_a_candidate_is_evaluated_stands(tmp_path: Path, monkey
     assert learner.maybe_publish() is None and store.versions() == [1, 2, 3]
 
 
+def test_the_token_objective_weighs_and_pushes_down_the_learned_drafters_misses_only() -> None:
+    from specd.core.records import StepRecord, TrajectoryRecord
+    from specd.learner.signal import build_batch
+
+    steps = [StepRecord(3, [9, 9], 1, 1, "learned"), StepRecord(5, [8, 8], 0, 1, "context2")]
+    record = TrajectoryRecord("r", "s", [1, 2, 3], [4, 5, 6, 7, 10], steps, 0.0, 1.0, 0.0, 0.0)
+    class WholeRecord(random.Random):
+        def randint(self, a: int, b: int) -> int:
+            return b  # the window ends at the record's last token
+
+    batch = build_batch([record], window=64, miss_weight=3.0, prompt_weight=1.0, rng=WholeRecord())
+    # label j is token j + 1
+    assert batch.labels.tolist() == [[2, 3, 4, 5, 6, 7, 10]]
+    assert batch.weights.tolist() == [[1.0, 1.0, 1.0, 3.0, 1.0, 1.0, 1.0]]   # token 4 (5): the learned miss
+    assert batch.negatives.tolist() == [[-1, -1, -1, 9, -1, -1, -1]]          # context's miss at 5: neither
+
+
 def test_malformed_records_are_refused_and_counted(tmp_path: Path) -> None:
     target = tiny_target()
     bus = InProcessBus()

@@ -1,10 +1,11 @@
 """From trajectory records to training tensors, the loss, and the simulated accept length.
 
 Contract: pure functions over records and tensors. Every output token is the target's own choice,
-so every output position is a label (teacher forcing); positions where the live drafter's draft
-was rejected weigh `miss_weight` times more (OSD's emphasis on the drafter's mistakes), and the
-rejected draft itself becomes a negative at that position for greedy records (under sampling a
-rejection can be chance, so it is not evidence against the token). The gate's accept length is
+so every output position is a label (teacher forcing); positions where the live learned drafter's
+draft was rejected (not a context match's or the traffic table's) weigh `miss_weight` times more
+(OSD's emphasis on the drafter's mistakes), and the rejected draft itself becomes a negative at
+that position for greedy records (under sampling a rejection can be chance, so it is not evidence
+against the token). The gate's accept length is
 simulated exactly for greedy decoding: with the true prefix, the drafter's i-th draft is its
 teacher-forced argmax, so a step accepts the run of consecutive correct predictions, up to k.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specd.core.records import AcceptanceCounts, TrajectoryRecord
+from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, TrajectoryRecord
 from specd.model.transformer import Transformer
 
 
@@ -45,7 +46,8 @@ def build_batch(records: list[TrajectoryRecord], window: int, miss_weight: float
         weight = [prompt_weight if j < first_output else 1.0 for j in range(len(ids))]
         negative = [-1] * len(ids)
         for step in record.steps:
-            if step.num_accepted < len(step.drafts):
+            # a context or table draft's miss is not the drafter's mistake, nor its draft a token to push down
+            if step.source == LEARNED_SOURCE and step.num_accepted < len(step.drafts):
                 miss = step.position + step.num_accepted  # the position of the target's correction
                 if miss < len(ids):
                     weight[miss] = miss_weight
