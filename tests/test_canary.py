@@ -176,6 +176,24 @@ def test_a_pinned_live_version_is_the_floor_even_when_worse(tmp_path: Path) -> N
     assert canary.check() is None and store.live_version() == 2
 
 
+def test_a_version_pinned_while_the_canary_scores_it_is_not_rolled_back(tmp_path: Path) -> None:
+    target = tiny_target()
+    good = drafter_model(target)
+    store = store_with(tmp_path, good, drowned(good))
+    canary = canary_on(store)
+    for record in served_records(target, load_drafter(store.weights_path(2), FINGERPRINT).float(), 2, "chat",
+                                 0.0, 12, seed=1):
+        canary.observe(record)
+    scoring = canary.accept_length
+
+    def pinned_meanwhile(model, records):  # the operator pins version 2 while the canary replays
+        store.pin(2)
+        return scoring(model, records)
+
+    canary.accept_length = pinned_meanwhile  # type: ignore[method-assign]
+    assert canary.check() is None and store.live_version() == 2
+
+
 def test_the_learner_runs_the_canary_on_the_records_it_takes(tmp_path: Path) -> None:
     from specd.learner.config import LearnerConfig
     from specd.learner.learner import Learner

@@ -261,18 +261,21 @@ class WeightStore:
             log.warning("version %s leaves live unmarked: %s", version, error)
 
     def rollback(self, to: int | None = None, evidence: dict[str, Any] | None = None,
-                 if_live: int | _AnyLive | None = ANY_LIVE) -> int:
+                 if_live: int | _AnyLive | None = ANY_LIVE, unless_pinned: bool = False) -> int:
         """Make `to` (default: the previous live version) live again; the current one is rolled back.
-        With `if_live`, only while that version is still the live one (LiveVersionChanged otherwise)."""
+        With `if_live`, only while that version is still the live one (LiveVersionChanged otherwise);
+        with `unless_pinned`, only while it is not pinned (read under the lock: the canary's rule)."""
         with self._live_lock():
-            return self._rollback_locked(to, evidence, if_live)
+            return self._rollback_locked(to, evidence, if_live, unless_pinned)
 
     def _rollback_locked(self, to: int | None, evidence: dict[str, Any] | None,
-                         if_live: int | _AnyLive | None) -> int:
+                         if_live: int | _AnyLive | None, unless_pinned: bool) -> int:
         state = self.live_state()
         current = state["version"]
         if not isinstance(if_live, _AnyLive) and current != if_live:
             raise LiveVersionChanged(f"version {current} is live now, not {if_live}: nothing is rolled back")
+        if unless_pinned and current is not None and self.manifest(current).get("pinned"):
+            raise LiveVersionChanged(f"version {current} was pinned meanwhile: nothing is rolled back")
         if current is None:
             raise StoreError("nothing is live: there is nothing to roll back")
         loadable = self._loadable()  # a version whose files are gone is never chosen

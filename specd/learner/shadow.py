@@ -76,8 +76,8 @@ class ShadowCanary:
         if evidence is None:
             return None
         try:
-            evidence["restored"] = self.store.rollback(None, evidence, if_live=live)
-        except LiveVersionChanged:  # someone else changed the live version: the evidence is about the old one
+            evidence["restored"] = self.store.rollback(None, evidence, if_live=live, unless_pinned=True)
+        except LiveVersionChanged:  # someone else changed (or pinned) the live version meanwhile: theirs stands
             return None
         log.warning("canary rolled version %s back to %s: %s", live, evidence["restored"], evidence)
         self.rollbacks.append(evidence)
