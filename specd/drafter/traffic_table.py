@@ -16,6 +16,7 @@ waits long.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 
@@ -27,7 +28,9 @@ class TrafficTable:
         self.min_n, self.max_n = min_n, max_n
         self.max_contexts, self.max_candidates = max_contexts, max_candidates
         self.min_count, self.min_share = min_count, min_share
-        self._counts: dict[tuple[int, ...], dict[int, int]] = {}
+        # ordered by insertion, the oldest first; an OrderedDict because evicting from the front of a
+        # plain dict leaves holes that every later `next(iter(...))` walks again (seconds per add, once full)
+        self._counts: OrderedDict[tuple[int, ...], dict[int, int]] = OrderedDict()
         self._lock = threading.Lock()
         self.sequences_added = 0
 
@@ -43,7 +46,7 @@ class TrafficTable:
                 self._count(tokens, begin, min(begin + chunk, len(tokens)))
         with self._lock:
             while len(self._counts) > self.max_contexts:
-                del self._counts[next(iter(self._counts))]  # dicts keep insertion order: the oldest goes
+                self._counts.popitem(last=False)  # the oldest context goes
             self.sequences_added += 1
 
     def _count(self, tokens: list[int], begin: int, end: int) -> None:
