@@ -115,6 +115,27 @@ async def test_stop_string_cuts_the_text(client) -> None:
     assert cut["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_a_stop_string_answer_counts_its_own_tokens_and_is_still_recorded(client) -> None:
+    from specd.transport.bus import InProcessBus
+
+    state = api_state(client)
+    state.worker.bus = bus = InProcessBus()  # the records a learner would get
+    loaded = state.loaded
+    ids = Engine(loaded.model, None, EngineConfig()).generate([loaded.encode("hey")],
+                                                               SamplingParams(max_tokens=40))[0].output_ids
+    full = loaded.decode(ids)
+    start = next(i for i in range(4, len(full) - 2) if "\ufffd" not in full[i:i + 2])
+    stop = full[start:start + 2]
+    # the answer's tokens: the fewest of the output whose text holds the stop string
+    through_stop = next(n for n in range(1, len(ids) + 1) if stop in loaded.decode(ids[:n]))
+    body = {"model": "tiny", "prompt": "hey", "max_tokens": 40, "temperature": 0, "stop": stop}
+    answer = await (await client.post("/v1/completions", json=body)).json()
+    assert answer["choices"][0]["text"] == full[:full.index(stop)]
+    assert answer["usage"]["completion_tokens"] == through_stop  # not the rest of the step that decoded it
+    await eventually(lambda: asyncio.sleep(0, result=bus.backlog == 1))
+    assert bus.take(1, 0.0)[0]["output_ids"][:through_stop] == ids[:through_stop]  # served traffic: recorded
+
+
 @pytest.mark.parametrize(("body", "status", "needle"), [
     ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
     ({"model": "tiny", "prompt": 5}, 400, "'prompt'"),

@@ -7,7 +7,9 @@ Callbacks run on the worker thread and must only hand data over (e.g. `call_soon
 Finished requests are turned into trajectory records and published on the bus, which never
 blocks, and added to the traffic table when there is one. `cancel` ends a request at the next
 step boundary, decoding or still queued (a client that went away, a stop string), and its slot
-or place in line is free from then on. `queued` counts the requests that wait for a slot beyond
+or place in line is free from then on; one cancelled as `answered` (a stop string ended its
+answer) is recorded and tabled still, since every token it decoded is the target's, while one
+whose client went away is not. `queued` counts the requests that wait for a slot beyond
 the free ones, not cancellations nor requests whose client has gone (they never take a slot). Nothing
 here waits on disk or network inside a step. The decoding thread is supervised: a fault in a
 step or in what follows it fails the requests in flight with a 500, is counted in the server's
@@ -77,6 +79,7 @@ class EngineWorker:
         self._num_inbox_requests = 0  # the Submissions in the inbox (cancellations wait there too)
         self._inbox_ids: set[str] = set()      # their request ids
         self._withdrawn: set[str] = set()      # ids cancelled whose cancellation waits in the inbox
+        self._answered: set[str] = set()       # ids cancelled because their answer was complete
         self._count_lock = threading.Lock()
         self._active: dict[str, Submission] = {}
         self._stop = threading.Event()
@@ -114,9 +117,12 @@ class EngineWorker:
         free = max(engine.config.max_batch - busy, 0)
         return max(in_inbox + waiting - free, 0)
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str, answered: bool = False) -> None:
+        """End a request; `answered`: its client has the whole answer (a stop string), so it is recorded."""
         with self._count_lock:
             self._withdrawn.add(request_id)
+            if answered:
+                self._answered.add(request_id)
         self._inbox.put(request_id)
 
     def start(self) -> EngineWorker:
@@ -138,10 +144,13 @@ class EngineWorker:
                 return
             block = False
             if isinstance(item, str):
-                if item and item in self._active:
+                active = bool(item) and item in self._active
+                if active:
                     self.engine.cancel(item)
                 with self._count_lock:
                     self._withdrawn.discard(item)  # applied: the request is finished, if it was there
+                    if not active:  # over already: nothing will be recorded under its id
+                        self._answered.discard(item)
                 continue
             with self._count_lock:
                 self._num_inbox_requests -= 1
@@ -196,9 +205,14 @@ class EngineWorker:
                 sub.on_error((500, f"internal engine error: {seq.error}"))
                 continue
             sub.on_done(seq)
-            if self.table is not None and seq.finish_reason != "cancelled":
+            with self._count_lock:
+                answered = seq.request_id in self._answered
+                self._answered.discard(seq.request_id)
+            if seq.finish_reason == "cancelled" and not answered:  # its client went away: not served traffic
+                continue
+            if self.table is not None:
                 self.table.add(seq.prompt_ids + seq.output_ids)
-            if self.bus is not None and seq.finish_reason != "cancelled":
+            if self.bus is not None:
                 record = record_from_sequence(seq, self.server_id, time.time(), sub.domain)
                 self.bus.publish(record.to_dict())
                 self.num_records_published += 1

@@ -158,20 +158,34 @@ class _Stream:
                 now = time.perf_counter()
                 self.state.metrics.inter_token_latency.observe((now - last) / max(len(value), 1))
                 last = now
-                text = self.stops.feed(self.detokenizer.push(value))
+                text = self._feed(value)
             else:  # done: every token was reported before, but take any the report did not carry
                 self.seq = value
-                rest = self.detokenizer.push(value.output_ids[len(self.ids):]) + self.detokenizer.finish()
-                text = self.stops.feed(rest) + self.stops.finish()
+                text = self._feed(value.output_ids[len(self.ids):])
+                text += self.stops.feed(self.detokenizer.finish()) + self.stops.finish()
             if self.stops.is_stopped:
                 self.finish_reason = "stop"
-                self.state.worker.cancel(self.request_id)  # tokens past the stop string are not wanted
+                # tokens past the stop string are not wanted; the request is still served traffic
+                self.state.worker.cancel(self.request_id, answered=True)
             elif kind == "done":
                 self.finish_reason = "length" if value.finish_reason == "length" else "stop"
             if text:
                 yield text
             if self.finish_reason is not None:
                 return
+
+    def _feed(self, ids: list[int]) -> str:
+        """The text of `ids`, up to a stop string. With stop strings the ids go in one at a time and
+        none after the one that completed a stop string: `ids` (and the usage) count the answer's
+        tokens only, not the rest of the step that decoded it."""
+        if not self.stops.stops:
+            return self.stops.feed(self.detokenizer.push(ids))
+        pieces = []
+        for token in ids:
+            if self.stops.is_stopped:
+                break
+            pieces.append(self.stops.feed(self.detokenizer.push([token])))
+        return "".join(pieces)
 
     def abandon(self) -> None:
         """Cancel the request unless it ended: its client is gone or its answer failed midway."""
