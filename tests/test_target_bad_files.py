@@ -136,3 +136,22 @@ def test_a_sound_tiny_folder_still_generates(tiny_folder: Path, capsys) -> None:
     code = main(["generate", "--prompt", "hi there", "--target", str(tiny_folder), "--max-tokens", "3", "--json"])
     assert code == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
+
+
+def test_stop_tokens_are_the_tokenizers_eos_and_those_generation_config_lists(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from specd.model.target import LoadedTarget
+
+    def stops(generation_config: str | None, eos: int | None = 2) -> tuple[int, ...]:
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        if generation_config is not None:
+            (folder / "generation_config.json").write_text(generation_config)
+        return LoadedTarget(folder, None, SimpleNamespace(eos_token_id=eos)).eos_token_ids  # type: ignore[arg-type]
+
+    assert stops(None) == (2,)
+    assert stops('{"eos_token_id": [2, 7, 9]}') == (2, 7, 9)   # a chat model's end of turn besides EOS
+    assert stops('{"eos_token_id": 5}', eos=None) == (5,)
+    assert stops('{"eos_token_id": ["x", true, -1]}') == (2,)   # nothing usable: the tokenizer's alone
+    assert stops("not json") == (2,)

@@ -10,6 +10,7 @@ dtype or device, a folder without config.json or without a tokenizer) is refused
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,18 @@ def load_tokenizer(folder: Path) -> Any:
         raise CheckpointError(f"{folder}: no usable tokenizer ({reason[:300]})") from None
 
 
+def generation_eos_ids(folder: Path) -> list[int]:
+    """`eos_token_id` of the folder's generation_config.json (an id or a list of ids); none when the
+    file is missing or says nothing usable (it only adds stops to the tokenizer's)."""
+    try:
+        config = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    eos = config.get("eos_token_id") if isinstance(config, dict) else None
+    listed = eos if isinstance(eos, list) else [eos]
+    return [int(i) for i in listed if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+
+
 @dataclass
 class LoadedTarget:
     folder: Path
@@ -75,8 +88,11 @@ class LoadedTarget:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's EOS and those `generation_config.json` lists (as vLLM and transformers read
+        them): chat models often end a turn on a token other than the tokenizer's EOS."""
         eos = self.tokenizer.eos_token_id
-        return () if eos is None else (int(eos),)
+        ids = [] if eos is None else [int(eos)]
+        return tuple(dict.fromkeys(ids + generation_eos_ids(self.folder)))
 
     @property
     def fingerprint(self) -> TargetFingerprint:
