@@ -14,6 +14,7 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
+from specd.core.records import SCHEMA_VERSION
 from specd.testing.processes import SpecdProcess, TlsBroker, free_port, get_json, tiny_checkpoint, wait_for
 from specd.transport.mqtt import PUBLISHER_TASK, MqttPublisher, MqttSettings, subscribe_forever
 
@@ -139,7 +140,9 @@ def test_the_learner_command_takes_records_over_tls(tmp_path: Path, broker) -> N
         deadline = time.monotonic() + 60
         sent = 0
         while get_json(status)["records_in"] == 0 and time.monotonic() < deadline:
-            publisher.publish({"record_id": f"probe-{sent}", "schema_version": 1})
+            publisher.publish({"schema_version": SCHEMA_VERSION, "record_id": f"probe-{sent}", "server_id": "server-a",
+                               "prompt_ids": [1, 2, 3], "output_ids": [4, 5, 6, 7], "steps": [], "temperature": 0.0,
+                               "top_p": 1.0, "created": 1.0, "finished": 2.0})  # a record the learner keeps
             sent += 1
             time.sleep(0.5)
         assert get_json(status)["records_in"] >= 1, learner.log.read_text()[-3000:]

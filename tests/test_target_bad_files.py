@@ -22,8 +22,10 @@ def save_tiny_llama(folder: Path) -> None:
     """A tiny Llama checkpoint folder (config.json + model.safetensors), without a tokenizer."""
     import transformers
 
+    # EOS 1: the tiny tokenizer's "</s>" (Llama's default, 2, would be a second stop token: "a")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      bos_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(str(folder), safe_serialization=True)
 

@@ -105,6 +105,8 @@ class Learner(SupervisedLoop):
         self._intake = Intake(initial.config.vocab_size, self.objective, self.gate, self.trainer.buffer_capacity,
                               self.stats, self.canary.observe if self.canary is not None else None)
         self.buffer = self._intake.buffer
+        # RecordRefused for a raw record intake would refuse; callable from any thread (the sidecar's loop)
+        self.check_record = self._intake.check
         if self.is_root:
             self.promoter.begin(self.model)
         # built here, on the constructing thread: not the reniced training loop's priority
@@ -121,10 +123,6 @@ class Learner(SupervisedLoop):
 
     def intake(self, timeout: float = 0.0) -> int:
         return self._intake.take(self.bus, timeout)
-
-    def check_record(self, raw: object) -> None:
-        """`RecordRefused` for a record intake would refuse; callable from any thread."""
-        self._intake.check(raw)
 
     def train_step(self) -> float:
         return self.trainer.step(self.trainer.batch(self.buffer), self.stats, self.live_version)
