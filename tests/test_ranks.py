@@ -45,7 +45,8 @@ def records_of(rank: int, count: int = 6) -> list[TrajectoryRecord]:
 
 
 def config(rank: int) -> LearnerConfig:
-    return LearnerConfig(seed=rank, batch_size=2, feature_learning_rate=1e-2)
+    # anchored: after every step each rank's weights move 10% back toward the version it adopted last
+    return LearnerConfig(seed=rank, batch_size=2, feature_learning_rate=1e-2, anchor_pull=0.1)
 
 
 def rank_body(rank: int, port: int, folder: str) -> None:
@@ -63,8 +64,10 @@ def rank_body(rank: int, port: int, folder: str) -> None:
     group.sync([], trainer.weights_epoch, model)
     if rank == 0:  # rank 0 adopts other weights (a rollback): the next sync hands them to rank 1
         assert trainer.take_weights(drafter(seed=7))
-    gathered = group.sync(mine[:2] if rank == 1 else [], trainer.weights_epoch, model)
-    out = {"after_step": after_step, "adopted": weights_digest(model), "gathered": [r.record_id for r in gathered]}
+    gathered = group.sync(mine[:2] if rank == 1 else [], trainer.weights_epoch, model, adopted=trainer.reanchor)
+    anchored = all(torch.equal(a, p) for a, p in zip(trainer._anchor or [], trainer._params, strict=True))
+    out = {"after_step": after_step, "adopted": weights_digest(model), "gathered": [r.record_id for r in gathered],
+           "anchored_to_adopted": anchored}
     Path(folder, f"rank-{rank}.pkl").write_bytes(pickle.dumps(out))
     # both ranks past every collective before either tears gloo down: under a full CI run's load one
     # rank aborted in teardown once more ("terminate called without an active exception", 2026-12-03)
@@ -87,6 +90,8 @@ def reference_step() -> dict[str, torch.Tensor]:
     (sum(losses) / 2).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
+    with torch.no_grad():  # the pull back toward the start (rank 0's weights)
+        torch._foreach_lerp_(trainers[0]._params, trainers[0]._anchor, config(0).anchor_pull)
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -115,6 +120,8 @@ def test_a_step_averages_both_ranks_gradients_from_rank_0s_start(outcome) -> Non
 
 def test_weights_rank_0_adopts_reach_every_rank_at_the_next_sync(outcome) -> None:
     assert outcome[0]["adopted"] == outcome[1]["adopted"] == weights_digest(drafter(seed=7))
+    # and every rank's anchor with them: a rank still pulled toward its old anchor would drift apart
+    assert outcome[0]["anchored_to_adopted"] and outcome[1]["anchored_to_adopted"]
 
 
 def test_records_held_out_on_any_rank_reach_rank_0s_gate(outcome) -> None:

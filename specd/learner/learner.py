@@ -144,7 +144,8 @@ class Learner(SupervisedLoop):
         self.train_step()
         if self.group is not None:
             handed = [] if self.is_root else self.gate.drain()
-            self.gate.keep(self.group.sync(handed, self.trainer.weights_epoch, self.model, self.stats))
+            self.gate.keep(self.group.sync(handed, self.trainer.weights_epoch, self.model, self.stats,
+                                           adopted=self.trainer.reanchor))
         if self.is_root:
             self.maybe_publish()
         spent = time.perf_counter() - begin

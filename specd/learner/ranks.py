@@ -33,7 +33,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -107,10 +107,11 @@ class RankGroup:
         return bool(flag.item())
 
     def sync(self, held_out: list[TrajectoryRecord], weights_epoch: int, model: torch.nn.Module,
-             stats: Any = None) -> list[TrajectoryRecord]:
+             stats: Any = None, adopted: Callable[[], None] | None = None) -> list[TrajectoryRecord]:
         """After a step: every rank's newly held-out records to rank 0 (returned there, [] elsewhere),
-        and rank 0's weights to every rank when its trainer adopted others since the last sync.
-        Every `status_every` syncs each rank writes its status with a digest of its weights."""
+        and rank 0's weights to every rank when its trainer adopted others since the last sync (then
+        `adopted` runs on every rank: the trainer's anchor follows the weights). Every
+        `status_every` syncs each rank writes its status with a digest of its weights."""
         gathered: list[Any] | None = [None] * self.info.world_size if self.is_root else None
         dist.gather_object(held_out, gathered, dst=0)
         epoch = [weights_epoch]
@@ -119,6 +120,8 @@ class RankGroup:
             self._weights_epoch = epoch[0]
             for tensor in model.state_dict().values():
                 dist.broadcast(tensor, src=0)
+            if adopted is not None:
+                adopted()
         self.syncs += 1
         if self.syncs % self.status_every == 0:
             self.report(model, stats)

@@ -166,10 +166,14 @@ class Trainer:
                                                                            self.model.get_buffer(ids).cpu()):
             return False
         self.model.load_state_dict(restored.float().state_dict())
-        if self._anchor is not None:
-            self._anchor = self._copy_of(self._params)
+        self.reanchor()
         self.weights_epoch += 1
         return True
+
+    def reanchor(self) -> None:
+        """Anchor to the weights held now (an adopted version's; with ranks, on every rank after the sync)."""
+        if self._anchor is not None:
+            self._anchor = self._copy_of(self._params)
 
     @staticmethod
     def _copy_of(params: list[torch.Tensor]) -> list[torch.Tensor]:
