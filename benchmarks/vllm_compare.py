@@ -34,7 +34,8 @@ leaves vLLM's cores mostly alone) for the whole run, so every configuration shar
 2. Measurement: `--repeats` rounds; in each round every configuration (order rotated) answers
    the round's prompts at batch 1 (one request at a time) and batch 8 (eight in flight). Each
    round has prompts of its own, never seen by any server before (disjoint from warm-up and from
-   other rounds), the same for every configuration, half code (HumanEval), half chat (ShareGPT).
+   other rounds), the same for every configuration, half code (HumanEval), half chat (ShareGPT);
+   `--prompt-offset N` starts past the first N of each pool (those earlier runs chose settings on).
 Tokens are the token ids each answer returns; accept length is 1 + accepted drafts per
 verification step, from vLLM's own per-request metrics, overall and per domain; each output is
 compared with plain vLLM's for the same prompt. Per configuration and batch: tokens/s, per-round
@@ -80,8 +81,9 @@ Prompt = tuple[str, str]  # (domain, text)
 def prompt_sets(args: Any) -> tuple[list[Prompt], list[dict[int, list[Prompt]]]]:
     """Warm-up prompts and, per round, per batch, measured prompts: all disjoint, half code, half chat.
     A batch size gets at least as many prompts as it keeps in flight (`requests_at`)."""
-    code = [("code", content(i)) for i in load_humaneval(164, seed=1)]
-    chat = [("chat", text) for text in dict.fromkeys(content(i) for i in load_sharegpt(400, seed=1))]
+    skip = args.prompt_offset  # past the prompts earlier runs measured (and chose settings) on
+    code = [("code", content(i)) for i in load_humaneval(164, seed=1)][skip:]
+    chat = [("chat", text) for text in dict.fromkeys(content(i) for i in load_sharegpt(400, seed=1))][skip:]
     warm_half = args.warmup // 2
     halves = {batch: requests_at(args.requests, batch) // 2 for batch in BATCHES}
     if warm_half + sum(halves.values()) * args.repeats > min(len(code), len(chat)):
@@ -326,6 +328,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=32, help="warm-up requests every server answers first")
     p.add_argument("--warmup-serial", type=int, default=0, help="of them, answered again one at a time after")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--prompt-offset", type=int, default=0, help="leave out the first N prompts of each pool")
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens for every drafter (default 4)")
     p.add_argument("--specd-k", type=int, default=None,
                    help="num_speculative_tokens for specd's servers (default -k): the most drafts a context or "
@@ -344,12 +347,10 @@ def main() -> None:
     named = args.only.split(",") if args.only else list(DEFAULT_CONFIGS)
     unknown = [name for name in named if name not in CONFIGS and not (static_peer(name) and at_k(name))]
     if unknown:
-        raise SystemExit(f"--only: unknown configurations {unknown} (choose from {', '.join(CONFIGS)}, or a "
-                         f"static peer at another k, e.g. ngram@8)")
+        raise SystemExit(f"--only: unknown {unknown}: choose from {','.join(CONFIGS)} or a peer at a k (ngram@8)")
     wanted = [c for c in CONFIGS if c in named] + [c for c in named if "@" in c]
     warm, rounds = prompt_sets(args)
-    folder = Path(tempfile.mkdtemp(prefix="specd-vllm-bench-"))
-    fleet = Fleet(args, folder, wanted)
+    fleet = Fleet(args, Path(tempfile.mkdtemp(prefix="specd-vllm-bench-")), wanted)
     try:
         result = compare(fleet, args, wanted, warm, rounds)
     finally:
@@ -365,10 +366,9 @@ def prompts_of(result: dict[str, Any], key: str) -> int:
 
 
 def markdown(result: dict[str, Any], out: Path, name: str = "vllm_compare") -> str:
-    rows = []
+    rows, ratios = [], result["ratios"]
     for key, s in result["summary"].items():
         same, in_flight = s["same_as_plain"], result["runs"][key][0].get("in_flight")
-        ratios = result["ratios"]
         rows.append([f"{key} ({in_flight} in flight)", cell(s["tokens_per_s"]),
                      cell(ratios.get(f"{key} / {base_of(key, 'plain')}"), 2),
                      cell(ratios.get(f"{key} / {base_of(key, 'ngram')}"), 2),
