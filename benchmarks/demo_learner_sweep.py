@@ -29,7 +29,14 @@ import torch
 from common import markdown_table, parser, write_result
 
 from specd.core.records import TrajectoryRecord, validate_record
-from specd.core.traffic import TrafficItem, default_held_out, default_shift_traffic, load_humaneval, load_sharegpt
+from specd.core.traffic import (
+    DEMO_REQUESTS,
+    TrafficItem,
+    default_held_out,
+    default_shift_traffic,
+    load_humaneval,
+    load_sharegpt,
+)
 from specd.demo.deployment import DEMO_LEARNER, DemoConfig, encode
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.engine.engine import Engine, EngineConfig
@@ -41,7 +48,6 @@ from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus
 
 K = 4
-DEMO_REQUESTS = 40  # `specd demo`'s default traffic: what this sweep must never draw from
 
 
 def validation_items(count: int, domain: str = "humaneval") -> list[TrafficItem]:

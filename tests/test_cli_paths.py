@@ -142,3 +142,16 @@ def test_generate_drafts_with_the_shipped_drafter_unless_told_otherwise(monkeypa
     for argv in (["generate", "--prompt", "hi"], ["generate", "--prompt", "hi", "--drafter", "none"]):
         assert main(argv) == 130
     assert chosen == ["shipped", "none"]
+
+
+def test_demo_refuses_more_humaneval_requests_than_it_has_problems_besides_the_held_out(capsys) -> None:
+    assert "at most 312" in _refused(["demo", "--requests", "313"], capsys)
+
+
+def test_only_the_default_demos_humaneval_problems_are_held_out_from_the_settings_validation() -> None:
+    from specd.core.traffic import DEMO_REQUESTS, default_held_out, default_shift_traffic, tuned_on
+
+    default = default_shift_traffic(DEMO_REQUESTS) + default_held_out(DEMO_REQUESTS)
+    assert tuned_on(default) == []
+    reseeded = default_shift_traffic(DEMO_REQUESTS, seed=1) + default_held_out(DEMO_REQUESTS, seed=1)
+    assert tuned_on(reseeded)  # another draw serves problems the learner's settings were chosen on

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +15,8 @@ from specd.core.arguments import at_least, fraction
 from specd.core.errors import ConfigurationError
 from specd.drafter.factory import DrafterSpec
 from specd.model.target import LoadedTarget
+
+log = logging.getLogger(__name__)
 
 
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -75,7 +78,14 @@ def check_outputs(json_out: Path, plot_out: Path) -> None:
 
 def run_demo_command(args: argparse.Namespace) -> int:
     from specd.core.provenance import provenance, state_at_start
-    from specd.core.traffic import default_held_out, default_shift_traffic, load_jsonl
+    from specd.core.traffic import (
+        DEMO_HELD_OUT,
+        HUMANEVAL_PROBLEMS,
+        default_held_out,
+        default_shift_traffic,
+        load_jsonl,
+        tuned_on,
+    )
     from specd.demo.deployment import DEMO_LEARNER, DemoConfig, check_new_store, run_demo
     from specd.demo.report import plot
 
@@ -86,8 +96,17 @@ def run_demo_command(args: argparse.Namespace) -> int:
     if args.traffic:
         items, held_out = load_jsonl(args.traffic)[:args.requests], None
     else:
+        most = 2 * (HUMANEVAL_PROBLEMS - DEMO_HELD_OUT)  # half the requests are HumanEval problems
+        if args.requests > most:
+            raise ConfigurationError(f"--requests {args.requests} serves more HumanEval problems than there are "
+                                     f"besides the {DEMO_HELD_OUT} held out (at most {most})")
         items = default_shift_traffic(args.requests, args.seed)
         held_out = default_held_out(args.requests, args.seed)
+        overlap = tuned_on(items + held_out)
+        if overlap:  # said, not refused: a longer or reseeded demo is worth running, with this caveat
+            log.warning("%d of this demo's HumanEval problems are among those the demo learner's settings were "
+                        "chosen on (the default demo's are not): its learning figures are not held out from them",
+                        len(overlap))
     loaded = LoadedTarget.load(args.target)
     k = args.k if args.k is not None else 4
     config = DemoConfig(max_tokens=args.max_tokens, max_batch=args.batch, k=k, seed=args.seed,

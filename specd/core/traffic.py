@@ -147,6 +147,18 @@ def default_held_out(requests: int, seed: int = 0, count: int = 8) -> list[Traff
     return load_humaneval(served + count, seed)[served:]
 
 
+HUMANEVAL_PROBLEMS = 164
+DEMO_REQUESTS, DEMO_HELD_OUT = 40, 8  # `specd demo`'s default traffic: 20 HumanEval problems served, 8 held out
+
+
+def tuned_on(items: list[TrafficItem]) -> list[TrafficItem]:
+    """The HumanEval items among `items` that settings may have been chosen on: every problem but
+    the default demo's served and held-out ones is validation data for the benchmarks that chose
+    the demo learner's settings (`benchmarks/demo_learner_sweep.py`, `learning_ceiling.py`)."""
+    default = {i.prompt for i in default_shift_traffic(DEMO_REQUESTS) + default_held_out(DEMO_REQUESTS)}
+    return [i for i in items if i.domain == "humaneval" and i.prompt not in default]
+
+
 def _item_from_json(raw: Any, where: str) -> TrafficItem:
     if not isinstance(raw, dict):
         raise TrafficError(f"{where}: expected a JSON object")

@@ -308,9 +308,9 @@ def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, int]:
                                          f"{settings.learner_url}: {error}") from None
             log.warning("cannot read the learner's live version (%s); vLLM starts from the shipped drafter and "
                         "follows the learner's versions once they are announced", error)
-    else:
-        log.warning("no store or learner URL to start from: vLLM starts from the shipped drafter and follows "
-                    "the versions the learner announces")
+    else:  # the usual start with --broker alone: the learner's announcement names its URL later
+        log.info("no store or learner URL to start from: vLLM starts from the shipped drafter and follows "
+                 "the versions the learner announces")
     return SHIPPED_DRAFTER, BUILT_IN_VERSION
 
 
