@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import json
 import logging
 import os
 import tempfile
@@ -35,13 +34,19 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from specd.core.errors import TransportError
+from specd.core.errors import BadRequest, TransportError
+from specd.core.http_requests import json_object
 from specd.hotswap.integrity import check_digest, sha256_file
 
 log = logging.getLogger(__name__)
 
 PART_SUFFIX = ".part"
 STALE_PART_SECONDS = 3600.0  # a temporary file this old belongs to no download still running
+
+
+def is_version_number(value: object) -> bool:
+    """A drafter version as JSON carries it: a non-negative integer (a JSON boolean is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class RemoteSource:
@@ -59,7 +64,7 @@ class RemoteSource:
 
     def announce(self, payload: dict[str, Any]) -> None:
         version, url = payload.get("version"), payload.get("url")
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        if not is_version_number(version):
             raise ValueError(f"announcement without a drafter version number: {str(payload)[:200]}")
         if url is not None and (not isinstance(url, str) or urllib.parse.urlsplit(url).scheme not in ("http", "https")):
             raise ValueError(f"announcement with a learner URL that is not http(s): {str(url)[:200]}")
@@ -79,13 +84,16 @@ class RemoteSource:
                       if p.name.split(".")[0].isdigit())
 
     # ---- fetching ---------------------------------------------------------------------------
+    def learner_live(self) -> int | None:
+        """The live version the learner's /v1/status names (None: none yet); TransportError when
+        it cannot be read or names something that is not a version."""
+        live = self._read_object("/v1/status").get("live")
+        if live is not None and not is_version_number(live):
+            raise TransportError(f"the learner's status names no version as live: {str(live)[:100]}")
+        return live
+
     def fetch(self, version: int) -> tuple[Path, dict[str, Any]]:
-        try:
-            manifest = json.loads(self._read(f"/v1/versions/{version}"))
-        except ValueError:
-            raise TransportError(f"version {version}: the learner's manifest is not JSON") from None
-        if not isinstance(manifest, dict):
-            raise TransportError(f"version {version}: the learner's manifest is not a JSON object")
+        manifest = self._read_object(f"/v1/versions/{version}")
         expected = str(manifest.get("sha256"))
         target = self.path(version)
         if target.is_file():
@@ -108,6 +116,12 @@ class RemoteSource:
                 return bytes(response.read())
         except (OSError, http.client.HTTPException) as error:  # URLError, timeouts, a body cut short
             raise TransportError(f"cannot fetch {url}: {error}") from None
+
+    def _read_object(self, path: str) -> dict[str, Any]:
+        try:
+            return json_object(self._read(path))
+        except BadRequest as error:  # not JSON, or not an object
+            raise TransportError(f"{path}: the learner's answer is unusable ({error})") from None
 
     def _download(self, path: str, target: Path, expected: str) -> str:
         """Stream `path` into `target` if its sha256 is `expected` (a mismatch leaves nothing); the digest."""

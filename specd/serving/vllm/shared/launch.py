@@ -19,7 +19,6 @@ owner, stays the same), and `--print` hands it to a command run later; it goes o
 
 from __future__ import annotations
 
-import http.client
 import itertools
 import json
 import logging
@@ -29,12 +28,11 @@ import shlex
 import shutil
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from specd.core.errors import ConfigurationError, SpecdError, TransportError
+from specd.core.errors import ConfigurationError, SpecdError
 from specd.transport.mqtt import MqttSettings
 
 log = logging.getLogger(__name__)
@@ -296,13 +294,14 @@ def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, int]:
                                          f"{error.strerror or error}") from None
             return store.weights_path(version), version
     elif settings.learner_url is not None:
+        source = RemoteSource(folder / "fetched", settings.learner_url)
         try:
-            version = settings.version if settings.version is not None else _learners_live(settings.learner_url)
+            version = settings.version if settings.version is not None else source.learner_live()
             if version is not None:
-                path, manifest = RemoteSource(folder / "fetched", settings.learner_url).fetch(version)
+                path, manifest = source.fetch(version)
                 check_file(version, path, manifest, ConfigurationError)
                 return path, version
-        except (OSError, http.client.HTTPException, SpecdError) as error:
+        except (OSError, SpecdError) as error:
             if settings.version is not None:  # asked for by number: the shipped drafter is not what was asked
                 raise ConfigurationError(f"version {settings.version} cannot be fetched from the learner at "
                                          f"{settings.learner_url}: {error}") from None
@@ -312,19 +311,6 @@ def _start_version(settings: PluginSettings, folder: Path) -> tuple[Path, int]:
         log.info("no store or learner URL to start from: vLLM starts from the shipped drafter and follows "
                  "the versions the learner announces")
     return SHIPPED_DRAFTER, BUILT_IN_VERSION
-
-
-def _learners_live(learner_url: str) -> int | None:
-    """The live version a learner's /v1/status names; TransportError for an answer that names none."""
-    with urllib.request.urlopen(learner_url.rstrip("/") + "/v1/status", timeout=10) as response:
-        raw = response.read()
-    try:
-        live = json.loads(raw).get("live")
-    except (ValueError, AttributeError, RecursionError):  # not JSON, or JSON that is not an object
-        raise TransportError(f"{learner_url}/v1/status did not answer a JSON object") from None
-    if live is not None and (not isinstance(live, int) or isinstance(live, bool) or live < 0):
-        raise TransportError(f"{learner_url}/v1/status names no version as live: {str(live)[:100]}")
-    return live
 
 
 OWNER_FILE = ".specd-owner"  # the process id that removes the folder when it exits
