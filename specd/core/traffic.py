@@ -134,28 +134,29 @@ def load_humaneval(count: int, seed: int = 0) -> list[TrafficItem]:
     return [TrafficItem(prompt=p["prompt"], domain="humaneval") for p in problems[:count]]
 
 
+HUMANEVAL_PROBLEMS = 164
+DEMO_REQUESTS, DEMO_HELD_OUT = 40, 8  # `specd demo`'s default traffic: 20 HumanEval problems served, 8 held out
+
+
 def default_shift_traffic(requests: int, seed: int = 0) -> list[TrafficItem]:
     """ShareGPT then HumanEval, half and half: the distribution shift half-way."""
     first = requests // 2
     return load_sharegpt(first, seed) + load_humaneval(requests - first, seed)
 
 
-def default_held_out(requests: int, seed: int = 0, count: int = 8) -> list[TrafficItem]:
+def default_held_out(requests: int, seed: int = 0, count: int = DEMO_HELD_OUT) -> list[TrafficItem]:
     """HumanEval problems that `default_shift_traffic(requests, seed)` does not serve: the shifted
     domain's held-out requests, for the demo's adaptation curve."""
     served = requests - requests // 2
     return load_humaneval(served + count, seed)[served:]
 
 
-HUMANEVAL_PROBLEMS = 164
-DEMO_REQUESTS, DEMO_HELD_OUT = 40, 8  # `specd demo`'s default traffic: 20 HumanEval problems served, 8 held out
-
-
 def tuned_on(items: list[TrafficItem]) -> list[TrafficItem]:
     """The HumanEval items among `items` that settings may have been chosen on: every problem but
     the default demo's served and held-out ones is validation data for the benchmarks that chose
     the demo learner's settings (`benchmarks/demo_learner_sweep.py`, `learning_ceiling.py`)."""
-    default = {i.prompt for i in default_shift_traffic(DEMO_REQUESTS) + default_held_out(DEMO_REQUESTS)}
+    served = DEMO_REQUESTS - DEMO_REQUESTS // 2  # the default draw's problems: its first served + held out
+    default = {i.prompt for i in load_humaneval(served + DEMO_HELD_OUT)}
     return [i for i in items if i.domain == "humaneval" and i.prompt not in default]
 
 

@@ -162,10 +162,14 @@ class ServingMetrics:
             for counter in (self.draft_tokens, self.accepted_tokens, self.passes, self.emitted):
                 counter.remove(version_label(version), source)
 
-    def snapshot(self) -> dict[Key, AcceptanceCounts]:
-        """A consistent copy of the per-(version, source kind, domain) counts, safe on any thread."""
+    def snapshot(self, with_evicted: bool = False) -> dict[Key, AcceptanceCounts]:
+        """A consistent copy of the per-(version, source kind, domain) counts, safe on any thread;
+        `with_evicted`: evicted versions' counts too, keyed without a version."""
         with self._lock:
-            return {key: replace(counts) for key, counts in self.totals.items()}
+            totals = {key: replace(counts) for key, counts in self.totals.items()}
+            for (source, domain), counts in self._older.items() if with_evicted else ():
+                totals.setdefault((None, source, domain), AcceptanceCounts()).add(counts)
+            return totals
 
     def labelled_snapshot(self) -> dict[tuple[str, str, str], AcceptanceCounts]:
         """The same keyed by version label (versions still labelled only)."""
@@ -179,11 +183,7 @@ class ServingMetrics:
     def reports(self, server_id: str) -> list[AcceptanceReport]:
         """One cumulative report per traffic domain: per drafter version, of the learned drafter's
         own drafts; per source kind, of every version."""
-        with self._lock:  # evicted versions' counts stay in `sources` (keyed without a version)
-            totals = {key: replace(counts) for key, counts in self.totals.items()}
-            for (source, domain), counts in self._older.items():
-                totals.setdefault((None, source, domain), AcceptanceCounts()).add(counts)
-        return reports_from(server_id, totals)
+        return reports_from(server_id, self.snapshot(with_evicted=True))  # evicted versions stay in `sources`
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
