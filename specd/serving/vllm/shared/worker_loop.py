@@ -144,7 +144,8 @@ class RequestBook:
             trajectory = self.tracker.live.get(request_id)
             if params is None or trajectory is None:
                 continue
-            trajectory.sampling = {"temperature": float(params.temperature), "top_p": float(params.top_p)}
+            if trajectory.sampling is None:  # a request's params never change: read once, not every step
+                trajectory.sampling = {"temperature": float(params.temperature), "top_p": float(params.top_p)}
             if not sampled[row]:
                 continue
             stop_ids = set(params.stop_token_ids or ())
