@@ -169,6 +169,26 @@ def test_swap_to_weights_reading_other_layers_stays_lossless() -> None:
     assert any(step.drafts for step in seqs[-1].steps)
 
 
+def test_swap_to_other_layers_during_a_chunked_prefill_fails_no_request() -> None:
+    target = tiny_target()
+    drafter = FeatureDrafter(feature_model(target, capture_layers=(1,)))
+    long_prompt = [(5 * i + 2) % 90 + 1 for i in range(23)]
+    prompts = [[1, 2, 3], long_prompt, [4, 5]]
+    engine = Engine(target, drafter, fixed_k(max_batch=3, num_draft_tokens=3, prefill_chunk=4, record_features=True))
+    seqs = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()
+    engine.step()  # the long prompt is part-way into the cache, its chunks captured at layer 1
+    assert engine.prefilling is not None and engine.prefilling.filled > 0
+    drafter.offer(feature_model(target, capture_layers=(0, 1)), 1)
+    while engine.has_work:
+        engine.step()
+    assert [s.finish_reason for s in seqs] == ["length"] * 3
+    assert [s.output_ids for s in seqs] == target_only(target, prompts)
+    # the part-filled prompt lost its layer-1 features: it drafts nothing and its record carries none
+    assert all(step.drafts == () for step in seqs[1].steps)
+    assert [record_from_sequence(s, "s", 0.0).features is None for s in seqs] == [True, True, False]
+
+
 def test_verification_features_equal_whole_sequence_features(monkeypatch: pytest.MonkeyPatch) -> None:
     target = tiny_target()
     drafter = FeatureDrafter(feature_model(target))

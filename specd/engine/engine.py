@@ -265,7 +265,7 @@ class Engine:
         if self.drafter is not None:
             self.drafter.start(slot)
         self.running.append(seq)
-        features = part.gathered_features()
+        features = part.gathered_features(self.capture_layers)
         if features is not None:
             self._observe(slot, 0, features)
 

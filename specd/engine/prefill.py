@@ -8,7 +8,9 @@ prompt at once, as before chunking), in prompt order, and a request whose prefil
 joins the running rows at that step. The chunks run the same target code as a whole prefill, at
 their own start positions against the cache already written, so the cache holds the same
 entries. The features a feature drafter reads are gathered chunk by chunk and handed over
-together when the request starts decoding.
+together when the request starts decoding, only when every chunk captured the layers the drafter
+reads then (a swap to a drafter of other layers part-way leaves the row without features: it
+drafts nothing, as rows in flight at such a swap do, and its request is served all the same).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class InProgress:
     slot: int
     filled: int = 0   # prompt tokens (of prompt[:-1]) already in the cache
     features: list[torch.Tensor] = field(default_factory=list)
+    captured: set[tuple[int, ...]] = field(default_factory=set)  # the layers each chunk captured
 
     @property
     def to_fill(self) -> int:
@@ -37,8 +40,11 @@ class InProgress:
     def is_complete(self) -> bool:
         return self.filled >= self.to_fill
 
-    def gathered_features(self) -> torch.Tensor | None:
-        return torch.cat(self.features) if self.features else None
+    def gathered_features(self, capture: tuple[int, ...]) -> torch.Tensor | None:
+        """Positions 0..filled-1's features, when every chunk captured `capture` (the layers read now)."""
+        if not self.features or self.captured != {capture}:
+            return None
+        return torch.cat(self.features)
 
 
 def run_chunk(target: Transformer, cache: KVCache, tokens: torch.Tensor, part: InProgress, budget: int | None,
@@ -52,6 +58,7 @@ def run_chunk(target: Transformer, cache: KVCache, tokens: torch.Tensor, part: I
     start = torch.tensor([part.filled], dtype=torch.long, device=tokens.device)
     _, features = target(chunk[None, :], start, cache, first_slot=part.slot, logits_for="none",
                          return_hidden=bool(capture), capture_layers=capture)
+    part.captured.add(capture)
     if features is not None:
         part.features.append(features[0])
     used, part.filled = end - part.filled, end
