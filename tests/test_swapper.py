@@ -216,6 +216,24 @@ def test_backoff_grows_to_its_cap_and_a_newer_version_supersedes_the_retry(
     assert source.fetches[-1] == 3 and swapper.retrying == {} and swapper.prepared_version == 3
 
 
+def test_a_version_that_stopped_being_live_while_it_loaded_is_not_offered(store: WeightStore) -> None:
+    source = FlakySource(store, live=3)  # the drafter serves version 1
+    inner_fetch = source.fetch
+
+    def fetch_while_an_operator_rolls_back(version: int) -> tuple[Path, dict[str, Any]]:
+        fetched = inner_fetch(version)
+        source.live = 2  # a rollback lands while version 3 is loaded and checked
+        return fetched
+
+    source.fetch = fetch_while_an_operator_rolls_back  # type: ignore[method-assign]
+    drafter = serving()
+    swapper = Swapper(source, drafter, FINGERPRINT)
+    assert swapper.check_once() is False and swapper.prepared_version is None
+    assert drafter.take() is None  # nothing handed to the drafter
+    source.fetch = inner_fetch  # type: ignore[method-assign]
+    assert swapper.check_once() is True and swapper.prepared_version == 2 and source.fetches == [3, 2]
+
+
 def test_force_version_only_pins_and_the_swapper_thread_fetches(store: WeightStore) -> None:
     flaky = FlakySource(store, live=1)
     pinned = PinnedSource(flaky)  # type: ignore[arg-type]

@@ -132,9 +132,12 @@ class Swapper:
             return False
         begin = time.perf_counter()
         try:
+            model = self._load_checked(live)
+            if self._superseded(live):
+                return False
             # offered before it counts as prepared: whoever sees `prepared_version` can rely on the
             # drafter's next step serving it (preparing for a server may take a while, e.g. packing)
-            self.drafter.offer(self._load_checked(live), live)
+            self.drafter.offer(model, live)
         except TRANSIENT as error:
             self._retry_later(live, error)
             return False
@@ -146,6 +149,19 @@ class Swapper:
         self.prepared.append(SwapEvent(live, time.perf_counter() - begin))
         log.info("drafter version %s ready; it takes over at the next step", live)
         self._prune()
+        return True
+
+    def _superseded(self, loaded: int) -> bool:
+        """Whether the live version moved on while `loaded` was fetched and checked (an operator's
+        rollback or pin during a long load): then it is not offered, and the next poll takes the
+        version live now. A failure to read it here offers `loaded`, which was live a moment ago."""
+        try:
+            live = self.source.live_version()
+        except (OSError, ValueError):
+            return False
+        if live is None or live == loaded:
+            return False
+        log.info("drafter version %s was loaded, but version %s went live meanwhile: not offered", loaded, live)
         return True
 
     def _retry_later(self, version: int, error: Exception) -> None:
