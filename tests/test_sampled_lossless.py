@@ -2,9 +2,11 @@
 
 Each scenario decodes 6000 seeded requests of one prompt (three tokens each, k = 2, so both
 drafts of the first step are verified) and compares their first two tokens with the target's
-analytic joint distribution by a chi-square test. Each scenario also plants the bug it is there
-to catch, and the same statistic over as many samples must reject it: a test that cannot fail
-proves nothing.
+analytic joint distribution by a chi-square test. The seeds fix the random streams of speculative
+sampling (`EngineConfig.seeded_draws` off), except in the scenarios of seeded draws, where each
+token is its seed's Gumbel-max draw (`specd.model.seeded_draws`). Each scenario also plants the
+bug it is there to catch, and the same statistic over as many samples must reject it: a test that
+cannot fail proves nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from specd.engine.engine import Engine
 from specd.engine.request import SamplingParams, Sequence
 from specd.engine.verification import verify_sampled
 from specd.model.distributions import target_probs
+from specd.model.seeded_draws import PositionNoise
 from specd.model.transformer import ModelConfig, Transformer
 
 SMALL = ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
@@ -78,10 +81,11 @@ def distribution_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def sample(target: Transformer, drafter: Drafter, prompt: list[int], params: SamplingParams,
-           between_steps: Callable[[int], None] | None = None) -> tuple[torch.Tensor, list[Sequence]]:
+           between_steps: Callable[[int], None] | None = None,
+           seeded_draws: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
     """Decode NUM_SAMPLES seeded requests; counts of their first two tokens over the V * V cells."""
     vocab = target.config.vocab_size
-    engine = Engine(target, drafter, fixed_k(max_batch=256, num_draft_tokens=2))
+    engine = Engine(target, drafter, fixed_k(max_batch=256, num_draft_tokens=2, seeded_draws=seeded_draws))
     seqs = [engine.add_request(prompt, replace(params, seed=i)) for i in range(NUM_SAMPLES)]
     step = 0
     while engine.has_work:
@@ -107,6 +111,12 @@ def ignore_top_p(monkeypatch: pytest.MonkeyPatch) -> None:
         return target_probs(logits, temperature, torch.ones_like(top_p))
 
     monkeypatch.setattr(engine_module, "target_probs", full_softmax)
+
+
+def noise_of_one_position(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted bug: a seeded request's noise is the same at every position, not drawn per position."""
+    at = PositionNoise.at
+    monkeypatch.setattr(PositionNoise, "at", lambda self, position: at(self, 0))
 
 
 def uniform_q_for_matched_rows(hybrid: HybridDrafter) -> Callable[[Proposal], Proposal]:
@@ -142,6 +152,7 @@ class Scenario:
     drafter: Callable[[Transformer], Drafter]
     plant: Callable[[pytest.MonkeyPatch, Drafter], None]  # plants the bug the scenario must catch
     swap_every_step: bool = False  # offer the other of two drafter models between every two steps
+    seeded_draws: bool = False     # tokens are the seeds' Gumbel-max draws, drafts coupled to them
 
 
 def tampered_with(make_tamper: Callable[[Drafter], Callable[[Proposal], Proposal]]):
@@ -176,6 +187,11 @@ SCENARIOS = {
     # new weights (of another shape) every step: every row rebuilds its drafter cache at once and drafts
     "swapped": Scenario([1, 2, 3], PLAIN, lambda t: TokenDrafter(small_drafter(t), catchup_tokens_per_step=10**6),
                         patched(accept_every_draft), swap_every_step=True),
+    # seeded draws: the drafters draw with the seed's noise, the target's draw decides
+    "seeded-top-p": Scenario([1, 2, 3], SamplingParams(temperature=0.8, top_p=0.8, max_tokens=3),
+                             small_feature_drafter, patched(ignore_top_p), seeded_draws=True),
+    "seeded-hybrid": Scenario([1, 2, 3, 1, 2], PLAIN, lambda t: HybridDrafter(TokenDrafter(small_drafter(t))),
+                              patched(noise_of_one_position), seeded_draws=True),
 }
 
 
@@ -188,7 +204,7 @@ def swapper(target: Transformer, drafter: Drafter) -> Callable[[int], None]:
 
 def run_scenario(scenario: Scenario, drafter: Drafter, target: Transformer) -> tuple[float, list[Sequence]]:
     between_steps = swapper(target, drafter) if scenario.swap_every_step else None
-    counts, seqs = sample(target, drafter, scenario.prompt, scenario.params, between_steps)
+    counts, seqs = sample(target, drafter, scenario.prompt, scenario.params, between_steps, scenario.seeded_draws)
     return distribution_p_value(counts, target_joint(target, scenario.prompt, scenario.params)), seqs
 
 

@@ -12,12 +12,13 @@ runs anyway and hands over every row's features as its positions are verified.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from specd.core.errors import ConfigurationError
+from specd.model.seeded_draws import PositionNoise
 
 BUILT_IN_VERSION = 0  # a drafter not read from the weight store (the day-0 drafter, a replay, a capture)
 # How a learned drafter drafts for a sampled row: its argmax, a one-hot draft (what the learner's
@@ -36,6 +37,9 @@ class DraftBatch:
     temperature: torch.Tensor    # [B] 0 means greedy
     top_p: torch.Tensor          # [B]
     generators: list[torch.Generator]  # [B] the requests' own random streams
+    # [B] a seeded sampled row's noise, whose Gumbel-max draws decide its tokens (None elsewhere;
+    # empty: no row is seeded); a drafter drawing with it proposes the seeded draw (seeded_draws.py)
+    noises: list[PositionNoise | None] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -44,6 +48,12 @@ class DraftBatch:
     @property
     def is_greedy(self) -> torch.Tensor:
         return self.temperature == 0
+
+    @property
+    def is_seeded(self) -> torch.Tensor:
+        """[B] rows whose sampled tokens are their seed's Gumbel-max draws (verified like greedy rows)."""
+        seeded = [noise is not None for noise in self.noises] if self.noises else [False] * self.num_rows
+        return torch.tensor(seeded, dtype=torch.bool, device=self.temperature.device)
 
 
 @dataclass

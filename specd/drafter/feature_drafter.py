@@ -21,6 +21,7 @@ from specd.drafter.base import BUILT_IN_VERSION, DraftBatch, Proposal, check_sam
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.drafter.swap import HotSwapped
 from specd.model.distributions import sample_from, target_probs
+from specd.model.seeded_draws import noisy_scores
 from specd.model.transformer import KVCache
 
 
@@ -111,7 +112,7 @@ class FeatureDrafter(HotSwapped[FeatureDrafterModel]):
         state = state[rows, (batch.lengths - 2 - starts_t).clamp(min=0)][:, None]  # entry L-2: [B, 1, hidden]
         drafts, qs = [], []
         for i in range(k):
-            draft, q = self._draw(model.logits(state), batch)
+            draft, q = self._draw(model.logits(state), batch, i)
             drafts.append(draft)
             if q is not None:
                 qs.append(q)
@@ -150,9 +151,11 @@ class FeatureDrafter(HotSwapped[FeatureDrafterModel]):
         state = self.model.fuse_features(self._history[rows, positions])
         return self.model.step(state, tokens[rows, positions + 1], starts, self._cache)
 
-    def _draw(self, logits: torch.Tensor, batch: DraftBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Drafts [B] (target ids) from draft-vocabulary logits [B, 1, N]; with sampled rows, also the
-        full-vocabulary q [B, V] they were drawn from (zero outside the draft vocabulary)."""
+    def _draw(self, logits: torch.Tensor, batch: DraftBatch, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts [B] (target ids) for the tokens at index lengths + `step` from draft-vocabulary
+        logits [B, 1, N]; with sampled rows, also the full-vocabulary q [B, V] they were drawn from
+        (zero outside the draft vocabulary). A seeded row draws with its seed's noise for that index
+        (the target's own draw there whenever q is close to p: `specd.model.seeded_draws`)."""
         draft_ids = self.model.draft_ids  # [N] target id of each draft-vocabulary index
         greedy = logits[:, 0].argmax(-1)
         if self.sampled_drafts == "argmax" or bool(batch.is_greedy.all()):
@@ -160,6 +163,10 @@ class FeatureDrafter(HotSwapped[FeatureDrafterModel]):
         q_draft = target_probs(logits, batch.temperature, batch.top_p)[:, 0]  # [B, N]
         uniforms = torch.stack([torch.rand((), generator=g) for g in batch.generators])
         index = torch.where(batch.is_greedy, greedy, sample_from(q_draft, uniforms.to(q_draft.device)))
+        for row, noise in enumerate(batch.noises):
+            if noise is not None:
+                at = noise.at(int(batch.lengths[row]) + step).to(q_draft.device)[draft_ids]
+                index[row] = noisy_scores(q_draft[row], at).argmax()
         q = q_draft.new_zeros(len(q_draft), self.model.config.vocab_size)
         return draft_ids[index], q.index_add_(1, draft_ids, q_draft)  # [B, V]: a repeated id sums
 

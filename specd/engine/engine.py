@@ -40,6 +40,7 @@ from specd.engine.request import SamplingParams, Sequence
 from specd.engine.verification import Verdict, verify_greedy, verify_sampled
 from specd.model.distributions import target_probs
 from specd.model.packed_linear import prepare_layouts
+from specd.model.seeded_draws import PositionNoise, seeded_scores
 from specd.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,10 @@ class EngineConfig:
     # prompt tokens prefilled per step (chunked prefill, `specd.engine.prefill`): a long prompt
     # then delays the running streams by one chunk a step, not by its whole prefill. None: whole
     prefill_chunk: int | None = 48   # chosen by benchmarks/prefill_stall.py on this machine
+    # a seeded sampled request's tokens are its seed's Gumbel-max draws, so its answer is the target
+    # alone's under any drafter (`specd.model.seeded_draws`); False: the seed fixes only the random
+    # stream that speculative sampling draws from, so the answer varies with the drafts
+    seeded_draws: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -262,6 +267,8 @@ class Engine:
             seq.generator.manual_seed(seq.params.seed)
         else:
             seq.generator.seed()
+        if seq.params.seed is not None and seq.params.temperature > 0 and self.config.seeded_draws:
+            seq.noise = PositionNoise(seq.params.seed, self.target.config.vocab_size)
         if self.drafter is not None:
             self.drafter.start(slot)
         self.running.append(seq)
@@ -295,7 +302,7 @@ class Engine:
             request_ids=[s.request_id for s in running],
             temperature=torch.tensor([s.params.temperature for s in running], device=self.device),
             top_p=torch.tensor([s.params.top_p for s in running], device=self.device),
-            generators=[s.generator for s in running])
+            generators=[s.generator for s in running], noises=[s.noise for s in running])
 
     def _propose(self, rows_info: DraftBatch, k: int) -> Proposal:
         assert self.drafter is not None
@@ -315,6 +322,11 @@ class Engine:
         if bool(is_greedy.all()):
             return verify_greedy(logits, drafts, limit)
         p = target_probs(logits, rows_info.temperature, rows_info.top_p)
+        # greedy and seeded rows keep the argmax of their scores (a seeded row's: its noisy scores)
+        is_greedy = is_greedy | rows_info.is_seeded
+        greedy = verify_greedy(seeded_scores(logits, p, rows_info.noises, rows_info.lengths), drafts, limit)
+        if bool(is_greedy.all()):
+            return greedy
         k = drafts.shape[1]
         q = proposal.q if proposal is not None and proposal.q is not None else one_hot_q(drafts, p.shape[-1])
         uniforms = torch.stack([torch.rand(k + 1, generator=s.generator) for s in self.running])
@@ -322,7 +334,6 @@ class Engine:
         sampled = verify_sampled(p, q.to(p.dtype), drafts, limit, uniforms[:, :k], uniforms[:, k])
         if not bool(is_greedy.any()):
             return sampled
-        greedy = verify_greedy(logits, drafts, limit)
         return Verdict(torch.where(is_greedy, greedy.num_accepted, sampled.num_accepted),
                        torch.where(is_greedy[:, None], greedy.tokens, sampled.tokens))
 

@@ -22,6 +22,7 @@ import torch
 
 from specd.core.errors import RequestRefused
 from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, FeatureBlock, StepRecord, TrajectoryRecord
+from specd.model.seeded_draws import PositionNoise
 
 # As vLLM: temperatures below 1e-5 mean greedy. Far below it, logits / temperature overflow float32
 # to inf and the probabilities become NaN (a tiny target then emitted its last token forever).
@@ -84,6 +85,7 @@ class Sequence:
     num_drafts_accepted: int = 0         # accepted and emitted (a stop can cut accepted drafts)
     created: float = field(default_factory=time.time)
     generator: torch.Generator = field(default_factory=torch.Generator, repr=False)
+    noise: PositionNoise | None = field(default=None, repr=False)  # a seeded sampled request's draws
     feature_chunks: list[torch.Tensor] = field(default_factory=list, repr=False)  # each [n, F], in order
 
     @property
