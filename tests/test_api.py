@@ -76,6 +76,19 @@ async def test_completion_has_openai_shape_and_equals_target_only_greedy(client)
     assert first["choices"][0]["finish_reason"] == "length"
 
 
+async def test_a_seeded_sampled_completion_is_the_target_alones_draw_for_that_seed(client) -> None:
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 16, "temperature": 1.0, "top_p": 0.95, "seed": 11}
+    answer = (await (await client.post("/v1/completions", json=body)).json())["choices"][0]["text"]
+    streamed = await client.post("/v1/completions", json={**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in (await streamed.text()).splitlines() if line.startswith("data: {")]
+    loaded = api_state(client).loaded
+    alone = Engine(loaded.model, None, EngineConfig()).generate(
+        [loaded.encode("hello")], SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=11))[0]
+    assert answer == "".join(c["choices"][0]["text"] for c in chunks) == loaded.decode(alone.output_ids)
+    other = (await (await client.post("/v1/completions", json={**body, "seed": 12})).json())["choices"][0]["text"]
+    assert other != answer
+
+
 async def test_chat_completion_stream_sends_events_and_done(client) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
             "temperature": 0, "stream": True}
