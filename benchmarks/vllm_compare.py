@@ -16,14 +16,12 @@ leaves vLLM's cores mostly alone) for the whole run, so every configuration shar
   drafting: context matches and the traffic table where they pay, EAGLE-3 elsewhere): records to
   the learner, which trains (recomputing features) and publishes; versions swap in place. Its
   per-source acceptance (context vs learned) comes from its status.
-- A/Bs, each only with `--only`: `specd_full_eagle`, specd adaptive with `SPECD_EAGLE_K=full` (EAGLE-3
-  drafts k every step, not only what its rows are worth) and a learner of its own; `specd_static`, specd
-  adaptive with no broker and no learner (the shipped drafter throughout); `specd_confident`, specd
-  static with `SPECD_CONFIDENCE=1` (EAGLE-3's rows trimmed by its calibrated confidence);
-  `specd_native_gemm`, specd static with `SPECD_DRAFTER_GEMM=native` (drafter layers in the server's
-  dtype, not bfloat16); `specd_plugin_only`, the plugin with `SPECD_DRAFTER=learned`, `SPECD_EAGLE_K=full`
-  and no learner (its own cost beside frozen EAGLE-3, drafting the same); `specd_custom`, specd's
-  custom_class route (token-level). Paired: adaptive / full_eagle, confident / static, static / native_gemm.
+- A/Bs, only with `--only` (specd adaptive with one change; paired in `ratios`): `specd_full_eagle`
+  (`SPECD_EAGLE_K=full`: EAGLE-3 drafts k every step), `specd_anchored` (its learner's `--anchor-pull
+  0.03`), `specd_static` (no broker, no learner: the shipped drafter throughout), `specd_confident`
+  and `specd_native_gemm` (specd static with `SPECD_CONFIDENCE=1`, `SPECD_DRAFTER_GEMM=native`),
+  `specd_plugin_only` (`SPECD_DRAFTER=learned`, `SPECD_EAGLE_K=full`, no learner: frozen EAGLE-3's
+  drafts through the plugin), `specd_custom` (specd's custom_class route, token-level).
 - A static peer at another k than `-k` is named with it (`--only ...,ngram@8,suffix@8`) and counts as
   a static peer of its own, so the best static peer is the best of every k measured. `--specd-k`
   gives specd's servers a larger vLLM k than `-k`: context and table rows may then send up to it,
@@ -36,11 +34,10 @@ leaves vLLM's cores mostly alone) for the whole run, so every configuration shar
    round has prompts of its own, never seen by any server before (disjoint from warm-up and from
    other rounds), the same for every configuration, half code (HumanEval), half chat (ShareGPT);
    `--prompt-offset N` starts past the first N of each pool (those earlier runs chose settings on).
-Tokens are the token ids each answer returns; accept length is 1 + accepted drafts per
-verification step, from vLLM's own per-request metrics, overall and per domain; each output is
-compared with plain vLLM's for the same prompt. Per configuration and batch: tokens/s, per-round
-ratios to plain and to n-gram, and specd adaptive's per-round ratio to the frozen drafter per
-domain (batch 1: one request at a time, so each domain's tokens/s is its own). Writes --out.
+Tokens are the token ids each answer returns; accept length is 1 + accepted drafts per step, from
+vLLM's per-request metrics, overall and per domain; each output is compared with plain vLLM's.
+Per configuration and batch: tokens/s, per-round ratios to plain and n-gram, and specd adaptive's
+to the frozen drafter per domain (batch 1 only for tokens/s, each domain's own time). Writes --out.
 """
 
 from __future__ import annotations
@@ -61,7 +58,7 @@ from specd.serving.vllm.shared.launch import EAGLE3_OPTIONS, PluginSettings, pre
 from specd.testing.processes import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
 
 CONFIGS = ("plain", "ngram", "suffix", "eagle3_static", "specd_adaptive", "specd_full_eagle", "specd_static",
-           "specd_confident", "specd_native_gemm", "specd_plugin_only", "specd_custom")
+           "specd_confident", "specd_native_gemm", "specd_plugin_only", "specd_custom", "specd_anchored")
 DEFAULT_CONFIGS = CONFIGS[:5]
 STATIC_PEERS = ("ngram", "suffix", "eagle3_static")
 ARCTIC = Path(__file__).resolve().parent / ".deps" / "arctic-inference"
@@ -165,13 +162,15 @@ class Fleet:
         self.broker = Broker(folder / "broker").start()
         # the frozen drafter and adaptive's start: the shipped pretrained version, exported by specd
         self.shipped = prepare_eagle3_drafter(self.target, PluginSettings(), folder / "shipped")
-        arches = {"specd_adaptive": "feature", "specd_full_eagle": "feature", "specd_custom": "token"}
+        arches = {**dict.fromkeys(("specd_adaptive", "specd_full_eagle", "specd_anchored"), "feature"),
+                  "specd_custom": "token"}
         for name, arch in arches.items():
             if name in wanted:
+                anchored = ["--anchor-pull", "0.03"] if name == "specd_anchored" else []  # the demo learner's pull
                 self.learners[name] = SpecdProcess(
                     ["learner", "--store", str(folder / f"store-{name}"), "--broker", self.broker.url,
                      "--target", self.target, "--publish-every", str(args.publish_every), "--deployment", name,
-                     "--drafter-arch", arch], free_port(), folder / f"learner-{name}.log",
+                     "--drafter-arch", arch, *anchored], free_port(), folder / f"learner-{name}.log",
                     env={"OMP_NUM_THREADS": "1"}).start()
 
     def start(self, name: str, make: Callable[[], VllmServer], warm: list[Prompt]) -> dict[str, Any] | None:
@@ -252,6 +251,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
               "specd_adaptive": lambda: fleet.specd("specd_adaptive", "eagle3"),
               "specd_full_eagle": lambda: fleet.specd("specd_full_eagle", "eagle3", eagle_k="full"),
               "specd_static": lambda: fleet.specd("specd_static", "eagle3"),
+              "specd_anchored": lambda: fleet.specd("specd_anchored", "eagle3"),
               "specd_confident": lambda: fleet.specd("specd_confident", "eagle3", confidence=True),
               "specd_native_gemm": lambda: fleet.specd("specd_native_gemm", "eagle3", drafter_gemm="native"),
               "specd_plugin_only": lambda: fleet.specd("specd_plugin_only", "eagle3", eagle_k="full",
@@ -305,9 +305,10 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
             best = max(medians, key=lambda p: medians[p])
             versus_best[f"b{b}"] = {"best_static_peer": best,
                                     "ratio": paired(runs, f"specd_adaptive b{b}", f"{best} b{b}", "tokens_per_s")}
-    for b in BATCHES:  # the A/Bs of EAGLE-3's per-step k, of trimming by its confidence, of the drafter's dtype
+    for b in BATCHES:  # the A/Bs of EAGLE-3's per-step k, trimming by confidence, the drafter's dtype, learning
         for arm, other in (("specd_adaptive", "specd_full_eagle"), ("specd_confident", "specd_static"),
-                           ("specd_static", "specd_native_gemm")):
+                           ("specd_static", "specd_native_gemm"), ("specd_adaptive", "specd_static"),
+                           ("specd_anchored", "specd_static"), ("specd_anchored", "specd_adaptive")):
             if f"{other} b{b}" in runs and f"{arm} b{b}" in runs:
                 for field in ("tokens_per_s", "tokens_per_s_chat", "tokens_per_s_code"):
                     suffix = field.removeprefix("tokens_per_s")
@@ -361,8 +362,7 @@ def main() -> None:
 
 def prompts_of(result: dict[str, Any], key: str) -> int:
     """Measured prompts per round of a 'config bN' key (one count for every batch in older files)."""
-    counts = result["prompts_per_batch"]
-    return counts[key.rsplit(" ", 1)[1]] if isinstance(counts, dict) else counts
+    return counts[key.rsplit(" ", 1)[1]] if isinstance(counts := result["prompts_per_batch"], dict) else counts
 
 
 def markdown(result: dict[str, Any], out: Path, name: str = "vllm_compare") -> str:

@@ -94,6 +94,7 @@ def test_a_later_stage_recipe_without_the_file_it_continues_is_refused(recipe, t
     ["serve", "--duty-cycle", "-3"], ["demo", "--duty-cycle", "1.5"],
     ["learner", "--store", "s", "--publish-every", "-1"],
     ["learner", "--store", "s", "--spool-max-mb", "-5"], ["learner", "--store", "s", "--dedup-window", "-1"],
+    ["learner", "--store", "s", "--anchor-pull", "1"], ["learner", "--store", "s", "--anchor-pull", "-0.1"],
     ["vllm", "--store", "s", "--kv-cache-gib", "nan"]])
 def test_impossible_numbers_are_refused_before_anything_loads(argv, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

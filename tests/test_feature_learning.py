@@ -139,9 +139,32 @@ def test_an_anchored_learner_is_pulled_back_toward_the_version_it_started_from_o
     one_step_each(adopted)
 
 
-def test_anchor_pull_outside_0_to_1_is_refused() -> None:
+@pytest.mark.parametrize("anchor", ["live", "start"])
+def test_the_anchor_follows_the_learners_own_versions_that_go_live_unless_it_is_the_start(
+        tmp_path: Path, target, anchor: str) -> None:
+    train = greedy_records(target, VOCAB, seed=0, cover=True)
+    held_out = greedy_records(target, len(train), seed=99)
+    interleaved = [r for pair in zip(train, held_out, strict=True) for r in pair]
+    start = fresh_feature_drafter(target)
+    learner = new_learner(tmp_path, target, start.clone(), interleaved, holdout_every=2, anchor_pull=0.05,
+                          anchor=anchor)
+    for _ in range(STEPS):
+        learner.train_step()
+    version = learner.maybe_publish(force=True)
+    assert version is not None and learner.store.live_version() == version
+    start_weights = [p.float() for p in start.parameters() if p.requires_grad]
+    live_weights = learner.trainer._params  # no step since the candidate was cloned: the live version's
+    anchored_to = learner.trainer._anchor or []
+    assert not all(torch.equal(w, s) for w, s in zip(live_weights, start_weights, strict=True))  # it learned
+    expected = live_weights if anchor == "live" else start_weights
+    assert all(torch.equal(a, e) for a, e in zip(anchored_to, expected, strict=True))
+
+
+def test_anchor_pull_outside_0_to_1_and_an_unknown_anchor_are_refused() -> None:
     with pytest.raises(ConfigurationError, match="anchor_pull"):
         LearnerConfig(anchor_pull=1.0)
+    with pytest.raises(ConfigurationError, match="anchor must be"):
+        LearnerConfig(anchor="newest")
 
 
 def test_a_learner_under_bf16_autocast_learns_as_well(tmp_path: Path, target) -> None:

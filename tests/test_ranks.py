@@ -66,8 +66,15 @@ def rank_body(rank: int, port: int, folder: str) -> None:
         assert trainer.take_weights(drafter(seed=7))
     gathered = group.sync(mine[:2] if rank == 1 else [], trainer.weights_epoch, model, adopted=trainer.reanchor)
     anchored = all(torch.equal(a, p) for a, p in zip(trainer._anchor or [], trainer._params, strict=True))
-    out = {"after_step": after_step, "adopted": weights_digest(model), "gathered": [r.record_id for r in gathered],
-           "anchored_to_adopted": anchored}
+    adopted = weights_digest(model)
+    if rank == 0:  # a version of rank 0's went live: at the next sync every rank re-anchors alike
+        trainer.version_went_live()
+    trainer.step(trainer.batch(mine), LearnerStats(), None)
+    group.sync([], trainer.weights_epoch, model, adopted=trainer.reanchor)
+    out = {"after_step": after_step, "adopted": adopted, "gathered": [r.record_id for r in gathered],
+           "anchored_to_adopted": anchored, "after_live": weights_digest(model),
+           "anchored_to_live": all(torch.equal(a, p) for a, p in zip(trainer._anchor or [], trainer._params,
+                                                                     strict=True))}
     Path(folder, f"rank-{rank}.pkl").write_bytes(pickle.dumps(out))
     # both ranks past every collective before either tears gloo down: under a full CI run's load one
     # rank aborted in teardown once more ("terminate called without an active exception", 2026-12-03)
@@ -122,6 +129,12 @@ def test_weights_rank_0_adopts_reach_every_rank_at_the_next_sync(outcome) -> Non
     assert outcome[0]["adopted"] == outcome[1]["adopted"] == weights_digest(drafter(seed=7))
     # and every rank's anchor with them: a rank still pulled toward its old anchor would drift apart
     assert outcome[0]["anchored_to_adopted"] and outcome[1]["anchored_to_adopted"]
+
+
+def test_when_rank_0s_version_goes_live_every_rank_re_anchors_to_the_same_weights(outcome) -> None:
+    # (config(rank)'s anchor is "live", LearnerConfig's default)
+    assert outcome[0]["after_live"] == outcome[1]["after_live"] != outcome[0]["adopted"]
+    assert outcome[0]["anchored_to_live"] and outcome[1]["anchored_to_live"]
 
 
 def test_records_held_out_on_any_rank_reach_rank_0s_gate(outcome) -> None:

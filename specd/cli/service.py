@@ -9,7 +9,7 @@ import os
 import socket
 from typing import Any
 
-from specd.core.arguments import at_least, fraction, port_number, positive_number
+from specd.core.arguments import at_least, fraction, port_number, positive_number, pull_share
 from specd.core.errors import ConfigurationError
 from specd.drafter.factory import DrafterSpec
 from specd.drafter.hybrid import WIDE_PASS_ROWS
@@ -135,6 +135,12 @@ def add_learner_parser(sub: argparse._SubParsersAction) -> None:
                    help="hold every N-th record out of training, for the gate (default 8)")
     p.add_argument("--gate-min-held-out", type=at_least(1), default=4,
                    help="held-out records the gate needs before any candidate may pass (default 4)")
+    p.add_argument("--anchor-pull", type=pull_share, default=LearnerConfig.anchor_pull,
+                   help="after every step each weight moves this share of the way back to the anchor "
+                        f"(default {LearnerConfig.anchor_pull:g}; 0 is off)")
+    p.add_argument("--anchor", choices=("start", "live"), default=LearnerConfig.anchor,
+                   help="the anchor: the weights training started from, or also each version of the learner's "
+                        f"own that goes live (default {LearnerConfig.anchor})")
     p.add_argument("--ranks", type=at_least(1), default=1,
                    help="data-parallel learner ranks on this machine, started by torchrun; records are shared "
                         "among them through an MQTT shared subscription (default 1: one learner process)")
@@ -174,7 +180,8 @@ def run_learner(args: argparse.Namespace) -> int:
                              learner=LearnerConfig(k=args.k, duty_cycle=args.duty_cycle,
                                                    publish_every_seconds=args.publish_every,
                                                    holdout_every=args.holdout_every,
-                                                   gate_min_held_out=args.gate_min_held_out),
+                                                   gate_min_held_out=args.gate_min_held_out,
+                                                   anchor_pull=args.anchor_pull, anchor=args.anchor),
                              spool=_spool_config(args.spool_max_mb, args.dedup_window))
     group = RankGroup(info, status_folder=args.store, status_every=args.rank_status_every) if info else None
     if group is None or group.is_root:

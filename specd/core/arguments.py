@@ -63,6 +63,14 @@ def fraction(text: str) -> float:
     return value
 
 
+def pull_share(text: str) -> float:
+    """A share of the way back per step: 0 (off) up to, not including, 1."""
+    value = _finite(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text}")
+    return value
+
+
 def port_number(text: str) -> int:
     """A TCP port: 1-65535, or 0 for any free one."""
     value = _integer(text)

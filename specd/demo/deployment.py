@@ -78,7 +78,7 @@ __all__ = ["DEMO_LEARNER", "MODES", "DemoConfig", "encode", "run_demo"]
 # held-out code records the verdict is noise of about 0.1; docs/measurements.md).
 DEMO_LEARNER = LearnerConfig(holdout_every=4, gate_min_held_out=3, publish_every_steps=4,
                              publish_every_seconds=10.0, recent_records=16, precision="bfloat16",
-                             feature_learning_rate=1.5e-4, anchor_pull=0.03, gate_traffic_window=8)
+                             feature_learning_rate=1.5e-4, anchor_pull=0.03, anchor="start", gate_traffic_window=8)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,11 @@ class LearnerConfig:
     # from (or last adopted): a few dozen records then bend the drafter without wearing away what
     # pretraining taught it (0: off)
     anchor_pull: float = 0.0
+    # where the pull points: "start" (the weights training started from or last adopted: it bounds
+    # how far the learner can ever move, about the learning rate over the pull per weight) or "live"
+    # (also each version of its own that goes live: each version is a bounded step from the one
+    # serving, and the drafter moves on through versions the gate passed)
+    anchor: str = "live"
     # half of every batch comes from the newest records, so that a shift in traffic is learned
     # within steps, not after the buffer has turned over (the rest keeps older knowledge)
     recent_share: float = 0.5
@@ -72,6 +77,8 @@ class LearnerConfig:
             raise ConfigurationError("batch_size must be at least 1 and window at least 2")
         if not 0 <= self.anchor_pull < 1:
             raise ConfigurationError(f"anchor_pull must be in [0, 1), got {self.anchor_pull}")
+        if self.anchor not in ("start", "live"):
+            raise ConfigurationError(f"anchor must be start or live, got {self.anchor!r}")
         if self.holdout_every < 1:
             raise ConfigurationError(f"holdout_every must be at least 1, got {self.holdout_every}")
         if self.precision not in ("float32", "bfloat16"):

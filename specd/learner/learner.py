@@ -172,7 +172,10 @@ class Learner(SupervisedLoop):
             return None
         seen = self.live_version  # what the candidate is compared with, and the condition of its promotion
         candidate = clone_drafter(self.model).eval()
-        return self.promoter.offer(candidate, self.evaluate(candidate), seen, self.trainer.staleness or None)
+        version = self.promoter.offer(candidate, self.evaluate(candidate), seen, self.trainer.staleness or None)
+        if version is not None:
+            self.trainer.version_went_live()
+        return version
 
     def evaluate(self, candidate: DrafterModel) -> dict[str, Any]:
         """The gate's verdict on `candidate` against the live version the learner last saw and the bar."""

@@ -5,7 +5,9 @@ objective, buffer size and step size, and which weights train); `Trainer(model, 
 owns the float32 training copy, its optimiser and the seeded batch sampler. A batch takes
 `recent_share` of its records from the newest `recent_records` and the rest from the whole buffer,
 so that a shift in traffic is learned within steps; with `anchor_pull` each step ends by moving
-every weight that share of the way back to the weights training started from or last adopted. `step`
+every weight that share of the way back to the anchor: the weights training started from or last
+adopted, and with `anchor` "live" also each version of its own that went live
+(`version_went_live`; with ranks at the next sync, on every rank alike). `step`
 counts into the learner's stats and notes how stale the batch was (record age and versions behind
 the live one). `take_weights` loads another version's weights when they fit this architecture and
 shape (an adopted live version) and counts the adoption (`weights_epoch`). With a `RankGroup` (data-
@@ -84,7 +86,7 @@ class Trainer:
                  group: RankGroup | None = None) -> None:
         if type(model) not in TRAINING:
             raise ConfigurationError(f"no online training is defined for a {type(model).__name__}")
-        self.model, self.config = model, config
+        self.model, self.config, self._group = model, config, group
         plan = TRAINING[type(model)](model, config, target)
         self.objective, self.buffer_capacity = plan.objective, plan.buffer_capacity
         params = [p for p in model.parameters() if p.requires_grad]
@@ -169,6 +171,17 @@ class Trainer:
         self.reanchor()
         self.weights_epoch += 1
         return True
+
+    def version_went_live(self) -> None:
+        """A version of these weights went live: with `anchor` "live" the pull now points at it. With
+        ranks the count of adoptions moves on instead, so that at the next sync every rank takes rank
+        0's weights and re-anchors to them alike (one step after the version's, on every rank)."""
+        if self._anchor is None or self.config.anchor != "live":
+            return
+        if self._group is None:
+            self.reanchor()
+        else:
+            self.weights_epoch += 1
 
     def reanchor(self) -> None:
         """Anchor to the weights held now (an adopted version's; with ranks, on every rank after the sync)."""
