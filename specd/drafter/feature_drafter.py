@@ -21,7 +21,7 @@ from specd.drafter.base import BUILT_IN_VERSION, DraftBatch, Proposal, check_sam
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.drafter.swap import HotSwapped
 from specd.model.distributions import sample_from, target_probs
-from specd.model.seeded_draws import noisy_scores
+from specd.model.seeded_draws import redraw_seeded_rows
 from specd.model.transformer import KVCache
 
 
@@ -163,10 +163,7 @@ class FeatureDrafter(HotSwapped[FeatureDrafterModel]):
         q_draft = target_probs(logits, batch.temperature, batch.top_p)[:, 0]  # [B, N]
         uniforms = torch.stack([torch.rand((), generator=g) for g in batch.generators])
         index = torch.where(batch.is_greedy, greedy, sample_from(q_draft, uniforms.to(q_draft.device)))
-        for row, noise in enumerate(batch.noises):
-            if noise is not None:
-                at = noise.at(int(batch.lengths[row]) + step).to(q_draft.device)[draft_ids]
-                index[row] = noisy_scores(q_draft[row], at).argmax()
+        index = redraw_seeded_rows(index, q_draft, batch.noises, batch.lengths + step, draft_ids)
         q = q_draft.new_zeros(len(q_draft), self.model.config.vocab_size)
         return draft_ids[index], q.index_add_(1, draft_ids, q_draft)  # [B, V]: a repeated id sums
 

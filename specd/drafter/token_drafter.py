@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from specd.drafter.base import BUILT_IN_VERSION, DraftBatch, Proposal, check_sampled_drafts
 from specd.drafter.swap import HotSwapped
 from specd.model.distributions import sample_from, target_probs
-from specd.model.seeded_draws import noisy_scores
+from specd.model.seeded_draws import redraw_seeded_rows
 from specd.model.transformer import KVCache, ModelConfig, Transformer
 
 
@@ -157,10 +157,7 @@ class TokenDrafter(HotSwapped[Transformer]):
                 q = target_probs(logits, batch.temperature, batch.top_p)[:, 0]  # [B, V'] over the head's ids
                 q = F.pad(q, (0, missing_vocab))  # [B, V]: ids past the head have q = 0
                 uniforms = torch.stack([torch.rand((), generator=g) for g in batch.generators])
-                sampled = sample_from(q, uniforms.to(q.device))
-                for row, noise in enumerate(batch.noises):  # a seeded row: its seed's draw from q
-                    if noise is not None:
-                        sampled[row] = noisy_scores(q[row], noise.at(int(batch.lengths[row]) + i)).argmax()
+                sampled = redraw_seeded_rows(sample_from(q, uniforms.to(q.device)), q, batch.noises, batch.lengths + i)
                 draft = torch.where(batch.is_greedy, logits[:, 0].argmax(-1), sampled)
                 qs.append(q)
             else:

@@ -109,8 +109,9 @@ class RankGroup:
     def sync(self, held_out: list[TrajectoryRecord], weights_epoch: int, model: torch.nn.Module,
              stats: Any = None, adopted: Callable[[], None] | None = None) -> list[TrajectoryRecord]:
         """After a step: every rank's newly held-out records to rank 0 (returned there, [] elsewhere),
-        and rank 0's weights to every rank when its trainer adopted others since the last sync (then
-        `adopted` runs on every rank: the trainer's anchor follows the weights). Every
+        and rank 0's weights to every rank when its trainer adopted others (or, anchored to live
+        versions, made one of its own live) since the last sync (then `adopted` runs on every rank:
+        the trainer's anchor follows the weights). Every
         `status_every` syncs each rank writes its status with a digest of its weights."""
         gathered: list[Any] | None = [None] * self.info.world_size if self.is_root else None
         dist.gather_object(held_out, gathered, dst=0)

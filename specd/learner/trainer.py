@@ -94,7 +94,9 @@ class Trainer:
         self._params: list[torch.Tensor] = list(params)
         self.rng = random.Random(config.seed)
         self._staleness: dict[str, Any] | None = None
-        self.weights_epoch = 0   # adoptions of other weights: rank 0's count tells the others to follow
+        # adoptions of other weights (and, anchored to live versions, its own versions gone live):
+        # rank 0's count tells the others to take its weights and re-anchor
+        self.weights_epoch = 0
         loss = ObjectiveLoss(model, self.objective)
         # buffers (the target's embedding) never change: no broadcast of them at every step
         self._loss: torch.nn.Module = loss if group is None else DistributedDataParallel(

@@ -63,6 +63,18 @@ def noisy_scores(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return torch.log(probs.float()) + noise.to(probs.device)
 
 
+def redraw_seeded_rows(index: torch.Tensor, probs: torch.Tensor, noises: list[PositionNoise | None],
+                      positions: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`index` [B] (draws from `probs` [B, N]) with each seeded row's entry replaced by its seed's
+    draw for the token at `positions[row]`; `ids` [N]: the vocabulary id of each column of `probs`
+    (a pruned draft vocabulary), None when the columns are the vocabulary itself."""
+    for row, noise in enumerate(noises):
+        if noise is not None:
+            at = noise.at(int(positions[row])).to(probs.device)
+            index[row] = noisy_scores(probs[row], at if ids is None else at[ids]).argmax()
+    return index
+
+
 def seeded_scores(logits: torch.Tensor, probs: torch.Tensor, noises: list[PositionNoise | None],
                   lengths: torch.Tensor) -> torch.Tensor:
     """A verification pass's logits [B, T, V] with each seeded row's replaced by its noisy scores
