@@ -124,9 +124,9 @@ def report(result: dict[str, Any]) -> str:
     ]
     table = markdown_table(["", "measured", "goal"], rows)
     mem_rows = [[name, f"{m['warm_mb']:.0f}", f"{m['end_mb']:.0f}", f"{m['max_mb']:.0f}", f"{m['growth_pct']:+.1f}%",
-                 m["samples"]] for name, m in memory.items()]
+                 m["samples"], m["instances"]] for name, m in memory.items()]
     mem_table = markdown_table(["process", "RSS after warm-up (MB)", "RSS at end (MB)", "max (MB)",
-                                "growth after warm-up", "samples"], mem_rows)
+                                "growth after warm-up", "samples", "instances"], mem_rows)
     latency_table = markdown_table(["operator action", "count", "median (s)", "p99 (s)", "max (s)", "goal"],
                                    [[kind, s["count"], f"{s['median_s']:.2f}", f"{s['p99_s']:.2f}", f"{s['max_s']:.2f}",
                                      {"gate verdict": "p99 <= 5 s", "rollback": "<= 1 s"}.get(kind, "")]

@@ -14,7 +14,8 @@ every `parts_every_s` into `learner_parts`. `version_outcomes()` says whether a 
 live or was served anyway.
 `MemoryWatch` samples each process's resident memory every two seconds; its summary compares
 the last instance of each process, once it has run for the warm-up share of the soak since its
-own start (a learner restarted mid-run is judged after its ramp), with its end.
+own start (a learner restarted mid-run is judged after its ramp), with its end; `instances` says
+how many processes the name had (more than one: it was restarted).
 """
 
 from __future__ import annotations
@@ -272,6 +273,6 @@ class MemoryWatch:
             warm = [mb for t, mb in mine if t >= warm_from] or [mb for _, mb in mine[-3:]]
             start, end = statistics.median(warm[:3]), statistics.median(warm[-3:])
             out[name] = {"warm_mb": start, "end_mb": end, "max_mb": max(mb for _, mb in mine),
-                         "growth_pct": 100 * (end - start) / start,
+                         "growth_pct": 100 * (end - start) / start, "instances": len({pid for _, pid, _ in samples}),
                          "samples": len(mine), "series": [(round(t, 1), round(mb, 1)) for t, pid, mb in samples]}
         return out

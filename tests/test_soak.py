@@ -3,7 +3,12 @@
 Two `specd serve` processes, the learner sidecar and Mosquitto under mixed traffic while the fault
 schedule restarts the broker, kills the learner, plants a corrupt and a worse version, rolls back
 by hand and floods a server. Resident memory is judged by the long soak (`--minutes 30`), whose
-table docs/history.md quotes; two minutes only catch a leak gross enough to pass the loose bound here.
+table docs/history.md quotes; two minutes only catch a leak gross enough to pass the loose bound
+here, in the servers and the broker (restarted in the run's first fifth). The learner, restarted
+mid-run, is not judged here: a new learner's memory ramps for a minute or more as it loads and
+trains its first batches (the 45-minute soaks: from about 0.9 GB to 3.0 GB over 70 s after its
+restart, flat after that), so in a two-minute run its "after warm-up" sample falls inside that ramp
+and its growth (23% to 55% in runs of the same code) says nothing about a leak.
 """
 
 from __future__ import annotations
@@ -37,5 +42,7 @@ def test_two_minutes_of_faults_lose_no_record_fail_no_request_and_serve_no_bad_v
     assert versions["corrupt_live"] == versions["worse_live"] == 0
     assert versions["corrupt_served"] == versions["worse_served"] == 0
     assert set(versions["planted"]) == {"corrupt", "worse"}
-    assert result["goals"]["memory_flat"], result["memory"]
+    judged = {name: m for name, m in result["memory"].items() if name != "learner"}  # see the module's docstring
+    assert set(judged) == {"broker", "server-1", "server-2"}, result["memory"].keys()
+    assert all(m["growth_pct"] <= result["memory_growth_limit_pct"] for m in judged.values()), result["memory"]
     assert run.returncode == 0, run.stderr[-3000:]
