@@ -95,6 +95,8 @@ def test_a_later_stage_recipe_without_the_file_it_continues_is_refused(recipe, t
     ["learner", "--store", "s", "--publish-every", "-1"],
     ["learner", "--store", "s", "--spool-max-mb", "-5"], ["learner", "--store", "s", "--dedup-window", "-1"],
     ["learner", "--store", "s", "--anchor-pull", "1"], ["learner", "--store", "s", "--anchor-pull", "-0.1"],
+    ["learner", "--store", "s", "--gate-confidence", "-1"], ["learner", "--store", "s", "--gate-confidence", "inf"],
+    ["learner", "--store", "s", "--gate-traffic-window", "-1"],
     ["vllm", "--store", "s", "--kv-cache-gib", "nan"]])
 def test_impossible_numbers_are_refused_before_anything_loads(argv, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

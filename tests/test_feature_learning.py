@@ -160,6 +160,21 @@ def test_the_anchor_follows_the_learners_own_versions_that_go_live_unless_it_is_
     assert all(torch.equal(a, e) for a, e in zip(anchored_to, expected, strict=True))
 
 
+def test_with_a_confidence_bound_a_version_that_learned_passes_on_paired_evidence(tmp_path: Path, target) -> None:
+    train = greedy_records(target, VOCAB, seed=0, cover=True)
+    held_out = greedy_records(target, len(train), seed=99)
+    interleaved = [r for pair in zip(train, held_out, strict=True) for r in pair]
+    learner = new_learner(tmp_path, target, fresh_feature_drafter(target), interleaved, holdout_every=2,
+                          gate_confidence_z=1.64, gate_margin=0.0)
+    for _ in range(STEPS):
+        learner.train_step()
+    version = learner.maybe_publish(force=True)
+    assert version is not None and learner.store.live_version() == version
+    verdict = learner.stats.published[-1]
+    assert verdict["held_out_records"] == LearnerConfig.holdout_capacity  # the newest held out
+    assert verdict["lower_bound"] > 0.5 and verdict["candidate"] > verdict["live"] + 0.5
+
+
 def test_anchor_pull_outside_0_to_1_and_an_unknown_anchor_are_refused() -> None:
     with pytest.raises(ConfigurationError, match="anchor_pull"):
         LearnerConfig(anchor_pull=1.0)

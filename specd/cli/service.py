@@ -9,7 +9,7 @@ import os
 import socket
 from typing import Any
 
-from specd.core.arguments import at_least, fraction, port_number, positive_number, pull_share
+from specd.core.arguments import at_least, fraction, non_negative_number, port_number, positive_number, pull_share
 from specd.core.errors import ConfigurationError
 from specd.drafter.factory import DrafterSpec
 from specd.drafter.hybrid import WIDE_PASS_ROWS
@@ -135,6 +135,13 @@ def add_learner_parser(sub: argparse._SubParsersAction) -> None:
                    help="hold every N-th record out of training, for the gate (default 8)")
     p.add_argument("--gate-min-held-out", type=at_least(1), default=4,
                    help="held-out records the gate needs before any candidate may pass (default 4)")
+    p.add_argument("--gate-traffic-window", type=at_least(0), default=LearnerConfig.gate_traffic_window,
+                   help="the gate weighs each domain's held-out records by its share of the newest N records "
+                        f"(default {LearnerConfig.gate_traffic_window}; 0 weighs every held-out record alike)")
+    p.add_argument("--gate-confidence", type=non_negative_number, default=LearnerConfig.gate_confidence_z,
+                   help="standard errors the gate takes off a candidate's paired advantage on the held-out records "
+                        f"before comparing it with the margin (default {LearnerConfig.gate_confidence_z:g}; "
+                        "0 compares the accept lengths alone)")
     p.add_argument("--anchor-pull", type=pull_share, default=LearnerConfig.anchor_pull,
                    help="after every step each weight moves this share of the way back to the anchor "
                         f"(default {LearnerConfig.anchor_pull:g}; 0 is off)")
@@ -181,6 +188,8 @@ def run_learner(args: argparse.Namespace) -> int:
                                                    publish_every_seconds=args.publish_every,
                                                    holdout_every=args.holdout_every,
                                                    gate_min_held_out=args.gate_min_held_out,
+                                                   gate_traffic_window=args.gate_traffic_window,
+                                                   gate_confidence_z=args.gate_confidence,
                                                    anchor_pull=args.anchor_pull, anchor=args.anchor),
                              spool=_spool_config(args.spool_max_mb, args.dedup_window))
     group = RankGroup(info, status_folder=args.store, status_every=args.rank_status_every) if info else None

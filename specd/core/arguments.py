@@ -55,6 +55,14 @@ def positive_number(text: str) -> float:
     return value
 
 
+def non_negative_number(text: str) -> float:
+    """A finite number, 0 or above (0 usually meaning off)."""
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """A share of something: above 0, at most 1."""
     value = _finite(text)

@@ -97,7 +97,7 @@ class Learner(SupervisedLoop):
         self.trainer = Trainer(clone_drafter(initial).float().train(), config, target, group)
         self.model, self.objective, self.optimizer = self.trainer.model, self.trainer.objective, self.trainer.optimizer
         self.gate = Gate(config.holdout_every, config.holdout_capacity, config.gate_min_held_out, config.gate_margin,
-                         config.gate_traffic_window)
+                         config.gate_traffic_window, config.gate_confidence_z)
         self.holdout = self.gate.held_out  # the records held out for the gate, never trained on
         self.canary = ShadowCanary(store, self.promoter.load, lambda m, r: self.simulated_accept_length(m, r),
                                    config.canary_margin, config.canary_min_records, config.canary_z,
