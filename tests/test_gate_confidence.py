@@ -63,7 +63,7 @@ def test_a_candidate_the_records_agree_is_better_passes_and_becomes_the_bar() ->
     assert verdict["candidate"] > verdict["live"]
 
 
-def test_the_same_drafter_passes_with_no_spread_and_is_not_an_improvement() -> None:
+def test_the_same_drafter_passes_with_no_spread_even_without_a_margin() -> None:
     live = torch.nn.Linear(2, 2)
     records = [record(i) for i in range(6)]
     replays = Replays({id(live): {r.record_id: 1.5 + 0.1 * i for i, r in enumerate(records)}})
@@ -71,15 +71,19 @@ def test_the_same_drafter_passes_with_no_spread_and_is_not_an_improvement() -> N
     assert verdict["passed"] and verdict["lower_bound"] == 0.0 and verdict["improved"]
 
 
-def test_a_worse_bar_is_not_the_reference_and_a_better_one_is() -> None:
+@pytest.mark.parametrize("bar_value", [2.4, 1.9])
+def test_the_better_of_live_and_bar_is_the_reference(bar_value: float) -> None:
     live, bar, candidate = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     records = [record(i) for i in range(6)]
-    values = {id(live): 2.0, id(bar): 2.4, id(candidate): 2.1}
     replays = Replays({id(m): {r.record_id: v for r in records} for m, v in
-                       ((live, values[id(live)]), (bar, values[id(bar)]), (candidate, values[id(candidate)]))})
+                       ((live, 2.0), (bar, bar_value), (candidate, 2.1))})
     verdict = gate_with(records, z=1.0).verdict(candidate, live, replays.accept_length, bar=bar)
-    assert not verdict["passed"] and "the bar" in verdict["reason"]
-    assert math.isclose(verdict["difference"], -0.3, abs_tol=1e-9)
+    if bar_value > 2.0:   # the bar is better than live: the candidate is 0.3 short of it
+        assert not verdict["passed"] and "the bar" in verdict["reason"]
+        assert math.isclose(verdict["difference"], -0.3, abs_tol=1e-9)
+    else:                 # live is the reference: the candidate is 0.1 ahead
+        assert verdict["passed"] and verdict["improved"]
+        assert math.isclose(verdict["difference"], 0.1, abs_tol=1e-9)
 
 
 def test_each_record_of_the_live_side_is_replayed_once_while_the_live_version_holds() -> None:
