@@ -1,16 +1,17 @@
 """Which versions each gate rule lets through, against what they are worth on many more records.
 
 Contract: one training run of the service's own `Learner` (`LearnerConfig`'s defaults: float32, no
-anchor) from the shipped pretrained drafter, fed `--chat` ShareGPT chats and then `--code`
-HumanEval problems (the validation items of `demo_learner_sweep.py`: none the demo serves, none
-pretraining saw), `--per-round` at a time with `--steps-per-round` steps after each; every
-`--holdout-every`-th record is held out for the gates instead (the newest 16 kept, as the
-service's gate keeps them). After each round the trained drafter is a candidate, and every arm
-(`--arms`: comma-separated `z:margin[:window]`, `Gate.confidence_z`, `Gate.margin` and
-`Gate.traffic_window`, which then sees the domain of every record served) judges it against
-its own live version and bar with `specd.learner.gate.Gate`, exactly as the learner does (a pass
-makes it that arm's live version; one that passes without the margin, its bar). The truth is each
-version's accept length on `--truth` further records of each domain (greedy, k = 4, exact
+anchor; `--learner demo`: the demo's `DEMO_LEARNER`) from the shipped pretrained drafter, fed
+`--chat` ShareGPT chats and then `--code` HumanEval problems (the validation items of
+`demo_learner_sweep.py`: none the demo serves, none pretraining saw), `--per-round` at a time with
+`--steps-per-round` steps after each; every `--holdout-every`-th record is held out for the gates
+instead (the newest 16 kept, as the service's gate keeps them). After each round the trained
+drafter is a candidate, and every arm (`--arms`: comma-separated `z:margin[:window]`,
+`Gate.confidence_z`, `Gate.margin` and `Gate.traffic_window`, which then sees the domain of every
+record served) judges it against its own live version and bar with `specd.learner.gate.Gate`,
+exactly as the learner does (a pass makes it that arm's live version; one that passes without the
+margin, its bar), once it holds `--min-held-out` records (default: the learner's own). The truth
+is each version's accept length on `--truth` further records of each domain (greedy, k = 4, exact
 replay), judged on the domain being served. Reported per arm: versions passed, passes that were
 worse than the live version they replaced on the served domain's truth (by more than 0.02), and
 refusals of versions better by more than 0.02; and its live version's truth after every round.
@@ -29,6 +30,7 @@ from common import markdown_table, parser, write_result
 from demo_learner_sweep import feed_round, make_records, sweep_learner, validation_items
 
 from specd.core.records import TrajectoryRecord
+from specd.demo.deployment import DEMO_LEARNER
 from specd.drafter.checkpoint import DrafterModel
 from specd.learner.config import LearnerConfig
 from specd.learner.gate import Gate
@@ -36,6 +38,7 @@ from specd.learner.learner import Learner
 from specd.model.target import LoadedTarget
 
 K = 4
+LEARNERS = {"service": LearnerConfig(), "demo": DEMO_LEARNER}
 NOTICEABLE = 0.02  # a difference in truth smaller than this is not counted as a wrong verdict
 
 
@@ -74,8 +77,10 @@ def main() -> None:
     p.add_argument("--chat", type=int, default=40, help="chat records served before the code")
     p.add_argument("--code", type=int, default=24, help="code records served after the chats")
     p.add_argument("--truth", type=int, default=24, help="records of each domain that judge the versions")
+    p.add_argument("--learner", choices=sorted(LEARNERS), default="service",
+                   help="whose learner trains: the service's defaults or the demo's")
     p.add_argument("--holdout-every", type=int, default=4)
-    p.add_argument("--min-held-out", type=int, default=LearnerConfig.gate_min_held_out)
+    p.add_argument("--min-held-out", type=int, default=None, help="default: the learner's own")
     p.add_argument("--per-round", type=int, default=4)
     p.add_argument("--steps-per-round", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -91,9 +96,10 @@ def main() -> None:
     stream = [("chat", r) for r in chat[:args.chat]] + [("code", r) for r in code[:args.code]]
     truth = {"chat": chat[args.chat:], "code": code[args.code:]}
     with tempfile.TemporaryDirectory(prefix="gate-evidence-") as folder:
-        learner = sweep_learner(loaded, LearnerConfig(), folder)
+        config = LEARNERS[args.learner]
+        learner = sweep_learner(loaded, config, folder)
         start = copy.deepcopy(learner.model).eval()
-        arms = [Arm(spec, start, args.min_held_out) for spec in args.arms.split(",")]
+        arms = [Arm(spec, start, args.min_held_out or config.gate_min_held_out) for spec in args.arms.split(",")]
         truths = {id(start): evaluate(learner, start, truth)}
         rounds = []
         for begin in range(0, len(stream), args.per_round):
