@@ -84,6 +84,16 @@ def sweep_learner(loaded: LoadedTarget, config: LearnerConfig, folder: str) -> L
                    loaded.fingerprint, embedding.dtype, embedding, target=loaded.model)
 
 
+def held_out_accept_lengths(learner: Learner, held_out: dict[str, list[TrajectoryRecord]]) -> dict[str, float]:
+    """The learner's current drafter replayed on each domain's held-out records (in eval mode)."""
+    learner.model.eval()
+    try:
+        return {domain: learner.simulated_accept_length(learner.model, records)
+                for domain, records in held_out.items() if records}
+    finally:
+        learner.model.train()
+
+
 def feed_round(learner: Learner, records: list[TrajectoryRecord], steps: int) -> None:
     """Hand `records` to the learner as the bus would, then train `steps` steps."""
     for record in records:
@@ -99,19 +109,11 @@ def run_arm(loaded: LoadedTarget, base: LearnerConfig, learning_rate: float, anc
     config = replace(base, feature_learning_rate=learning_rate, anchor_pull=anchor_pull, seed=seed)
     with tempfile.TemporaryDirectory(prefix="demo-sweep-") as tmp:
         learner = sweep_learner(loaded, config, tmp)
-
-        def evaluate() -> dict[str, float]:
-            learner.model.eval()
-            try:
-                return {domain: learner.simulated_accept_length(learner.model, records)
-                        for domain, records in held_out.items() if records}
-            finally:
-                learner.model.train()
-
-        curves: dict[str, list[float]] = {domain: [value] for domain, value in evaluate().items()}
+        curves: dict[str, list[float]] = {domain: [value] for domain, value in
+                                          held_out_accept_lengths(learner, held_out).items()}
         for start in range(0, len(train), per_round):
             feed_round(learner, train[start:start + per_round], steps_per_round)
-            for domain, value in evaluate().items():
+            for domain, value in held_out_accept_lengths(learner, held_out).items():
                 curves[domain].append(value)
             print(f"  lr {learning_rate:g} pull {anchor_pull:g} seed {seed}: {start + per_round} records, "
                   + ", ".join(f"{d} {c[-1]:.3f}" for d, c in curves.items()), flush=True)

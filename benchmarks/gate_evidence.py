@@ -46,7 +46,8 @@ class Arm:
     def __init__(self, spec: str, start: DrafterModel, min_held_out: int) -> None:
         z, margin, *window = (float(part) for part in spec.split(":"))
         self.spec = spec
-        self.gate = Gate(1, 16, min_held_out, margin, traffic_window=int(window[0]) if window else 0, confidence_z=z)
+        self.gate = Gate(1, LearnerConfig.holdout_capacity, min_held_out, margin,
+                         traffic_window=int(window[0]) if window else 0, confidence_z=z)
         self.live, self.bar = start, start
         self.log: list[dict[str, Any]] = []
 

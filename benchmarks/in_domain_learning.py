@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from common import markdown_table, parser, write_result
-from demo_learner_sweep import feed_round, make_records, sweep_learner, validation_items
+from demo_learner_sweep import feed_round, held_out_accept_lengths, make_records, sweep_learner, validation_items
 
 from specd.core.records import TrajectoryRecord
 from specd.learner.config import LearnerConfig
@@ -51,20 +51,11 @@ def run_arm(loaded: LoadedTarget, arm: str, phases: dict[str, list[TrajectoryRec
     with tempfile.TemporaryDirectory(prefix="in-domain-") as tmp:
         learner = sweep_learner(loaded, config, tmp)
         use_optimiser(learner, name, learning_rate)
-
-        def evaluate() -> dict[str, float]:
-            learner.model.eval()
-            try:
-                return {domain: learner.simulated_accept_length(learner.model, records)
-                        for domain, records in held_out.items()}
-            finally:
-                learner.model.train()
-
-        points = {"day 0": evaluate()}
+        points = {"day 0": held_out_accept_lengths(learner, held_out)}
         for phase, records in phases.items():
             for start in range(0, len(records), per_round):
                 feed_round(learner, records[start:start + per_round], steps)
-            points[f"after {phase}"] = evaluate()
+            points[f"after {phase}"] = held_out_accept_lengths(learner, held_out)
             print(f"  {arm}: after {phase} " + ", ".join(f"{d} {v:.3f}" for d, v in points[f'after {phase}'].items()),
                   flush=True)
     return {"arm": arm, "optimiser": name, "learning_rate": learning_rate, "steps_per_round": steps,
