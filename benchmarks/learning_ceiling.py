@@ -13,7 +13,11 @@ be chosen, `check` where it is confirmed: a setting that only wins on `tune` is 
 Arms (`--arms`): `demo` (DEMO_LEARNER, 12 steps a round, about the demo's learner), `steps30` (30
 steps a round), `lr3e-4` and `lr3e-4_steps30` (twice the learning rate), `prompt1` (prompt
 positions weighed 1, not 0.5), `unroll4` (four chained steps trained, as many as are drafted),
-`newest` (every batch from the newest 8 records).
+`newest` (every batch from the newest 8 records), and two that test whether more tokens from the
+same problems teach more: `sampled3` (each training record comes with 3 answers the target samples
+to the same prompt at temperature 0.7, generated before training, as a learner with a copy of the
+target could; 48 steps a round for 16 records) and `steps48` (the control: 48 steps a round on the
+served records alone).
 
 The memory (`--memory-thresholds`): fast adaptation without training, as kNN-LM adapts a language
 model. From the training records, the drafter's own normalised output state at every position and
@@ -37,9 +41,11 @@ import torch.nn.functional as F
 from common import markdown_table, parser, write_result
 from demo_learner_sweep import feed_round, make_records, sweep_learner, validation_items
 
-from specd.core.records import TrajectoryRecord
+from specd.core.records import TrajectoryRecord, validate_record
 from specd.demo.deployment import DEMO_LEARNER, DemoConfig
 from specd.drafter.feature_model import FeatureDrafterModel
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.request import SamplingParams, record_from_sequence
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner
 from specd.learner.simulation import ExpectedCounts, replay_start, walk_passes
@@ -54,7 +60,11 @@ ARMS: dict[str, tuple[dict[str, Any], int]] = {
     "prompt1": ({"feature_prompt_weight": 1.0}, 12),
     "unroll4": ({"unroll": 4}, 12),
     "newest": ({"recent_share": 1.0, "recent_records": 8}, 12),
+    "sampled3": ({}, 48),
+    "steps48": ({}, 48),
 }
+# arms that train on the target's own sampled answers beside each record: (answers, temperature)
+SAMPLED_ANSWERS = {"sampled3": (3, 0.7)}
 Trajectory = tuple[torch.Tensor, torch.Tensor, int]   # ids (all but the last), features, prompt length
 Memory = tuple[list[torch.Tensor], list[torch.Tensor]]  # per chain step: unit keys [N, hidden], values [N]
 
@@ -108,14 +118,40 @@ def replay(model: FeatureDrafterModel, held_out: list[Trajectory], memory: Memor
             "memory_share": round(replaced / drafted, 4) if drafted else 0.0}
 
 
+def sampled_answers(loaded: LoadedTarget, records: list[TrajectoryRecord], answers: int, temperature: float,
+                    max_tokens: int) -> list[list[TrajectoryRecord]]:
+    """Per record, `answers` records of the target's own sampled answers to its prompt (seeded)."""
+    engine = Engine(loaded.model, None, EngineConfig(max_batch=8, max_context=max(len(r.prompt_ids) for r in records)
+                                                     + max_tokens, eos_token_ids=loaded.eos_token_ids))
+    vocab = loaded.model.config.vocab_size
+    extra: list[list[TrajectoryRecord]] = [[] for _ in records]
+    for answer in range(answers):
+        sequences = [engine.add_request(r.prompt_ids, SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                                                     seed=1000 * answer + i))
+                     for i, r in enumerate(records)]
+        while engine.has_work:
+            engine.step()
+        for i, sequence in enumerate(sequences):
+            record = record_from_sequence(sequence, "sampled", time.time(), records[i].domain)
+            extra[i].append(validate_record(record.to_dict(), vocab))
+    return extra
+
+
 def run_arm(loaded: LoadedTarget, name: str, records: list[TrajectoryRecord], held: dict[str, list[Trajectory]],
-            marks: list[int], per_round: int, thresholds: list[float]) -> dict[str, Any]:
+            marks: list[int], per_round: int, thresholds: list[float], max_tokens: int) -> dict[str, Any]:
     changes, steps = ARMS[name]
     learner = new_learner(loaded, replace(DEMO_LEARNER, **changes))
     curve: dict[int, dict[str, float]] = {}
     begin = time.perf_counter()
+    extra = (sampled_answers(loaded, records[:max(marks)], *SAMPLED_ANSWERS[name], max_tokens)
+             if name in SAMPLED_ANSWERS else None)
+    generated = time.perf_counter() - begin
+    begin += generated  # train_seconds: training and replays, not the generation
     for start in range(0, max(marks), per_round):
-        feed_round(learner, records[start:start + per_round], steps)
+        served = records[start:start + per_round]
+        if extra is not None:
+            served = served + [r for answers in extra[start:start + per_round] for r in answers]
+        feed_round(learner, served, steps)
         seen = min(start + per_round, len(records))
         if seen in marks:
             model = drafter_of(learner)
@@ -126,7 +162,7 @@ def run_arm(loaded: LoadedTarget, name: str, records: list[TrajectoryRecord], he
     model = drafter_of(learner)
     train = records[:max(marks)]
     return {"arm": name, "steps_per_round": steps, "changes": changes, "curve": curve,
-            "train_seconds": round(seconds, 1),
+            "train_seconds": round(seconds, 1), "generation_seconds": round(generated, 1) if extra else None,
             "memory": memory_rows(model, trajectories(learner, train), train, held, thresholds)}
 
 
@@ -175,7 +211,8 @@ def main() -> None:
     baseline = {split: replay(day0_model, t)["accept_length"] for split, t in held.items()}
     print("day 0: " + ", ".join(f"{s} {v:.3f}" for s, v in baseline.items()), flush=True)
     day0_memory = memory_rows(day0_model, trajectories(day0, train[:marks[-1]]), train[:marks[-1]], held, thresholds)
-    arms = [run_arm(loaded, name, train, held, marks, args.per_round, thresholds) for name in args.arms.split(",")]
+    arms = [run_arm(loaded, name, train, held, marks, args.per_round, thresholds, args.max_tokens)
+            for name in args.arms.split(",")]
     rows = [["day 0", "-", f"{baseline['tune']:.3f}", f"{baseline['check']:.3f}", best_memory(day0_memory)]]
     for arm in arms:
         rows.append([arm["arm"], arm["steps_per_round"],
