@@ -18,8 +18,9 @@ leaves vLLM's cores mostly alone) for the whole run, so every configuration shar
   per-source acceptance (context vs learned) comes from its status.
 - A/Bs, only with `--only` (specd adaptive with one change; paired in `ratios`): `specd_full_eagle`
   (`SPECD_EAGLE_K=full`: EAGLE-3 drafts k every step), `specd_anchored` (its learner's `--anchor-pull
-  0.03`), `specd_static` (no broker, no learner: the shipped drafter throughout), `specd_confident`
-  and `specd_native_gemm` (specd static with `SPECD_CONFIDENCE=1`, `SPECD_DRAFTER_GEMM=native`),
+  0.03`), `specd_static` (no broker, no learner: the shipped drafter throughout), `specd_confident`,
+  `specd_native_gemm` and `specd_static_full` (specd static with `SPECD_CONFIDENCE=1`,
+  `SPECD_DRAFTER_GEMM=native`, `SPECD_EAGLE_K=full`),
   `specd_plugin_only` (`SPECD_DRAFTER=learned`, `SPECD_EAGLE_K=full`, no learner: frozen EAGLE-3's
   drafts through the plugin), `specd_custom` (specd's custom_class route, token-level).
 - A static peer at another k than `-k` is named with it (`--only ...,ngram@8,suffix@8`) and counts as
@@ -58,7 +59,8 @@ from specd.serving.vllm.shared.launch import EAGLE3_OPTIONS, PluginSettings, pre
 from specd.testing.processes import Broker, SpecdProcess, VllmServer, free_port, get_json, wait_for
 
 CONFIGS = ("plain", "ngram", "suffix", "eagle3_static", "specd_adaptive", "specd_full_eagle", "specd_static",
-           "specd_confident", "specd_native_gemm", "specd_plugin_only", "specd_custom", "specd_anchored")
+           "specd_confident", "specd_native_gemm", "specd_plugin_only", "specd_custom", "specd_anchored",
+           "specd_static_full")
 DEFAULT_CONFIGS = CONFIGS[:5]
 STATIC_PEERS = ("ngram", "suffix", "eagle3_static")
 ARCTIC = Path(__file__).resolve().parent / ".deps" / "arctic-inference"
@@ -251,6 +253,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
               "specd_adaptive": lambda: fleet.specd("specd_adaptive", "eagle3"),
               "specd_full_eagle": lambda: fleet.specd("specd_full_eagle", "eagle3", eagle_k="full"),
               "specd_static": lambda: fleet.specd("specd_static", "eagle3"),
+              "specd_static_full": lambda: fleet.specd("specd_static_full", "eagle3", eagle_k="full"),
               "specd_anchored": lambda: fleet.specd("specd_anchored", "eagle3"),
               "specd_confident": lambda: fleet.specd("specd_confident", "eagle3", confidence=True),
               "specd_native_gemm": lambda: fleet.specd("specd_native_gemm", "eagle3", drafter_gemm="native"),
@@ -307,6 +310,7 @@ def compare(fleet: Fleet, args: Any, wanted: list[str], warm: list[Prompt],
                                     "ratio": paired(runs, f"specd_adaptive b{b}", f"{best} b{b}", "tokens_per_s")}
     for b in BATCHES:  # the A/Bs of EAGLE-3's per-step k, trimming by confidence, the drafter's dtype, learning
         for arm, other in (("specd_adaptive", "specd_full_eagle"), ("specd_confident", "specd_static"),
+                           ("specd_static_full", "specd_static"),
                            ("specd_static", "specd_native_gemm"), ("specd_adaptive", "specd_static"),
                            ("specd_anchored", "specd_static"), ("specd_anchored", "specd_adaptive")):
             if f"{other} b{b}" in runs and f"{arm} b{b}" in runs:
