@@ -29,7 +29,7 @@ def test_two_minutes_of_faults_lose_no_record_fail_no_request_and_serve_no_bad_v
     out = tmp_path / "soak.json"
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), "--minutes", "2", "--target",
                           "bundled", "--work", str(tmp_path / "work"), "--out", str(out),
-                          "--memory-growth-limit", "40"],
+                          "--memory-growth-limit", "40", "--memory-judged", "broker,server-1,server-2"],
                          capture_output=True, text=True, timeout=900, cwd=REPO)
     print(run.stdout[-6000:])
     assert out.is_file(), f"the soak wrote no result:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
@@ -42,7 +42,10 @@ def test_two_minutes_of_faults_lose_no_record_fail_no_request_and_serve_no_bad_v
     assert versions["corrupt_live"] == versions["worse_live"] == 0
     assert versions["corrupt_served"] == versions["worse_served"] == 0
     assert set(versions["planted"]) == {"corrupt", "worse"}
-    judged = {name: m for name, m in result["memory"].items() if name != "learner"}  # see the module's docstring
-    assert set(judged) == {"broker", "server-1", "server-2"}, result["memory"].keys()
-    assert all(m["growth_pct"] <= result["memory_growth_limit_pct"] for m in judged.values()), result["memory"]
-    assert run.returncode == 0, run.stderr[-3000:]
+    # the learner is watched and reported but not judged here (see the module's docstring)
+    assert result["memory_judged"] == ["broker", "server-1", "server-2"]
+    assert set(result["memory"]) == {"broker", "learner", "server-1", "server-2"}, result["memory"].keys()
+    judged = [result["memory"][name] for name in result["memory_judged"]]
+    assert all(m["growth_pct"] <= result["memory_growth_limit_pct"] for m in judged), result["memory"]
+    # the exit status is every goal's, the memory goal over the judged processes only
+    assert run.returncode == 0, (result["goals"], run.stderr[-3000:])
