@@ -61,13 +61,22 @@ def validation_items(count: int, domain: str = "humaneval") -> list[TrafficItem]
 
 
 def make_records(loaded: LoadedTarget, items: list[TrafficItem], max_tokens: int) -> list[TrajectoryRecord]:
+    """The target's greedy answers to `items`, as the records a server would send."""
     prompts = [encode(loaded, item) for item in items]
-    engine = Engine(loaded.model, None, EngineConfig(max_batch=8, max_context=max(map(len, prompts)) + max_tokens,
+    return answer_records(loaded, prompts, [SamplingParams(max_tokens=max_tokens)] * len(prompts))
+
+
+def answer_records(loaded: LoadedTarget, prompts: list[list[int]], params: list[SamplingParams],
+                   server_id: str = "sweep", domain: str = "humaneval") -> list[TrajectoryRecord]:
+    """The target alone answers each prompt with its params (no drafter); the answers as records."""
+    longest = max(len(p) for p in prompts) + max(sp.max_tokens for sp in params)
+    engine = Engine(loaded.model, None, EngineConfig(max_batch=8, max_context=longest,
                                                      eos_token_ids=loaded.eos_token_ids))
-    seqs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    seqs = [engine.add_request(prompt, sp) for prompt, sp in zip(prompts, params, strict=True)]
+    while engine.has_work:
+        engine.step()
     vocab = loaded.model.config.vocab_size
-    return [validate_record(record_from_sequence(s, "sweep", time.time(), "humaneval").to_dict(), vocab)
-            for s in seqs]
+    return [validate_record(record_from_sequence(s, server_id, time.time(), domain).to_dict(), vocab) for s in seqs]
 
 
 # the gate and publishing off: a sweep holds out records of its own; training all the time

@@ -100,7 +100,8 @@ def main() -> None:
         config = LEARNERS[args.learner]
         learner = sweep_learner(loaded, config, folder)
         start = copy.deepcopy(learner.model).eval()
-        arms = [Arm(spec, start, args.min_held_out or config.gate_min_held_out) for spec in args.arms.split(",")]
+        min_held_out = config.gate_min_held_out if args.min_held_out is None else args.min_held_out
+        arms = [Arm(spec, start, min_held_out) for spec in args.arms.split(",")]
         truths = {id(start): evaluate(learner, start, truth)}
         rounds = []
         for begin in range(0, len(stream), args.per_round):

@@ -39,13 +39,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import markdown_table, parser, write_result
-from demo_learner_sweep import feed_round, make_records, sweep_learner, validation_items
+from demo_learner_sweep import answer_records, feed_round, make_records, sweep_learner, validation_items
 
-from specd.core.records import TrajectoryRecord, validate_record
+from specd.core.records import TrajectoryRecord
 from specd.demo.deployment import DEMO_LEARNER, DemoConfig
 from specd.drafter.feature_model import FeatureDrafterModel
-from specd.engine.engine import Engine, EngineConfig
-from specd.engine.request import SamplingParams, record_from_sequence
+from specd.engine.request import SamplingParams
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner
 from specd.learner.simulation import ExpectedCounts, replay_start, walk_passes
@@ -121,20 +120,11 @@ def replay(model: FeatureDrafterModel, held_out: list[Trajectory], memory: Memor
 def sampled_answers(loaded: LoadedTarget, records: list[TrajectoryRecord], answers: int, temperature: float,
                     max_tokens: int) -> list[list[TrajectoryRecord]]:
     """Per record, `answers` records of the target's own sampled answers to its prompt (seeded)."""
-    engine = Engine(loaded.model, None, EngineConfig(max_batch=8, max_context=max(len(r.prompt_ids) for r in records)
-                                                     + max_tokens, eos_token_ids=loaded.eos_token_ids))
-    vocab = loaded.model.config.vocab_size
-    extra: list[list[TrajectoryRecord]] = [[] for _ in records]
-    for answer in range(answers):
-        sequences = [engine.add_request(r.prompt_ids, SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                                                     seed=1000 * answer + i))
-                     for i, r in enumerate(records)]
-        while engine.has_work:
-            engine.step()
-        for i, sequence in enumerate(sequences):
-            record = record_from_sequence(sequence, "sampled", time.time(), records[i].domain)
-            extra[i].append(validate_record(record.to_dict(), vocab))
-    return extra
+    prompts = [r.prompt_ids for _ in range(answers) for r in records]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 * answer + i)
+              for answer in range(answers) for i in range(len(records))]
+    sampled = answer_records(loaded, prompts, params, server_id="sampled", domain=records[0].domain or "humaneval")
+    return [sampled[i::len(records)] for i in range(len(records))]
 
 
 def run_arm(loaded: LoadedTarget, name: str, records: list[TrajectoryRecord], held: dict[str, list[Trajectory]],

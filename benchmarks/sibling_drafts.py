@@ -10,7 +10,7 @@ benchmark measures both halves at batch 1, the main job's default:
   ShareGPT chats), learned drafter alone, k = 4, for: the chain; the chain with one leaf at the
   first depth; with one leaf at every depth; with two leaves at every depth. A pass accepts the
   chain's drafts while they are right, then one leaf if the first wrong depth has a right one;
-- the target's pass over one row, cached context of 300 positions, one thread (the demo's
+- the target's pass over one row after `target_pass_cost.CACHED` cached positions, one thread (the demo's
   serving core), per number of positions (1 + drafts), interleaved rounds, medians; and the
   drafter's proposal at k = 4 (the same for every policy), timed inside the engine.
 The projected speed of each policy against the chain is accept length over (pass at its width +
@@ -27,6 +27,7 @@ import torch
 from common import markdown_table, parser, write_result
 from demo_learner_sweep import make_records, validation_items
 from learning_ceiling import Trajectory, drafter_of, new_learner, trajectories
+from target_pass_cost import CACHED, time_pass
 
 from specd.demo.deployment import DEMO_LEARNER, encode
 from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
@@ -83,20 +84,17 @@ def accept_length(tables: list[tuple[int, int, torch.Tensor]], leaves: list[int]
 
 
 @torch.inference_mode()
-def pass_seconds(loaded: LoadedTarget, widths: list[int], rounds: int, capture: tuple[int, ...],
-                 context: int = 300) -> dict[int, float]:
-    """The target's verification pass over one row (features for the drafter captured), by width."""
+def pass_seconds(loaded: LoadedTarget, widths: list[int], rounds: int, capture: tuple[int, ...]) -> dict[int, float]:
+    """The target's verification pass over one row (features for the drafter captured), by width:
+    the median over interleaved rounds of `target_pass_cost.time_pass` (one pass each)."""
     model = loaded.model
     prepare_layouts(model)  # as the engine serves it
-    cache = model.new_cache(1, context + max(widths) + 1)
-    model(torch.randint(0, 1000, (1, context)), torch.tensor([0]), cache, logits_for="none")
+    cache = model.new_cache(1, CACHED + max(widths) + 1)
+    model(torch.randint(0, 1000, (1, CACHED)), torch.tensor([0]), cache, logits_for="none")
     samples: dict[int, list[float]] = {w: [] for w in widths}
     for _ in range(rounds):
         for width in widths:
-            tokens = torch.randint(0, 1000, (1, width))
-            begin = time.perf_counter()
-            model(tokens, torch.tensor([context]), cache, return_hidden=True, capture_layers=capture)
-            samples[width].append(time.perf_counter() - begin)
+            samples[width].append(time_pass(model, cache, 1, width, passes=1, capture=capture) / 1000)
     return {w: statistics.median(v) for w, v in samples.items()}
 
 
@@ -121,7 +119,7 @@ def drafting_seconds(loaded: LoadedTarget, prompts: list[list[int]], max_tokens:
 
 
 def main() -> None:
-    p = parser(__doc__, "out/sibling_drafts.json", 7)
+    p = parser(__doc__, "out/sibling_drafts.json", 31)
     p.add_argument("--problems", type=int, default=20, help="validation items per domain")
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()

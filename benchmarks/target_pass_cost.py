@@ -37,12 +37,16 @@ def _use(setting: tuple[bool, int]) -> None:
     packed_linear._PACKING, packed_linear.KERNEL_MAX_ROWS = setting
 
 
-def _time_pass(model: torch.nn.Module, cache: Any, batch: int, tokens: int, passes: int = 3) -> float:
+def time_pass(model: torch.nn.Module, cache: Any, batch: int, tokens: int, passes: int = 3,
+              capture: tuple[int, ...] = ()) -> float:
+    """Milliseconds a pass over `batch` rows of `tokens` new tokens after `CACHED` cached ones takes
+    (the mean of `passes`); with `capture`, the features of those layers are returned too, as a
+    feature drafter's engine asks."""
     new = torch.randint(0, 40000, (batch, tokens))
     start = torch.full((batch,), CACHED, dtype=torch.long)
     begin = time.perf_counter()
     for _ in range(passes):
-        model(new, start, cache, logits_for="all")
+        model(new, start, cache, logits_for="all", return_hidden=bool(capture), capture_layers=capture)
     return (time.perf_counter() - begin) / passes * 1000
 
 
@@ -76,11 +80,11 @@ def main() -> None:
             order = names[round_number % len(names):] + names[:round_number % len(names)]
             for name in order:
                 _use(SETTINGS[name])
-                _time_pass(model, cache, 1, 1, passes=1)  # the first packed call packs
-                _time_pass(model, cache, max(BATCHES), 1, passes=1)
+                time_pass(model, cache, 1, 1, passes=1)  # the first packed call packs
+                time_pass(model, cache, max(BATCHES), 1, passes=1)
                 for batch in BATCHES:
                     for tokens in TOKENS:
-                        times[name].setdefault((batch, tokens), []).append(_time_pass(model, cache, batch, tokens))
+                        times[name].setdefault((batch, tokens), []).append(time_pass(model, cache, batch, tokens))
             print(f"  round {round_number + 1}/{args.repeats}", flush=True)
     _use((packed_linear.packing_enabled(), packed_linear.KERNEL_MAX_ROWS))
     cells = []
