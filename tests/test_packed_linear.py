@@ -140,3 +140,21 @@ def test_a_swapped_in_version_is_prepared_on_the_offering_thread() -> None:
     drafter = FeatureDrafter(first, version=1)
     drafter.offer(second, version=2)
     assert all(layer._layouts for layer in second.modules() if isinstance(layer, PackedLinear))
+
+
+@needs_onednn
+def test_starting_a_learner_process_leaves_the_shared_targets_layouts_ready(tmp_path) -> None:
+    """A learner process shares the server's target weights, which moves them into shared memory;
+    the layouts an engine made before are remade then, not on the server's next pass."""
+    from specd.learner.config import LearnerConfig
+    from specd.learner.process import LearnerProcess
+    from specd.model.fingerprint import TargetFingerprint
+
+    target = tiny_target(dtype=torch.float32)
+    prepare_layouts(target)  # as an engine built before the learner started does
+    layers = [m for m in target.modules() if isinstance(m, PackedLinear)]
+    before = [layer.weight.data_ptr() for layer in layers]
+    LearnerProcess(LearnerConfig(), tmp_path, target, TargetFingerprint.of(target.config), torch.float32, [0])
+    assert [layer.weight.data_ptr() for layer in layers] != before, "sharing did not move the weights"
+    for layer in layers:
+        assert layer._layouts and all(cached[2] == layer.weight.data_ptr() for cached in layer._layouts.values())

@@ -43,6 +43,7 @@ from specd.learner.config import LearnerConfig, LearnerStats
 from specd.learner.learner import Learner
 from specd.learner.memory import memory_breakdown
 from specd.model.fingerprint import TargetFingerprint
+from specd.model.packed_linear import prepare_layouts
 from specd.model.transformer import Transformer
 from specd.transport.bus import BusCounters
 
@@ -208,6 +209,9 @@ class LearnerProcess:
         self._verdict_reader: threading.Thread | None = None
         self.sink = QueueSink(self._records)
         target.share_memory()  # the child reads the server's weights, it does not copy them
+        # sharing moved the weights into shared memory, so the layouts an engine already made of them
+        # are stale: remade here, not on the server's next pass (0.2 s of the demo's first request)
+        prepare_layouts(target)
         spec = ChildSpec(config, str(store_dir), fingerprint, str(serving_dtype).removeprefix("torch."),
                          tuple(cores), report_every_s, keep_last, logging.getLogger().getEffectiveLevel())
         self.cores = list(cores)
