@@ -61,9 +61,10 @@ def validation_items(count: int, domain: str = "humaneval") -> list[TrafficItem]
 
 
 def make_records(loaded: LoadedTarget, items: list[TrafficItem], max_tokens: int) -> list[TrajectoryRecord]:
-    """The target's greedy answers to `items`, as the records a server would send."""
+    """The target's greedy answers to `items`, as the records a server would send (each in its item's domain)."""
     prompts = [encode(loaded, item) for item in items]
-    return answer_records(loaded, prompts, [SamplingParams(max_tokens=max_tokens)] * len(prompts))
+    records = answer_records(loaded, prompts, [SamplingParams(max_tokens=max_tokens)] * len(prompts))
+    return [replace(record, domain=item.domain) for record, item in zip(records, items, strict=True)]
 
 
 def answer_records(loaded: LoadedTarget, prompts: list[list[int]], params: list[SamplingParams],
