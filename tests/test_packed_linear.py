@@ -143,6 +143,24 @@ def test_a_swapped_in_version_is_prepared_on_the_offering_thread() -> None:
 
 
 @needs_onednn
+def test_preparing_at_another_thread_count_keeps_only_the_copies_that_count_uses() -> None:
+    """A server pinned to one core after its engine was built at two must not hold the two-thread copies."""
+    layer, threads = _layer(), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        layer.prepare()
+        assert set(layer._layouts or {}) == {"transposed", "packed"}
+        torch.set_num_threads(1)
+        layer.prepare()
+        few_rows = "panels" if packed_linear._row_kernel_for(1) is not None else "transposed"
+        assert set(layer._layouts or {}) == {few_rows, "packed"}
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(torch.ones(1, 48)), F.linear(torch.ones(1, 48), layer.weight))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_onednn
 def test_starting_a_learner_process_leaves_the_shared_targets_layouts_ready(tmp_path) -> None:
     """A learner process shares the server's target weights, which moves them into shared memory;
     the layouts an engine made before are remade then, not on the server's next pass."""

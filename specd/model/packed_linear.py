@@ -89,13 +89,19 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
     def prepare(self) -> None:
-        """Make the layouts this thread count uses now, so that no decoding step waits for them."""
+        """Make the layouts this thread count uses now, so that no decoding step waits for them, and
+        drop the few-row copy it does not use (each is a whole copy of the weight: a server pinned
+        to one core after its engine was built at two held an unused transposed target, 513 MB)."""
         if self._weight_may_pack():
             kernel = _row_kernel_for(1)
             if kernel is not None:
                 self._layout("panels", kernel.panels)
+                unused = "transposed"
             else:
                 self._layout("transposed", _transposed)
+                unused = "panels"
+            assert self._layouts is not None
+            self._layouts.pop(unused, None)
             self._layout("packed", _onednn_packed)
 
     def _weight_may_pack(self) -> bool:

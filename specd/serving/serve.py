@@ -234,6 +234,8 @@ def _lifecycle(options: ServeOptions, wiring: Wiring, worker: EngineWorker, swap
         if wiring.publisher is not None:
             wiring.publisher.start()
         restore = _pin(wiring.serving_cores)
+        if wiring.serving_cores is not None:  # fewer threads than the engine was built with: their layouts
+            worker.engine.prepare_layouts()
         worker.start()
         swapper.start(wiring.health)
         if wiring.learner is not None:
