@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,7 +162,7 @@ def test_preparing_at_another_thread_count_keeps_only_the_copies_that_count_uses
 
 
 @needs_onednn
-def test_starting_a_learner_process_leaves_the_shared_targets_layouts_ready(tmp_path) -> None:
+def test_starting_a_learner_process_leaves_the_shared_targets_layouts_ready(tmp_path: Path) -> None:
     """A learner process shares the server's target weights, which moves them into shared memory;
     the layouts an engine made before are remade then, not on the server's next pass."""
     from specd.learner.config import LearnerConfig
