@@ -63,13 +63,14 @@ def validation_items(count: int, domain: str = "humaneval") -> list[TrafficItem]
 def make_records(loaded: LoadedTarget, items: list[TrafficItem], max_tokens: int) -> list[TrajectoryRecord]:
     """The target's greedy answers to `items`, as the records a server would send (each in its item's domain)."""
     prompts = [encode(loaded, item) for item in items]
-    records = answer_records(loaded, prompts, [SamplingParams(max_tokens=max_tokens)] * len(prompts))
-    return [replace(record, domain=item.domain) for record, item in zip(records, items, strict=True)]
+    return answer_records(loaded, prompts, [SamplingParams(max_tokens=max_tokens)] * len(prompts),
+                          [item.domain for item in items])
 
 
 def answer_records(loaded: LoadedTarget, prompts: list[list[int]], params: list[SamplingParams],
-                   server_id: str = "sweep", domain: str = "humaneval") -> list[TrajectoryRecord]:
-    """The target alone answers each prompt with its params (no drafter); the answers as records."""
+                   domains: list[str], server_id: str = "sweep") -> list[TrajectoryRecord]:
+    """The target alone answers each prompt with its params (no drafter); the answers as records,
+    each labelled with its prompt's domain."""
     longest = max(len(p) for p in prompts) + max(sp.max_tokens for sp in params)
     engine = Engine(loaded.model, None, EngineConfig(max_batch=8, max_context=longest,
                                                      eos_token_ids=loaded.eos_token_ids))
@@ -77,7 +78,8 @@ def answer_records(loaded: LoadedTarget, prompts: list[list[int]], params: list[
     while engine.has_work:
         engine.step()
     vocab = loaded.model.config.vocab_size
-    return [validate_record(record_from_sequence(s, server_id, time.time(), domain).to_dict(), vocab) for s in seqs]
+    return [validate_record(record_from_sequence(s, server_id, time.time(), domain).to_dict(), vocab)
+            for s, domain in zip(seqs, domains, strict=True)]
 
 
 # the gate and publishing off: a sweep holds out records of its own; training all the time

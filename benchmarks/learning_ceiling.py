@@ -123,7 +123,8 @@ def sampled_answers(loaded: LoadedTarget, records: list[TrajectoryRecord], answe
     prompts = [r.prompt_ids for _ in range(answers) for r in records]
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 * answer + i)
               for answer in range(answers) for i in range(len(records))]
-    sampled = answer_records(loaded, prompts, params, server_id="sampled", domain=records[0].domain or "humaneval")
+    domains = [r.domain or "humaneval" for _ in range(answers) for r in records]
+    sampled = answer_records(loaded, prompts, params, domains, server_id="sampled")
     return [sampled[i::len(records)] for i in range(len(records))]
 
 
