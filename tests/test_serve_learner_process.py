@@ -101,3 +101,27 @@ def test_a_candidate_sent_to_a_learner_process_that_is_not_running_fails_with_a_
     with pytest.raises(SpecdError, match="not running"):
         process.submit(1).result(timeout=1)
     assert process.stats.steps == 0 and process.staleness == {}  # nothing reported yet reads as nothing done
+
+
+def test_a_server_with_a_learner_process_makes_only_the_layouts_its_own_cores_use(tmp_path: Path) -> None:
+    """Built at the machine's thread count and then pinned to fewer cores, the server held a copy of
+    every target layer it never used and made the ones it did in its first request."""
+    import torch
+
+    from specd.learner.process import split_cores
+    from specd.model import packed_linear
+
+    if not packed_linear.packing_enabled():
+        pytest.skip("this torch has no oneDNN: no layouts are made")
+    loaded, cores, threads = tiny_loaded_target(), split_cores(), torch.get_num_threads()
+    assert cores is not None
+    try:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))  # as `specd serve` starts (tests run on one)
+        build_server(options(tmp_path, learner_mode="process"), loaded)  # the app never starts: no child
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+        torch.set_num_threads(len(cores[0]))
+        wanted = {"panels" if packed_linear._row_kernel_for(1) is not None else "transposed", "packed"}
+    finally:
+        torch.set_num_threads(threads)
+    layers = [layer for layer in loaded.model.modules() if isinstance(layer, packed_linear.PackedLinear)]
+    assert layers and all(set(layer._layouts or {}) == wanted for layer in layers), wanted

@@ -114,7 +114,12 @@ class Engine:
         self.drafter = drafter
         if drafter is not None:
             drafter.bind(config.max_batch, max_seq, self.device)
-        self.prepare_layouts()
+        # the linear layers' inference layouts for this thread count, made now rather than in the
+        # first request's steps (`specd serve` builds its engine at the thread count it will decode with)
+        prepare_layouts(target)
+        drafter_model = getattr(drafter, "model", None)
+        if isinstance(drafter_model, torch.nn.Module):
+            prepare_layouts(drafter_model)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # index = slot
         self.prefilling: InProgress | None = None  # in slot len(running), until its prompt is in the cache
@@ -122,14 +127,6 @@ class Engine:
                                                              adaptive=config.adaptive_lookahead))
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
         self._ids = itertools.count()
-
-    def prepare_layouts(self) -> None:
-        """The target's and drafter's inference layouts for this thread count, made now rather than
-        in a request's steps (a server pinned to fewer cores after building its engine calls it again)."""
-        prepare_layouts(self.target)
-        drafter_model = getattr(self.drafter, "model", None)
-        if isinstance(drafter_model, torch.nn.Module):
-            prepare_layouts(drafter_model)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),

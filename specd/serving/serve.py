@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,9 +130,9 @@ def _embedded_wiring(options: ServeOptions, loaded: LoadedTarget, store_dir: Pat
             live = store.publish(clone_drafter(model).to(embedding.dtype), loaded.fingerprint, None,
                                  {"evaluation": None, "reason": "initial"}, embedding)
             store.set_live(live, "initial", if_live=None)
-        process = LearnerProcess(config_for_process(LearnerConfig(k=options.k, canary=options.canary)), store_dir,
-                                 loaded.model,
-                                 loaded.fingerprint, embedding.dtype, learner_cores)
+        with _serving_threads(serving_cores):  # sharing the target remakes its layouts: for the server's cores
+            process = LearnerProcess(config_for_process(LearnerConfig(k=options.k, canary=options.canary)),
+                                     store_dir, loaded.model, loaded.fingerprint, embedding.dtype, learner_cores)
         return Wiring(process.sink, process.sink.counters, LocalStore(store), model, live, store, process,
                       serving_cores=serving_cores)
     bus = InProcessBus()
@@ -156,11 +156,11 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
     metrics.sources.update({"specd_records_shed": lambda: wiring.counters.shed,
                             "specd_drafter_swaps": lambda: drafter.num_swaps,
                             "specd_drafter_refused": lambda: len(swapper.refused)})
-    engine = Engine(loaded.model, drafter, EngineConfig(max_batch=options.max_batch, num_draft_tokens=options.k,
-                                                        max_context=options.max_context,
-                                                        prefill_chunk=options.prefill_chunk,
-                                                        eos_token_ids=loaded.eos_token_ids,
-                                                        record_features=options.drafter.arch == "feature"))
+    with _serving_threads(wiring.serving_cores):  # the engine makes its layouts for the cores it will decode on
+        engine = Engine(loaded.model, drafter, EngineConfig(
+            max_batch=options.max_batch, num_draft_tokens=options.k, max_context=options.max_context,
+            prefill_chunk=options.prefill_chunk, eos_token_ids=loaded.eos_token_ids,
+            record_features=options.drafter.arch == "feature"))
     worker = EngineWorker(engine, wiring.bus if options.publish_records else None, options.server_id, metrics, table,
                           health=wiring.health)
     status = _status(options, wiring, worker)
@@ -204,6 +204,21 @@ def _learner_status(wiring: Wiring) -> Callable[[], dict[str, Any]]:
     return status
 
 
+@contextlib.contextmanager
+def _serving_threads(cores: list[int] | None) -> Iterator[None]:
+    """torch at the thread count the server will decode with once pinned to `cores` (None: as it is)
+    while the engine and the learner process make the target's layouts: which layouts a layer uses
+    depends on the thread count, and made at the machine's count the bundled target's server held
+    a 513 MB copy it never used until its lifecycle pinned it and remade them."""
+    threads = torch.get_num_threads()
+    if cores is not None:
+        torch.set_num_threads(len(cores))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _pin(cores: list[int] | None) -> Callable[[], None]:
     """The server on its own cores (the learner process has the others); returns how to undo it."""
     if cores is None:
@@ -234,8 +249,6 @@ def _lifecycle(options: ServeOptions, wiring: Wiring, worker: EngineWorker, swap
         if wiring.publisher is not None:
             wiring.publisher.start()
         restore = _pin(wiring.serving_cores)
-        if wiring.serving_cores is not None:  # fewer threads than the engine was built with: their layouts
-            worker.engine.prepare_layouts()
         worker.start()
         swapper.start(wiring.health)
         if wiring.learner is not None:
