@@ -22,7 +22,7 @@ from specd.drafter.factory import DrafterSpec
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.lookahead import LookaheadConfig, LookaheadController
 from specd.engine.request import SamplingParams, Sequence
-from specd.engine.worker import EngineWorker, Submission
+from specd.engine.worker import EngineWorker, Failure, Submission
 from specd.serving.http.api import STATE, ApiState
 from specd.serving.serve import ServeOptions, build_server
 from specd.testing import ByteTokenizer, tiny_loaded_target
@@ -177,6 +177,13 @@ async def test_bad_requests_get_openai_style_4xx(client, body, status, needle) -
     assert needle in error["message"] and error["type"] == "invalid_request_error"
 
 
+async def test_the_engines_refusals_name_the_field_and_code_at_fault(client) -> None:
+    too_long = await (await client.post("/v1/completions", json={"model": "tiny", "prompt": "x" * 600})).json()
+    assert too_long["error"]["code"] == "context_length_exceeded"
+    outside = await (await client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 99999]})).json()
+    assert outside["error"]["param"] == "prompt"
+
+
 async def test_malformed_json_and_unknown_route_are_json_errors(client) -> None:
     response = await client.post("/v1/chat/completions", data=b"{not json",
                                  headers={"Content-Type": "application/json"})
@@ -194,10 +201,16 @@ async def test_unsupported_fields_sent_at_their_no_op_values_are_served(client) 
     body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
     plain = await (await client.post("/v1/chat/completions", json=body)).json()
     no_ops = {"logprobs": False, "echo": False, "best_of": 1, "logit_bias": {}, "presence_penalty": 0.0,
-              "frequency_penalty": 0, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+              "frequency_penalty": 0, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+              "top_k": -1, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": [], "skip_special_tokens": True}
     response = await client.post("/v1/chat/completions", json={**body, **no_ops})
     assert response.status == 200
     assert (await response.json())["choices"][0]["message"] == plain["choices"][0]["message"]
+    # vLLM's extras, asking for something this server does not do, are refused by name as OpenAI's are
+    for name, value in (("top_k", 5), ("min_tokens", 5), ("ignore_eos", True), ("stop_token_ids", [5]),
+                        ("guided_choice", ["a", "b"])):
+        refused = await client.post("/v1/chat/completions", json={**body, name: value})
+        assert refused.status == 400 and (await refused.json())["error"]["param"] == name
     # a boolean is not the number it equals in Python
     refused = await client.post("/v1/chat/completions", json={**body, "frequency_penalty": False})
     assert refused.status == 400 and (await refused.json())["error"]["param"] == "frequency_penalty"
@@ -217,6 +230,10 @@ async def test_chat_content_may_be_a_list_of_text_parts_and_other_parts_are_refu
     assert image.status == 400 and "image_url" in (await image.json())["error"]["message"]
     odd_type = await client.post("/v1/chat/completions", json=body([{"type": ["text"], "text": "x"}]))
     assert odd_type.status == 400 and "only text content parts" in (await odd_type.json())["error"]["message"]
+    earlier_turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]
+    null_reply = await client.post("/v1/chat/completions", json={**body("again"), "messages": [
+        *earlier_turns, {"role": "user", "content": "again"}]})
+    assert null_reply.status == 200  # OpenAI allows an assistant turn without content
 
 
 @pytest.mark.parametrize("settings", [{"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-50, "seed": 5}])
@@ -383,7 +400,7 @@ async def test_an_engine_fault_mid_stream_ends_the_stream_with_an_error_event_an
 
 async def test_a_client_callback_that_raises_fails_its_step_not_the_decoding_thread(client) -> None:
     worker = api_state(client).worker
-    seen: list[tuple[int, str]] = []
+    seen: list[Failure] = []
 
     def broken(tokens: list[int]) -> None:
         raise RuntimeError("a callback that should only hand data over did not")
@@ -391,7 +408,7 @@ async def test_a_client_callback_that_raises_fails_its_step_not_the_decoding_thr
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
-    def failed(error: tuple[int, str]) -> None:  # on the worker thread
+    def failed(error: Failure) -> None:  # on the worker thread
         seen.append(error)
         loop.call_soon_threadsafe(done.set_result, True)
 
@@ -412,6 +429,13 @@ async def test_an_api_key_guards_the_openai_routes_only(client) -> None:
     assert (await client.get("/v1/models")).status == 401
     assert (await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})).status == 200
     assert (await client.get("/health")).status == 200 and (await client.get("/metrics")).status == 200
+
+
+async def test_an_empty_api_key_leaves_the_openai_routes_open(client) -> None:
+    api_state(client).api_key = ""  # `SPECD_API_KEY= specd serve`: no key, as with --token
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 2}
+    assert (await client.post("/v1/completions", json=body)).status == 200
+    assert (await client.get("/v1/models")).status == 200
 
 
 async def test_models_and_health(client) -> None:

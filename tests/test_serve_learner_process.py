@@ -49,10 +49,15 @@ async def test_the_learner_trains_in_a_child_process_while_the_server_keeps_its_
         for i in range(12):
             body = {"model": "tiny", "prompt": f"hello {i} " * 3, "max_tokens": 24, "temperature": 0}
             assert (await client.post("/v1/completions", json=body)).status == 200
-        status = await status_when(client, lambda s: s.get("learner_steps", 0) > 0 and s.get("records_in", 0) > 0)
+        for _ in range(3):  # too short to train on: the child refuses them, and the server counts each
+            body = {"model": "tiny", "prompt": "h", "max_tokens": 1, "temperature": 0}
+            assert (await client.post("/v1/completions", json=body)).status == 200
+        status = await status_when(client, lambda s: s.get("learner_steps", 0) > 0 and s.get("records_in", 0) > 0
+                                   and s.get("records_refused", 0) >= 3)
         child = status["learner"]["process"]
     assert status["learner"]["running"], status
     assert status["learner_steps"] > 0 and status["records_in"] > 0, status
+    assert status["records_refused"] == 3 and status["records_refused_by_reason"] == {"too-short": 3}, status
     assert child["pid"] != os.getpid()
     assert serving < before and not serving & set(child["cores"]), (serving, child)
     assert os.sched_getaffinity(0) == before  # the server gave its cores back when it stopped

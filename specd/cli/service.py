@@ -70,6 +70,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("SPECD_API_KEY"),
                    help="as vLLM's: the OpenAI routes answer only `Authorization: Bearer KEY` (default: "
                         "$SPECD_API_KEY; none: open)")
+    p.add_argument("--shutdown-grace", type=non_negative_number, default=10.0, metavar="SECONDS",
+                   help="how long a stopping server (SIGTERM, Ctrl+C) lets requests in flight finish before "
+                        "ending them with a 503 (default 10)")
     p.add_argument("--no-learner", action="store_true", help="serve the store's live version without training")
     p.add_argument("--learner-mode", choices=("auto", "process", "thread"), default="auto",
                    help="where the embedded learner runs: a process pinned to cores of its own (the server keeps "
@@ -219,7 +222,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     check_address(args.host, args.port)
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
-                           max_context=args.max_context, max_queued=args.max_queued or None, api_key=args.api_key,
+                           max_context=args.max_context, max_queued=args.max_queued or None,
+                           api_key=args.api_key or None, shutdown_grace_s=args.shutdown_grace,
                            prefill_chunk=args.prefill_chunk or None,
                            learner=not args.no_learner, learner_mode=args.learner_mode, duty_cycle=args.duty_cycle,
                            server_id=args.server_id,
@@ -256,7 +260,8 @@ def listen(app: Any, host: str, port: int) -> None:
     from aiohttp import web
 
     try:
-        web.run_app(app, host=host, port=port, print=lambda line: print(line, flush=True))
+        # handlers have had their grace (the app's own shutdown hook) before aiohttp waits for them
+        web.run_app(app, host=host, port=port, shutdown_timeout=5.0, print=lambda line: print(line, flush=True))
     except socket.gaierror as error:  # a host name that does not resolve
         raise _cannot_listen(host, port, error) from None
     except OSError as error:

@@ -133,7 +133,7 @@ class Engine:
                     request_id: str | None = None) -> Sequence:
         """Queue a request, or raise RequestRefused saying why it cannot be served."""
         if not prompt_ids:
-            raise RequestRefused("the prompt is empty: give at least one token")
+            raise RequestRefused("the prompt is empty: give at least one token", param="prompt")
         # the length first: it costs nothing, and a huge prompt is refused without a pass over it
         if len(prompt_ids) + params.max_tokens > self.max_context:
             raise RequestRefused(
@@ -142,7 +142,7 @@ class Engine:
         vocab = self.target.config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise RequestRefused(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise RequestRefused(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
         self.waiting.append(seq)
         return seq

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from specd.core.errors import RequestRefused
 from specd.core.threads import BackgroundHealth
@@ -50,13 +50,23 @@ class WorkerMetrics(Protocol):
     def record_published(self) -> None: ...
 
 
+class Failure(NamedTuple):
+    """Why a request ended without its answer: an HTTP-like status (400 refused, 500 fault), the
+    reason in words, and for a refusal the request field at fault and OpenAI's code where known."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
 @dataclass
 class Submission:
     prompt_ids: list[int]
     params: SamplingParams
     on_tokens: Callable[[list[int]], None]
     on_done: Callable[[Sequence], None]
-    on_error: Callable[[tuple[int, str]], None]  # (HTTP-like status, message): 400 refused, 500 fault
+    on_error: Callable[[Failure], None]
     domain: str | None = None
     request_id: str | None = None
     sent: int = 0                      # output tokens already reported
@@ -159,7 +169,7 @@ class EngineWorker:
             try:
                 item.seq = self.engine.add_request(item.prompt_ids, item.params, item.request_id)
             except RequestRefused as error:
-                item.on_error((400, str(error)))
+                item.on_error(Failure(400, str(error), error.param, error.code))
                 continue
             self._active[item.seq.request_id] = item
 
@@ -175,7 +185,7 @@ class EngineWorker:
                 self.health.failed(ENGINE_TASK, error)
                 for sub in self._active.values():
                     with contextlib.suppress(Exception):  # one client's failing callback spares the rest
-                        sub.on_error((500, f"internal engine error: {error}"))
+                        sub.on_error(Failure(500, f"internal engine error: {error}"))
                 self._active.clear()
                 self.engine.reset()
 
@@ -202,7 +212,7 @@ class EngineWorker:
                 continue
             sub = self._active.pop(seq.request_id)
             if seq.finish_reason == "error":  # this request alone failed (e.g. its prefill)
-                sub.on_error((500, f"internal engine error: {seq.error}"))
+                sub.on_error(Failure(500, f"internal engine error: {seq.error}"))
                 continue
             sub.on_done(seq)
             with self._count_lock:

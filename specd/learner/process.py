@@ -123,6 +123,19 @@ class ChildSpec:
     log_level: int = logging.WARNING  # the parent's: a spawned child starts with logging unconfigured
 
 
+def stats_report(stats: LearnerStats) -> dict[str, Any]:
+    """`stats` as plain data for the parent (`stats_from_report` reads it back)."""
+    # asdict rebuilds a Counter from (key, count) pairs, counting the pairs: refused goes over as a dict
+    return {**asdict(stats), "refused": dict(stats.refused), "losses": list(stats.losses)}
+
+
+def stats_from_report(raw: dict[str, Any]) -> LearnerStats:
+    fields = dict(raw)
+    fields["refused"] = Counter(fields.get("refused", {}))
+    fields.pop("losses", None)
+    return LearnerStats(**fields)
+
+
 def learner_report(learner: Learner, began_cpu: float, began: float, alive: bool) -> dict[str, Any]:
     stats = learner.stats
     return {"alive": alive, "steps": stats.steps, "tokens_trained": stats.tokens_trained,
@@ -133,7 +146,7 @@ def learner_report(learner: Learner, began_cpu: float, began: float, alive: bool
             "cpu_seconds": round(time.process_time() - began_cpu, 2),
             "wall_seconds": round(time.monotonic() - began, 2), "torch_threads": torch.get_num_threads(),
             "recomputed_features": getattr(learner.objective, "recompute_stats", None),
-            "stats": {**asdict(stats), "losses": list(stats.losses)}, "staleness": learner.staleness,
+            "stats": stats_report(stats), "staleness": learner.staleness,
             "memory": memory_breakdown(learner)}
 
 
@@ -230,10 +243,7 @@ class LearnerProcess:
     # ---- what a server's control plane and metrics read --------------------------------------
     @property
     def stats(self) -> LearnerStats:
-        raw = dict(self._refresh().get("stats") or {})
-        raw["refused"] = Counter(raw.get("refused", {}))
-        raw.pop("losses", None)
-        return LearnerStats(**raw)
+        return stats_from_report(self._refresh().get("stats") or {})
 
     @property
     def staleness(self) -> dict[str, Any]:

@@ -82,6 +82,7 @@ class ServeOptions:
     canary: bool = True                # the embedded learner rolls a regression back by itself (`learner.shadow`)
     max_queued: int | None = 64        # requests waiting for a batch slot before new ones get a 429 (None: no bound)
     api_key: str | None = None         # the OpenAI routes need `Authorization: Bearer <api_key>` (as vLLM's)
+    shutdown_grace_s: float = 10.0     # how long a stopping server lets requests in flight finish (then a 503)
 
 
 @dataclass
@@ -165,7 +166,8 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
                           health=wiring.health)
     status = _status(options, wiring, worker)
     app = create_app(ApiState(loaded, worker, metrics, options.model_name or Path(loaded.folder).name, status,
-                              options.max_queued, api_key=options.api_key))
+                              options.max_queued, api_key=options.api_key,
+                              shutdown_grace_s=options.shutdown_grace_s))
     acceptance = AcceptanceLog()
     if wiring.store is not None:
         learner = wiring.learner
@@ -197,7 +199,8 @@ def _learner_status(wiring: Wiring) -> Callable[[], dict[str, Any]]:
         stats = learner.stats  # one read: a learner process builds it from its latest report
         waiting = max(0, counters.published - counters.shed - counters.delivered)  # shed ones wait no more
         return {"records_in": stats.records_in, "records_waiting": waiting,
-                "records_refused": sum(stats.refused.values()), "learner_steps": stats.steps,
+                "records_refused": sum(stats.refused.values()), "records_refused_by_reason": dict(stats.refused),
+                "learner_steps": stats.steps,
                 "mean_record_age_s": learner.staleness.get("mean_record_age_s"),
                 "learner_loop_failures": stats.loop_failures, "learner": learner.health(),
                 "background": wiring.health.snapshot()}

@@ -11,7 +11,8 @@ loop, and a client that goes away (streaming or not) has its request cancelled, 
 slot at the engine's next step. `stream: true` sends server-sent events (`data: {chunk}` lines,
 then `data: [DONE]`), their text detokenised incrementally (`specd.serving.http.detokenize`); with
 `stream_options: {"include_usage": true}` the last chunk before `[DONE]` carries the token
-counts, as OpenAI's does.
+counts, as OpenAI's does. A server that stops lets requests in flight finish for
+`ApiState.shutdown_grace_s`, then ends the rest with a 503 that says so (`_drain`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from aiohttp import web
 from specd.core.errors import InternalError, SpecdError
 from specd.core.http_requests import bearer_matches, json_object, read_body
 from specd.engine.request import SamplingParams, Sequence
-from specd.engine.worker import EngineWorker, Submission
+from specd.engine.worker import EngineWorker, Failure, Submission
 from specd.model.target import LoadedTarget
 from specd.serving.http import fields
 from specd.serving.http.detokenize import IncrementalDetokenizer, StopStrings
@@ -43,10 +44,15 @@ __all__ = ["MAX_TOKENS_CAP", "STATE", "ApiError", "ApiState", "create_app"]
 MAX_BODY_BYTES = 8 * 1024 * 1024   # a 4096-token context needs far less; larger bodies get a 413
 INLINE_JSON_BYTES = 64 * 1024      # bodies up to this are parsed on the loop: a thread hop would cost more
 CONNECTION_CHECK_S = 0.05          # how often a request waiting for tokens checks that its client is there
+SHUTTING_DOWN = "the server is shutting down; send the request again (to another replica)"
 
 
 def _check_capacity(state: ApiState) -> None:
-    """Overload gets a clear answer: beyond `max_queued` waiting requests, a 429 with Retry-After."""
+    """Overload gets a clear answer: beyond `max_queued` waiting requests, a 429 with Retry-After
+    (and a stopping server a 503)."""
+    if state.draining:
+        raise ApiError(503, SHUTTING_DOWN, code="server_shutting_down", kind="server_error",
+                       headers={"Retry-After": "1"})
     if state.max_queued is not None and state.worker.queued >= state.max_queued:
         raise ApiError(429, f"the server is busy: {state.max_queued} requests are already waiting; retry shortly",
                        code="rate_limit_exceeded", kind="rate_limit_error", headers={"Retry-After": "1"})
@@ -62,6 +68,9 @@ class ApiState:
     max_queued: int | None = None  # requests waiting for a batch slot beyond which new ones get a 429
     domains: set[str] = field(default_factory=set)  # the client-chosen domain labels seen, at most MAX_DOMAINS
     api_key: str | None = None  # when set, the OpenAI routes need `Authorization: Bearer <api_key>`
+    shutdown_grace_s: float = 10.0  # how long a stopping server lets requests in flight finish
+    draining: bool = False  # stopping: new requests get a 503
+    streams: set[_Stream] = field(default_factory=set)  # the requests in flight
 
 
 log = logging.getLogger(__name__)
@@ -128,6 +137,12 @@ class _Stream:
 
         state.worker.submit(Submission(prompt_ids, params, put("tokens"), put("done"), put("error"),
                                        domain=domain, request_id=self.request_id))
+        state.streams.add(self)
+
+    def cut_short(self, failure: Failure) -> None:
+        """End this request with an error now (a server that stops): a JSON error if nothing was
+        sent yet, else an error event and [DONE] in its stream."""
+        self.events.put_nowait(("error", failure))
 
     @property
     def ids(self) -> list[int]:
@@ -152,8 +167,9 @@ class _Stream:
         while True:
             kind, value = await self._next_event()
             if kind == "error":
-                status, message = value
-                raise ApiError(status, message, kind="invalid_request_error" if status < 500 else "server_error")
+                failure: Failure = value
+                raise ApiError(failure.status, failure.message, param=failure.param, code=failure.code,
+                               kind="invalid_request_error" if failure.status < 500 else "server_error")
             if kind == "tokens":
                 now = time.perf_counter()
                 self.state.metrics.inter_token_latency.observe((now - last) / max(len(value), 1))
@@ -189,6 +205,7 @@ class _Stream:
 
     def abandon(self) -> None:
         """Cancel the request unless it ended: its client is gone or its answer failed midway."""
+        self.state.streams.discard(self)
         if self.finish_reason is None:
             self.state.worker.cancel(self.request_id)
 
@@ -325,18 +342,36 @@ OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 @web.middleware
 async def _api_key(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                    ) -> web.StreamResponse:
-    """As vLLM's `--api-key`: the OpenAI routes answer only requests that carry the key."""
+    """As vLLM's `--api-key`: the OpenAI routes answer only requests that carry the key (an empty key,
+    as `SPECD_API_KEY=` gives, is no key: the routes are open)."""
     key = request.app[STATE].api_key
-    if key is not None and request.path in OPENAI_ROUTES \
+    if key and request.path in OPENAI_ROUTES \
             and not bearer_matches(request.headers.get("Authorization", ""), key):
         raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key",
                        kind="authentication_error")
     return await handler(request)
 
 
+async def _drain(app: web.Application) -> None:
+    """A stopping server (aiohttp's shutdown, before it waits for handlers): new requests get a 503,
+    those in flight have `shutdown_grace_s` to finish, and the rest end with a 503 error (in their
+    stream if it began) rather than being cut off without a word."""
+    state = app[STATE]
+    state.draining = True
+    deadline = time.monotonic() + state.shutdown_grace_s
+    while state.streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if state.streams:
+        log.warning("stopping: %d requests still in flight after %.0f s are ended with a 503",
+                    len(state.streams), state.shutdown_grace_s)
+    for stream in list(state.streams):
+        stream.cut_short(Failure(503, SHUTTING_DOWN, code="server_shutting_down"))
+
+
 def create_app(state: ApiState) -> web.Application:
     app = web.Application(middlewares=[_errors, _api_key], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
+    app.on_shutdown.append(_drain)
     app.router.add_post(OPENAI_ROUTES[0], completions)
     app.router.add_post(OPENAI_ROUTES[1], chat_completions)
     app.router.add_get(OPENAI_ROUTES[2], models)

@@ -79,6 +79,11 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
     "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},),
+    # vLLM's own sampling and output extras, which vLLM clients send
+    "top_k": (-1, 0), "min_p": (0,), "min_tokens": (0,), "ignore_eos": (False,), "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "use_beam_search": (False,),
+    "length_penalty": (1,), "bad_words": ([],), "allowed_token_ids": (), "prompt_logprobs": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
 
 
@@ -146,12 +151,18 @@ def chat_prompt_ids(loaded: LoadedTarget, messages: Any) -> list[int]:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-    texts = [{"role": _valid_text(m["role"], "messages"), "content": _text_content(m.get("content"))}
-             for m in messages]
+    texts = [{"role": _valid_text(m["role"], "messages"), "content": _message_text(m)} for m in messages]
     try:
         return loaded.encode_messages(texts)
     except Exception as error:  # a chat template can reject role orders it does not know
         raise ApiError(400, f"the chat template refused these messages: {error}", param="messages") from None
+
+
+def _message_text(message: dict[str, Any]) -> str:
+    # OpenAI lets an assistant turn's content be null (it called a tool instead): no text
+    if message["role"] == "assistant" and message.get("content") is None:
+        return ""
+    return _text_content(message.get("content"))
 
 
 def _text_content(content: Any) -> str:
