@@ -153,6 +153,7 @@ async def test_a_stop_string_answer_counts_its_own_tokens_and_is_still_recorded(
     ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
     ({"model": "tiny", "prompt": 5}, 400, "'prompt'"),
     ({"model": "tiny", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 2, "max_completion_tokens": "x"}, 400, "max_completion_tokens"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "temperature": -2}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "temperature": 1.0, "seed": 2**80}, 400, "seed"),

@@ -76,6 +76,10 @@ async def test_an_operators_candidate_is_judged_by_the_childs_gate(tmp_path: Pat
                               loaded.fingerprint, day0, {"planted": True})
     async with TestClient(TestServer(app)) as client:
         await status_when(client, lambda s: s["learner"]["running"] and s["learner"]["process"]["pid"])
+        unauthorised = await client.post("/v1/live", json={"version": candidate})
+        error = (await unauthorised.json())["error"]
+        assert unauthorised.status == 401
+        assert (error["type"], error["code"]) == ("authentication_error", "invalid_token")
         # no traffic yet, so the gate holds nothing out: the child says so, and nothing goes live
         response = await client.post("/v1/live", json={"version": candidate}, headers=AUTH)
         answer = await response.json()

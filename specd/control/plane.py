@@ -55,9 +55,9 @@ log = logging.getLogger(__name__)
 PLANE = web.AppKey("control_plane", ControlPlane)
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                        "code": None}}, status=status)
+def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                             status=status)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -94,7 +94,8 @@ def _version(request: web.Request) -> int:
 async def _authorised_body(request: web.Request) -> dict[str, Any] | web.Response:
     plane = request.app[PLANE]
     if plane.token and not bearer_matches(request.headers.get("Authorization", ""), plane.token):
-        return _error(401, "this control operation needs `Authorization: Bearer <token>`")
+        return _error(401, "this control operation needs `Authorization: Bearer <token>`",
+                      kind="authentication_error", code="invalid_token")  # as the OpenAI routes' key
     return json_object(await read_body(request)) if request.can_read_body else {}
 
 

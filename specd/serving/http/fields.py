@@ -111,8 +111,9 @@ def sampling(body: dict[str, Any], default_max_tokens: int) -> tuple[SamplingPar
         raise ApiError(400, "only n = 1 is supported", param="n")
     refuse_unsupported(body)
     max_tokens = field(body, "max_tokens", (int,), None)
+    newer_name = field(body, "max_completion_tokens", (int,), default_max_tokens)  # checked even when unused
     if max_tokens is None:
-        max_tokens = field(body, "max_completion_tokens", (int,), default_max_tokens)
+        max_tokens = newer_name
     if not 1 <= max_tokens <= MAX_TOKENS_CAP:
         shown = max_tokens if abs(max_tokens) < 10**12 else f"an integer of {len(str(max_tokens))} digits"
         raise ApiError(400, f"'max_tokens' must be between 1 and {MAX_TOKENS_CAP}, got {shown}", param="max_tokens")
