@@ -229,6 +229,22 @@ def test_gc_never_removes_live_pinned_or_recently_live_versions(tmp_path: Path) 
         load_drafter(store.weights_path(version), FINGERPRINT)
 
 
+def test_gc_keeps_versions_that_served_after_a_rollback_cut_them_from_the_history(tmp_path: Path) -> None:
+    store = WeightStore(tmp_path, keep_live_within_s=60)  # keep_last 5
+    served = [publish_live(store, seed) for seed in range(4)]  # 1, 2, 3, 4 live in turn
+    rejected = [store.publish(new_drafter_model(tiny_target(), SHAPE, seed=seed), FINGERPRINT, served[-1], {})
+                for seed in range(4, 10)]  # 5..10: the gate's refusals, the newest versions
+    for version in rejected:
+        store.update(version, status="rejected")
+    store.rollback(served[1])  # 2 live again: the history is [1]; 3 (retired) and 4 (rolled back) left it
+    hour_ago = time.time() - 3600
+    for version in served:
+        manifest = store.manifest(version)
+        store.update(version, **{key: hour_ago for key in ("live_since", "live_until") if key in manifest})
+    assert store.gc() == [rejected[0]]  # not 3 or 4: they served more recently than any but 2 and 1
+    assert store.rollback(served[2]) == served[2]
+
+
 def test_rollback_never_chooses_a_version_whose_files_are_gone(tmp_path: Path) -> None:
     store = WeightStore(tmp_path)
     versions = [publish_live(store, seed) for seed in range(4)]  # history [1, 2, 3], 4 live

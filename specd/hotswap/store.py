@@ -18,8 +18,9 @@ live (a compare-and-set): a decision taken before someone else's change cannot o
 Manifest updates (read, change, write) hold `manifest.lock`, so concurrent updates of different
 fields of one manifest never lose one another; the lock order is live.lock, then manifest.lock.
 `gc` never collects the live version, a pinned one, one of the newest `keep_last`, one of the last
-`keep_last` live versions (rollback's default choices), or one that was live within the last
-`keep_live_within_s` seconds (servers may still be loading or serving it); a collected version
+`keep_last` in the live history (rollback's default choices), one of the `keep_last` versions live
+most recently by their manifests (a rollback cuts the history short), or one that was live within
+the last `keep_live_within_s` seconds (servers may still be loading or serving it); a collected version
 disappears in one rename, and rollback chooses only versions whose weights are present.
 A version goes live (promotion or rollback) only if its weights still match the manifest's sha256.
 A store file that cannot be read as what it must be (live.json, a manifest: not JSON, not an
@@ -320,7 +321,8 @@ class WeightStore:
         with self._live_lock():
             state = self.live_state()
             versions = self.versions()
-            keep = set(versions[-self.keep_last:]) | set(state["history"][-self.keep_last:]) | {state["version"]}
+            keep = (set(versions[-self.keep_last:]) | set(state["history"][-self.keep_last:]) | {state["version"]}
+                    | self._last_served(versions))
             cutoff = time.time() - self.keep_live_within_s
             removed = []
             for version in versions:
@@ -340,6 +342,17 @@ class WeightStore:
                     self._delete(version)
                 removed.append(version)
             return removed
+
+    def _last_served(self, versions: list[int]) -> set[int]:
+        """The `keep_last` versions live most recently, by their manifests: a rollback to one cuts the
+        history short, and the versions it cut (retired, rolled back) still served and may be wanted."""
+        served = []
+        for version in versions:
+            with contextlib.suppress(StoreError):  # unreadable or gone: gc's own pass decides
+                last_live = _last_live(self.manifest(version))
+                if last_live is not None:
+                    served.append((last_live, version))
+        return {version for _, version in sorted(served)[-self.keep_last:]}
 
     def _delete(self, version: int) -> None:
         # one rename takes the whole version out of `versions()`; a crash mid-delete leaves only trash
