@@ -39,6 +39,9 @@ def test_generate_json_reports_speculation_figures() -> None:
     assert result["finish_reason"] == "length" and len(result["token_ids"]) == 24 and result["text"]
     assert result["acceptance_rate"] == 1.0
     assert result["accept_length"] == round(24 / result["target_passes"], 4)
+    # k is a cap: the report says how many drafts each target pass verified
+    assert sum(result["drafts_per_step"].values()) == result["target_passes"]
+    assert all(0 <= int(k) <= result["k"] for k in result["drafts_per_step"])
 
 
 @pytest.mark.slow
@@ -68,8 +71,10 @@ def test_pretrain_flags_override_the_recipe_and_nothing_else() -> None:
                   "--steps", "1500", "--lr", "6e-5", "--keep", "best") == RECIPES["shipped-2"]
     assert config("--recipe", "shipped", "--distill-rounds", "3", "--first-round", "2", "--steps", "3000",
                   "--lr", "6e-5", "--keep", "best") == RECIPES["shipped-3"]
-    with pytest.raises(ConfigurationError, match="learning rate"):
-        config("--lr", "-1")
+    with pytest.raises(ConfigurationError, match="learning rate"):  # what the flag's own check cannot see
+        args = build_parser().parse_args(["pretrain", "--out", "o", "--work", "w"])
+        args.lr = float("nan")
+        pretrain_config(args)
     with pytest.raises(ConfigurationError, match="rounds"):
         config("--distill-rounds", "2", "--first-round", "2")
 
@@ -91,6 +96,8 @@ def test_a_later_stage_recipe_without_the_file_it_continues_is_refused(recipe, t
     ["pretrain", "--out", "o", "--work", "w", "--batch", "0"],
     ["pretrain", "--out", "o", "--work", "w", "--steps", "0"],
     ["pretrain", "--out", "o", "--work", "w", "--first-round", "-1"], ["serve", "--max-context", "1"],
+    ["pretrain", "--out", "o", "--work", "w", "--lr", "inf"], ["pretrain", "--out", "o", "--work", "w", "--lr", "nan"],
+    ["pretrain", "--out", "o", "--work", "w", "--prompt-weight", "nan"], ["serve", "--shutdown-grace", "-1"],
     ["serve", "--duty-cycle", "-3"], ["demo", "--duty-cycle", "1.5"],
     ["learner", "--store", "s", "--publish-every", "-1"],
     ["learner", "--store", "s", "--spool-max-mb", "-5"], ["learner", "--store", "s", "--dedup-window", "-1"],

@@ -76,6 +76,32 @@ def test_ctrl_c_ends_the_command_with_status_130_and_no_traceback(capsys, monkey
     assert capsys.readouterr().err == "specd: interrupted\n"
 
 
+def test_ctrl_c_while_the_subcommands_load_is_caught_too() -> None:
+    """The entry point's own imports load nothing slow: torch and the subcommands load inside
+    `main`, where Ctrl+C ends the command with one line (it took 1-2 s at module level, uncaught)."""
+    import subprocess
+    import sys
+
+    loaded = subprocess.run([sys.executable, "-c", "import sys, specd.cli.main; print('torch' in sys.modules)"],
+                            capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "False"
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly_with_status_141(tmp_path, monkeypatch, capsys) -> None:
+    import os
+    import sys
+
+    from specd.hotswap.store import WeightStore
+
+    WeightStore(tmp_path / "store")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `specd versions | head -1` once head has exited
+    with open(write_end, "w", buffering=1) as closed_pipe:
+        monkeypatch.setattr(sys, "stdout", closed_pipe)
+        assert main(["versions", "--store", str(tmp_path / "store")]) == 141
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_vllm_refuses_flags_it_would_ignore_and_prints_the_store_as_an_absolute_path(tmp_path, capsys,
                                                                                        monkeypatch) -> None:
     store = ["--store", "/tmp/store"]

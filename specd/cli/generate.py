@@ -1,8 +1,10 @@
 """`specd generate`: decode one prompt with speculative decoding and report what the drafter did.
 
 Contract: impossible settings are refused before the target loads (k above `MAX_DRAFTS` at parse
-time, sampling settings and the device before the weights); k is capped at --max-tokens, since a
-step never needs more drafts than the tokens still wanted, and the k used is what the report says.
+time, sampling settings and the device before the weights); k is the most drafts a step, capped at
+--max-tokens, since a step never needs more drafts than the tokens still wanted: the lookahead
+controller picks 0 to k each step from the step costs it measures, so the report gives the cap
+(`k`) and how many steps drafted how many (`drafts_per_step`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from specd.core.arguments import at_least
@@ -39,7 +42,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                    help="a drafter checkpoint file, or shipped (the bundled pretrained drafter) | random | replay "
                         "| none (default: shipped for the bundled target, random for another --target)")
     p.add_argument("-k", type=at_least(0, MAX_DRAFTS), default=4,
-                   help=f"drafts per step, 0 to {MAX_DRAFTS}, capped at --max-tokens (default: 4)")
+                   help=f"most drafts a step, 0 to {MAX_DRAFTS}, capped at --max-tokens; the lookahead controller "
+                        f"picks fewer where they do not pay (default: 4)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling: draw from the most likely tokens holding this much probability, "
@@ -93,6 +97,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "finish_reason": seq.finish_reason,
         "drafter": choice,
         "k": engine.k,
+        "drafts_per_step": dict(sorted(Counter(len(step.drafts) for step in seq.steps).items())),
         "accept_length": round(seq.accept_length, 4),
         "acceptance_rate": round(seq.acceptance_rate, 4),
         "target_passes": seq.num_target_passes,

@@ -1,26 +1,31 @@
 """The `specd` command line.
 
-Contract: every subcommand either does its job or prints one line `specd: error: <reason>` to
-stderr and exits 2; a traceback is never the answer to bad input. `--json` output is one JSON
-object on stdout.
+Contract: every subcommand either does its job or exits 2 with one line `specd: error: <reason>`
+on stderr (a mistake on the command line: argparse's usage, then one line `specd SUBCOMMAND:
+error: ...`); a traceback is never the answer to bad input. `--json` output is one JSON object on
+stdout. Ctrl+C ends a command with status 130 and one line, from the first moment (the
+subcommands' modules, which import torch, load inside `main`); a reader that goes away (`specd
+versions | head`) ends it with status 141 and no word.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from specd.cli.demo_command import add_demo_parser
-from specd.cli.generate import add_generate_parser
-from specd.cli.pretrain_command import add_pretrain_parser
-from specd.cli.service import add_learner_parser, add_serve_parser
-from specd.cli.store_commands import add_store_parsers
 from specd.core.errors import SpecdError
-from specd.serving.vllm.shared.command import add_vllm_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specd.cli.demo_command import add_demo_parser
+    from specd.cli.generate import add_generate_parser
+    from specd.cli.pretrain_command import add_pretrain_parser
+    from specd.cli.service import add_learner_parser, add_serve_parser
+    from specd.cli.store_commands import add_store_parsers
+    from specd.serving.vllm.shared.command import add_vllm_parser
+
     parser = argparse.ArgumentParser(prog="specd", description=__doc__.splitlines()[0] if __doc__ else None)
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
@@ -34,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         return int(args.run(args))
     except SpecdError as error:  # every failure a person can fix; anything else is a bug and shows as one
         print(f"specd: error: {error}", file=sys.stderr)
@@ -44,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl+C: what was written stays written (pretraining resumes from its work folder)
         print("specd: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # stdout's reader went away: nothing more can be said there, and Python's own flush at exit
+        # must not fail again on the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

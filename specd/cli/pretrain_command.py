@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from specd.core.arguments import at_least
+from specd.core.arguments import at_least, non_negative_number, positive_number
 from specd.core.errors import ConfigurationError
 from specd.model.target import LoadedTarget
 
@@ -45,7 +45,7 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
                         "instead of starting a new drafter; its manifest is kept in the new one's")
     p.add_argument("--greedy-only", action="store_true", default=None,
                    help="distilled: train on the greedy answers only, not the sampled ones")
-    p.add_argument("--prompt-weight", type=float, default=None,
+    p.add_argument("--prompt-weight", type=non_negative_number, default=None,
                    help="distilled: label weight of prompt positions (default 0.2; the shipped recipe's 0 trains "
                         "on the answers alone and skips the prompts' cost)")
     p.add_argument("--distill-rounds", type=at_least(1), default=None,
@@ -60,7 +60,7 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
                         "context's earliest exchanges dropped until it fits (about 3x the prompts)")
     p.add_argument("--steps", type=at_least(1), default=None, help="training steps (default 4000)")
     p.add_argument("--batch", type=at_least(1), default=None, help="examples per step (default 8)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 6e-4)")
+    p.add_argument("--lr", type=non_negative_number, default=None, help="peak learning rate (default 6e-4)")
     p.add_argument("--unroll", type=at_least(1), default=None, help="drafting steps trained per position (default 3)")
     p.add_argument("--objective", choices=["kl", "accept"], default=None,
                    help="kl: match the target's distribution (default); accept: raise a draft's chance of acceptance, "
@@ -70,7 +70,8 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", choices=KEEPS, default=None,
                    help="the weights written: the last (default), or those of the evaluation point with the best "
                         "validation accept length")
-    p.add_argument("--max-seconds", type=float, default=None, help="stop training after this many training seconds")
+    p.add_argument("--max-seconds", type=positive_number, default=None,
+                   help="stop training after this many training seconds")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=None, help="seed of the data draw and the weights (default 0)")
     p.set_defaults(run=run_pretrain)

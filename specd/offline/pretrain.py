@@ -32,6 +32,7 @@ import copy
 import hashlib
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -116,9 +117,10 @@ class PretrainConfig:
                 or self.drafter_layers < 1:
             raise ValueError("steps, batch, eval_every, checkpoint_every and drafter_layers must be positive")
         # a learning rate of 0 is allowed: it continues a file with its weights unchanged (a test does)
-        if self.learning_rate < 0 or self.prompt_weight < 0 or (self.max_seconds is not None
-                                                                and not self.max_seconds > 0):
-            raise ValueError("learning rate and prompt weight must not be negative, max seconds must be positive")
+        if not (0 <= self.learning_rate < math.inf and 0 <= self.prompt_weight < math.inf) \
+                or (self.max_seconds is not None and not 0 < self.max_seconds < math.inf):
+            raise ValueError("learning rate and prompt weight must be finite and not negative, max seconds finite "
+                             "and positive")
 
 
 # The shipped drafter's first stage: `specd pretrain --recipe shipped` from nothing. One round of answers
