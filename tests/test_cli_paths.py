@@ -76,6 +76,12 @@ def test_ctrl_c_ends_the_command_with_status_130_and_no_traceback(capsys, monkey
     assert capsys.readouterr().err == "specd: interrupted\n"
 
 
+def test_flags_that_contradict_each_other_are_refused_before_anything_loads(tmp_path, capsys) -> None:
+    assert "--adaptive-k goes with -k" in _refused(["demo", "--adaptive-k", "--json-out", str(tmp_path / "d.json")],
+                                                   capsys)
+    assert "give one of them" in _refused(["serve", "--no-learner", "--learner-mode", "process"], capsys)
+
+
 def test_ctrl_c_while_the_subcommands_load_is_caught_too() -> None:
     """The entry point's own imports load nothing slow: torch and the subcommands load inside
     `main`, where Ctrl+C ends the command with one line (it took 1-2 s at module level, uncaught)."""

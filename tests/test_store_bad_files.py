@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.server
 import json
 import logging
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,6 +91,12 @@ def test_versions_lists_the_readable_manifests_and_marks_a_damaged_one(store: We
     assert main(["versions", "--store", str(store.root), "--json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     assert [m["status"] for m in listing["versions"]] == ["retired", "unreadable", "live"]
+
+
+def test_a_version_folder_copied_in_by_hand_is_listed_under_its_folders_number(store: WeightStore, capsys) -> None:
+    shutil.copytree(store.version_dir(1), store.version_dir(4))  # its manifest still says version 1
+    assert main(["versions", "--store", str(store.root), "--json"]) == 0
+    assert [m["version"] for m in json.loads(capsys.readouterr().out)["versions"]] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("manifest", [{}, {"version": 2, "status": "retired"}, {"created": "yesterday"}])

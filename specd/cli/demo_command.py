@@ -90,6 +90,9 @@ def run_demo_command(args: argparse.Namespace) -> int:
     from specd.demo.report import plot
 
     at_start, started = state_at_start(), time.time()  # the commit and tree the figures come from
+    if args.adaptive_k and args.k is None:  # without -k the controller picks k anyway: the flag would say nothing
+        raise ConfigurationError("--adaptive-k goes with -k N (the most drafts a step); without -k the "
+                                 "controller already picks k per step")
     check_outputs(Path(args.json_out), Path(args.plot_out))
     if args.store:  # before the model loads (run_demo checks again, for callers other than this command)
         check_new_store(Path(args.store))

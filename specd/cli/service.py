@@ -220,6 +220,9 @@ def control_token(args: argparse.Namespace) -> str | None:
 def run_serve(args: argparse.Namespace) -> int:
     from specd.serving.serve import ServeOptions, build_server
 
+    if args.no_learner and args.learner_mode != "auto":
+        raise ConfigurationError(f"--learner-mode {args.learner_mode} says where a learner runs, and --no-learner "
+                                 f"that none does: give one of them")
     check_address(args.host, args.port)
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
                            max_context=args.max_context, max_queued=args.max_queued or None,

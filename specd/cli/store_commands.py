@@ -93,7 +93,7 @@ def _http(args: argparse.Namespace, path: str, body: dict | None = None) -> dict
         kind: type[SpecdError] = {401: ConfigurationError, 404: VersionNotFound}.get(error.code, StoreError)
         if error.code >= 500:
             kind = TransportError
-        raise kind(f"{args.url}{path}: {error.code} {message}") from None
+        raise kind(f"{url}: {error.code} {message}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
         raise TransportError(f"{args.url}: unreachable ({error})") from None
     except ValueError as error:  # a URL urllib still cannot use

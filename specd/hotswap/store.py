@@ -166,7 +166,8 @@ class WeightStore:
         listing = []
         for version in self.versions():
             try:
-                listing.append({"version": version, **self.manifest(version)})
+                # the folder's number is the version's (a folder copied in by hand keeps its old manifest)
+                listing.append({**self.manifest(version), "version": version})
             except StoreError as error:  # damaged (or collected a moment ago)
                 listing.append({"version": version, "status": "unreadable", "error": str(error)})
         return listing
