@@ -75,4 +75,4 @@ def test_help_describes_top_p_max_tokens_seed_and_k_with_their_defaults() -> Non
     assert "--top-p TOP_P nucleus sampling" in text and "(default: 1.0" in text
     assert "--max-tokens MAX_TOKENS most tokens to generate (default: 128)" in text
     assert "--seed SEED seed for sampling" in text and "(default: none" in text
-    assert f"0 to {MAX_DRAFTS}, capped at --max-tokens (default: 4)" in text
+    assert f"most drafts a step, 0 to {MAX_DRAFTS}, capped at --max-tokens" in text and "(default: 4)" in text
