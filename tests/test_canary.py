@@ -211,3 +211,12 @@ def test_the_learner_runs_the_canary_on_the_records_it_takes(tmp_path: Path) -> 
         bus.publish(record.to_dict())
     learner.tick()
     assert store.live_version() == 1 and learner.health()["canary_rollbacks"] == 1
+
+
+def test_records_too_short_to_replay_are_not_scored_by_the_canary(tmp_path: Path) -> None:
+    """A one-token answer replays to nothing under either version: pairing 0 with 0 only pulled the
+    mean difference toward zero."""
+    canary = canary_on(WeightStore(tmp_path))
+    canary.observe(TrajectoryRecord("short", "server", [1, 2, 3], [4], [], 0.0, 1.0, 0.0, 0.0, "terse"))
+    canary.observe(TrajectoryRecord("long", "server", [1, 2, 3], [4, 5, 6], [], 0.0, 1.0, 0.0, 0.0, "terse"))
+    assert [record.record_id for record in canary.waiting] == ["long"]

@@ -86,3 +86,15 @@ def test_without_a_window_every_held_out_record_weighs_the_same() -> None:
 def test_a_negative_traffic_window_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="gate_traffic_window"):
         LearnerConfig(gate_traffic_window=-1)
+
+
+def test_records_too_short_to_replay_are_never_held_out_so_no_domain_scores_zero() -> None:
+    """A domain whose requests stop after a token or two (max_tokens 1-3) once weighed 0 tokens a
+    pass into the verdict: gate figures below 1.0, and every other domain's difference shrunk."""
+    gate = Gate(1, 16, 1, 0.05, traffic_window=8)
+    short = TrajectoryRecord("short", "server", [1, 2, 3], [4], [], 0.0, 1.0, 0.0, 0.0, "terse")
+    assert not gate.hold_out(short, 1)
+    assert gate.hold_out(record(2, OLD), 2)
+    models = Models()
+    verdict = gate.verdict(models.candidate, models.live, models.accept_length)
+    assert verdict["domain_weights"] == {OLD: 1.0} and verdict["live"] == pytest.approx(2.2)

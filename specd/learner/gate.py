@@ -63,6 +63,7 @@ import torch
 
 from specd.core.records import TrajectoryRecord
 from specd.drafter.checkpoint import DrafterModel
+from specd.learner.simulation import replayable
 
 AcceptLength = Callable[[DrafterModel, list[TrajectoryRecord]], float]
 
@@ -83,12 +84,14 @@ class Gate:
         self._record_memos: dict[str, tuple[DrafterModel, dict[str, float]]] = {}
 
     def hold_out(self, record: TrajectoryRecord, index: int) -> bool:
-        """Keep the `index`-th record taken (counting from 1) if it is its turn; True if it was kept.
-        With a traffic window, every record's domain joins it, kept or not."""
+        """Keep the `index`-th record taken (counting from 1) if it is its turn and a replay can score
+        it; True if it was kept. With a traffic window, every record's domain joins it, kept or not."""
         if self.traffic_window > 0:
             with self._lock:
                 self.recent_domains.append(record.domain)
-        if index % self.every:
+        # a record too short to replay would score nothing for every drafter alike (a domain of only
+        # such records weighed 0 tokens a pass into the verdict): it goes to training instead
+        if index % self.every or not replayable(len(record.prompt_ids), record.num_tokens):
             return False
         with self._lock:
             self.held_out.append(record)

@@ -29,6 +29,7 @@ from specd.core.errors import StoreError
 from specd.core.records import LEARNED_SOURCE, TrajectoryRecord
 from specd.drafter.checkpoint import DrafterModel
 from specd.hotswap.store import LiveVersionChanged, WeightStore
+from specd.learner.simulation import replayable
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class ShadowCanary:
         self.rollbacks: list[dict[str, Any]] = []
 
     def observe(self, record: TrajectoryRecord) -> None:
+        if not replayable(len(record.prompt_ids), record.num_tokens):  # it would pair 0 with 0 and dilute the mean
+            return
         self._seen += 1
         if self._seen % self.every == 0:
             self.waiting.append(record)

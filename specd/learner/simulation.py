@@ -52,6 +52,13 @@ class SampledRow:
     first_entry: int = 0     # over the draft vocabulary; at most replay_start(prompt length)
 
 
+def replayable(prompt_length: int, length: int) -> bool:
+    """Whether a row of `length` tokens after a prompt of `prompt_length` holds a pass a replay can
+    score: two prompt tokens and two output tokens at least (the first output token comes from the
+    prefill, not from drafts). A shorter one says nothing about a drafter."""
+    return prompt_length >= 2 and length - prompt_length >= 2
+
+
 def replay_start(prompt_length: int) -> int:
     """The first entry a replay reads: a pass begins at row length L >= prompt_length, and its
     first draft is entry L - 2's output; entries before it are prompt the walk never reaches."""
@@ -66,7 +73,7 @@ def simulated_counts(model: FeatureDrafterModel, sequences: list[tuple[torch.Ten
     for index, (tokens, features, prompt_length) in enumerate(sequences):
         tokens, features = tokens.to(device), features.to(device)
         length = len(tokens)
-        if length - prompt_length < 2 or prompt_length < 2:
+        if not replayable(prompt_length, length):
             continue
         start = replay_start(prompt_length)
         outputs = model.unrolled(features[None, :-1], tokens[None, 1:], k, start=start)
