@@ -291,6 +291,27 @@ def test_only_the_most_recent_versions_keep_their_own_metric_labels(tmp_path) ->
     assert "93" in labelled_versions(metrics) and "94" not in labelled_versions(metrics)
 
 
+def test_a_version_served_again_after_its_eviction_is_counted_whole_by_the_acceptance_log() -> None:
+    """Its counts once restarted at zero, and the log, which reads a rise as new drafts, took 7 of
+    12 drafts served to it as 2."""
+    from specd.control.acceptance import AcceptanceLog
+
+    metrics, log = ServingMetrics(max_versions=2), AcceptanceLog()
+
+    def serve(version: int, passes: int, accepted: int) -> None:
+        for _ in range(passes):
+            metrics.observe_verification(version, "learned", 1, accepted, 1 + accepted, "prose")
+        for report in metrics.reports("s"):
+            log.add(report)
+
+    serve(1, 5, 1)
+    serve(2, 3, 0)
+    serve(3, 3, 0)  # 1 is evicted
+    serve(1, 7, 1)  # and served again (a rollback to it)
+    assert log.totals[1].as_dict() == {"drafts": 12, "accepted": 12, "passes": 12, "emitted": 24}
+    assert log.source_totals["learned"].drafts == 18  # every version's drafts, once each
+
+
 def test_metrics_scrape_while_the_engine_thread_counts(tmp_path) -> None:
     metrics = ServingMetrics(max_versions=4)
     stop = threading.Event()

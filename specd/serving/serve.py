@@ -182,12 +182,13 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
 def _status(options: ServeOptions, wiring: Wiring, worker: EngineWorker) -> Callable[[], dict[str, Any]]:
     def status() -> dict[str, Any]:
         counters, publisher, learner = wiring.counters, wiring.publisher, wiring.learner
+        # first: a learner process's stats read its latest report, which also brings `delivered` up to date
+        steps = learner.stats.steps if learner is not None else None
         return {"server_id": options.server_id, "live_version": wiring.source.live_version(),
                 "requests_queued": worker.queued, "records_published": worker.num_records_published,
                 "records_delivered": counters.delivered, "records_shed": counters.shed,
                 "broker_connected": publisher.connected.is_set() if publisher else None,
-                "learner_steps": learner.stats.steps if learner is not None else None,
-                "background": wiring.health.snapshot()}
+                "learner_steps": steps, "background": wiring.health.snapshot()}
     return status
 
 

@@ -14,7 +14,9 @@ mid-update. Only the `max_versions` drafter versions served most recently keep t
 observed: its series end (sum `rate()` over versions, not raw counters: folding its lifetime count
 into another series would read as a burst of traffic at every eviction), its per-source counts stay
 in the reports' `sources` (cumulative there, so the learner never reads a restart), and a version
-that is served again starts its own counts from zero (the canary reads a restart).
+that is served again (a rollback to it) takes its counts back from there: its reported counts go
+on from where they stopped (of the last `REMEMBERED_VERSIONS` evicted; an older one starts at zero),
+so the acceptance log, which reads a drop as a restart and a rise as new drafts, counts it right.
 Names (the `specd_` twins of vLLM's `vllm:spec_decode_*`):
   specd_spec_decode_num_draft_tokens_total{version,source}       drafts proposed
   specd_spec_decode_num_accepted_tokens_total{version,source}    drafts accepted
@@ -96,6 +98,9 @@ def _domain_counters(totals: dict[tuple[str, str, str], AcceptanceCounts]) -> It
         yield family
 
 
+REMEMBERED_VERSIONS = 1000  # evicted versions whose own counts are kept, to go on from if served again
+
+
 class ServingMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, max_versions: int = 8,
                  background: BackgroundHealth | None = None) -> None:
@@ -124,7 +129,8 @@ class ServingMetrics:
         self.totals: dict[Key, AcceptanceCounts] = {}
         self._versions: OrderedDict[int | None, None] = OrderedDict()   # labelled versions, least recent first
         self._older: dict[tuple[str, str], AcceptanceCounts] = {}   # evicted versions' counts per (source, domain),
-        # for the reports' cumulative per-source figures
+        # for the reports' cumulative per-source figures; and each evicted version's own, to take back
+        self._evicted: OrderedDict[int | None, dict[tuple[str, str], AcceptanceCounts]] = OrderedDict()
         self._lock = threading.Lock()
         r.register(_DerivedRates(self))
         if background is not None:
@@ -138,6 +144,7 @@ class ServingMetrics:
         with self._lock:
             if version not in self._versions:
                 self._versions[version] = None
+                self._take_back(version)
                 while len(self._versions) > self.max_versions:
                     self._evict(next(iter(self._versions)))
             elif next(reversed(self._versions)) != version:
@@ -155,12 +162,24 @@ class ServingMetrics:
         """End a version's series, keeping its counts for the reports' sources (caller holds `_lock`)."""
         del self._versions[version]
         sources = set()
+        own = self._evicted.setdefault(version, {})
         for key in [key for key in self.totals if key[0] == version]:
-            self._older.setdefault(key[1:], AcceptanceCounts()).add(self.totals.pop(key))
+            counts = self.totals.pop(key)
+            self._older.setdefault(key[1:], AcceptanceCounts()).add(counts)
+            own[key[1:]] = counts
             sources.add(key[1])
+        while len(self._evicted) > REMEMBERED_VERSIONS:
+            self._evicted.popitem(last=False)
         for source in sources:
             for counter in (self.draft_tokens, self.accepted_tokens, self.passes, self.emitted):
                 counter.remove(version_label(version), source)
+
+    def _take_back(self, version: int | None) -> None:
+        """A version served again continues its counts from `_older` (caller holds `_lock`)."""
+        for (source, domain), counts in self._evicted.pop(version, {}).items():
+            self.totals[(version, source, domain)] = counts
+            older = self._older[(source, domain)]
+            self._older[(source, domain)] = older.minus(counts)
 
     def snapshot(self, with_evicted: bool = False) -> dict[Key, AcceptanceCounts]:
         """A consistent copy of the per-(version, source kind, domain) counts, safe on any thread;
