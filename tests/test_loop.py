@@ -478,19 +478,26 @@ def test_gate_waits_for_enough_held_out_records_then_promotes_a_good_candidate(
     records = make_records(target, random_prompts(12, 6), temperature=1.0)
     for record in records[:4]:
         bus.publish(record)
-    for _ in range(3):  # a publication is due after every step, but two held-out records are not evidence
+    # a publication is due after the first step, but two held-out records are not evidence; after
+    # that none is due until records arrive (the held-out set cannot have grown either)
+    for _ in range(3):
         assert learner.step()
     assert store.versions() == [1] and store.live_version() == learner.live_version == 1
-    assert learner.stats.gate_waits == 3 and learner.stats.published == learner.stats.rejected == []
-    assert learner.health()["gate_waits"] == 3 and learner.health()["held_out_records"] == 2
+    assert learner.stats.gate_waits == 1 and learner.stats.published == learner.stats.rejected == []
+    assert learner.health()["gate_waits"] == 1 and learner.health()["held_out_records"] == 2
     for record in records[4:]:
         bus.publish(record)
     assert learner.step()
-    assert len(learner.holdout) == 6 and learner.stats.gate_waits == 3
+    assert len(learner.holdout) == 6 and learner.stats.gate_waits == 1
     assert store.live_version() == learner.live_version == 2
     assert store.manifest(2)["evaluation"] == {"passed": True, "reason": "ok", "candidate": 2.0, "live": 1.0,
                                                "bar": 1.0, "improved": True, "held_out_records": 6,
                                                "sampled_records": 6, "domain_weights": {"default": 1.0}}
+    # no traffic: the learner trains on, but offers nothing new (an idle server once got a version
+    # every publish_every_seconds)
+    for _ in range(5):
+        assert learner.step()
+    assert store.versions() == [1, 2] and learner.stats.steps == 9
 
 
 def test_gate_never_passes_for_lack_of_evidence_even_when_forced(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ buffer of recent trajectories (`recent_share` of each batch from the newest `rec
 every `holdout_every`-th record, greedy or sampled, is held out for the gate
 (`specd.learner.gate`) instead.
 Every `publish_every_steps` steps or `publish_every_seconds` seconds the trained drafter becomes
-a candidate, but only once at least `gate_min_held_out` records are held out: until then the
+a candidate if records arrived since the last one (an idle learner trains on, offering nothing
+new), but only once at least `gate_min_held_out` records are held out: until then the
 learner publishes nothing, counts the wait (`stats.gate_waits`) and trains on. A candidate is
 published and made live if its simulated accept length on the held-out records is not worse than
 the live version's, nor the bar's (the last version that improved without the margin), by more

@@ -95,6 +95,7 @@ class Promoter:
         self.live_version = store.live_version()
         self._last_publish = time.monotonic()
         self._steps_at_publish = 0
+        self._records_at_publish = 0
         self._hold_until = 0.0
         self._gate_waiting = False
         self._live_copy = HeldVersion(self.load)
@@ -168,14 +169,19 @@ class Promoter:
         return True
 
     def due(self, gate: Gate, force: bool) -> bool:
-        """Is a candidate due now, with evidence for the gate? Counts and logs a wait for evidence."""
+        """Is a candidate due now, with evidence for the gate? Counts and logs a wait for evidence.
+        Not without records taken since the last one: a learner with no traffic trains on over the
+        same records, and offering that every 15 s made a new live version every 15 s on an idle
+        server (an operator's rollback scrolled out of sight and gc took its evidence)."""
         cfg = self.config
         steps = self.stats.steps
         on_time = (steps - self._steps_at_publish >= cfg.publish_every_steps
                    or time.monotonic() - self._last_publish >= cfg.publish_every_seconds)
-        if not (force or on_time) or steps == self._steps_at_publish:
+        fresh = self.stats.records_in > self._records_at_publish
+        if not (force or (on_time and fresh)) or steps == self._steps_at_publish:
             return False
         self._steps_at_publish, self._last_publish = steps, time.monotonic()
+        self._records_at_publish = self.stats.records_in
         if not gate.has_evidence:  # never a pass for lack of evidence: train on, try again when due
             self.stats.gate_waits += 1
             # logged once per stretch of waiting (due publications can come many times a second)
