@@ -164,13 +164,20 @@ def run_versions(args: argparse.Namespace) -> int:
     return 0
 
 
+def _score(value: Any) -> str:
+    """A gate figure as the table shows it: three decimals (a replay's float fits the column)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    return f"{value:.3f}"
+
+
 def _row(m: dict[str, Any], by_version: dict[str, Any]) -> str:
     """One table row; a field a manifest lacks (an old or hand-edited one) shows as `-`."""
     if m.get("status") == "unreadable":
         return f"{m.get('version', '?'):>7}  unreadable: {m.get('error')}"
     evaluation = m.get("evaluation")
     evaluation = evaluation if isinstance(evaluation, dict) else {}
-    scores = f"{evaluation.get('candidate') or '-'}/{evaluation.get('live') or '-'}"
+    scores = f"{_score(evaluation.get('candidate'))}/{_score(evaluation.get('live'))}"
     created = m.get("created")
     when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
             if isinstance(created, (int, float)) and not isinstance(created, bool) else "-")
