@@ -80,6 +80,7 @@ def test_flags_that_contradict_each_other_are_refused_before_anything_loads(tmp_
     assert "--adaptive-k goes with -k" in _refused(["demo", "--adaptive-k", "--json-out", str(tmp_path / "d.json")],
                                                    capsys)
     assert "give one of them" in _refused(["serve", "--no-learner", "--learner-mode", "process"], capsys)
+    assert "the learner's" in _refused(["serve", "--broker", "mqtt://127.0.0.1:1", "--token", "t"], capsys)
 
 
 def test_ctrl_c_while_the_subcommands_load_is_caught_too() -> None:

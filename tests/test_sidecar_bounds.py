@@ -160,6 +160,7 @@ def test_the_sidecar_counts_records_across_restarts_and_spools_only_what_it_keep
     asyncio.run(deliver(first, range(3, 5)))       # redelivered
     assert first.status()["records_in"] == 5 and first.status()["records_duplicate"] == 2
     first.spool.close()
+    first.claim.release()  # as the stopped process did
     second = Sidecar(options, loaded)
     assert second.bus.backlog == 5                 # the learner gets its records again
     asyncio.run(deliver(second, range(4, 7)))
@@ -189,6 +190,7 @@ def test_a_record_keeps_its_role_held_out_or_trained_across_a_restart_after_comp
     held, trained = roles(first)
     assert len(held) == 3 and len(trained) == 6
     first.spool.close()
+    first.claim.release()
     with sqlite3.connect(first.spool.path) as db:  # compaction dropped the two oldest records
         db.execute("DELETE FROM records WHERE n <= 2")
     again_held, again_trained = roles(Sidecar(options, loaded))

@@ -223,6 +223,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.no_learner and args.learner_mode != "auto":
         raise ConfigurationError(f"--learner-mode {args.learner_mode} says where a learner runs, and --no-learner "
                                  f"that none does: give one of them")
+    if args.broker and args.token:  # a sidecar server has no control routes: its learner's serve them
+        raise ConfigurationError("--token guards the embedded control plane; with --broker the control plane is "
+                                 "the learner's (specd learner --token)")
     check_address(args.host, args.port)
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
                            max_context=args.max_context, max_queued=args.max_queued or None,
@@ -231,7 +234,8 @@ def run_serve(args: argparse.Namespace) -> int:
                            learner=not args.no_learner, learner_mode=args.learner_mode, duty_cycle=args.duty_cycle,
                            server_id=args.server_id,
                            model_name=args.model_name, mqtt=_mqtt_settings(args), learner_url=args.learner_url,
-                           token=control_token(args), publish_records=not args.no_records, canary=not args.no_canary,
+                           token=None if args.broker else control_token(args),
+                           publish_records=not args.no_records, canary=not args.no_canary,
                            drafter=drafter_spec(args, traffic_table=not args.no_traffic_table))
     listen(build_server(options), args.host, args.port)
     return 0

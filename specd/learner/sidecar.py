@@ -51,6 +51,7 @@ from specd.core.http_requests import json_object
 from specd.core.threads import BackgroundHealth, supervise
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.hotswap.store import WeightStore
+from specd.learner.claim import claim
 from specd.learner.collector import LearnerCollector
 from specd.learner.config import LearnerConfig
 from specd.learner.intake import note_refusal
@@ -95,6 +96,7 @@ class Sidecar:
         self.learner = Learner(options.learner, self.bus, self.store, initial, loaded.fingerprint, embedding.dtype,
                                embedding, target=loaded.model, group=group)
         spool_folder = Path(options.store) / (f"rank-{group.info.rank}" if group is not None else "")
+        self.claim = claim(spool_folder, "stop it, or give this learner another --store")
         self.spool = RecordSpool(spool_folder, options.spool, self._records_of_use)
         for record in self.spool.load():  # what the learner had received, for its buffers again
             self.bus.publish(record)
@@ -224,6 +226,7 @@ def build_sidecar(options: SidecarOptions, loaded: LoadedTarget, group: RankGrou
         await asyncio.gather(*tasks, return_exceptions=True)  # no append may race the spool's close
         sidecar.learner.stop()
         sidecar.spool.close()
+        sidecar.claim.release()
 
     app.cleanup_ctx.append(lifecycle)
     return app
@@ -246,3 +249,4 @@ async def run_rank(options: SidecarOptions, loaded: LoadedTarget, group: RankGro
     await asyncio.gather(subscriber, return_exceptions=True)
     sidecar.learner.stop()
     sidecar.spool.close()
+    sidecar.claim.release()

@@ -46,6 +46,7 @@ from specd.engine.worker import EngineWorker
 from specd.hotswap.remote import RemoteSource
 from specd.hotswap.store import WeightStore
 from specd.hotswap.swapper import LocalStore, Swapper, VersionSource
+from specd.learner.claim import LearnerClaim, claim
 from specd.learner.collector import LearnerCollector
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner, LearnerHandle
@@ -97,6 +98,7 @@ class Wiring:
     store: WeightStore | None = None   # embedded: the local store, its learner and control plane
     learner: LearnerHandle | None = None
     serving_cores: list[int] | None = None  # the server's cores when the learner has others
+    claim: LearnerClaim | None = None  # embedded: the store held for this server's learner
     publisher: MqttPublisher | None = None
     health: BackgroundHealth = field(default_factory=BackgroundHealth)
 
@@ -117,6 +119,7 @@ def _embedded_wiring(options: ServeOptions, loaded: LoadedTarget, store_dir: Pat
         raise ConfigurationError(f"learner_mode must be one of {', '.join(LEARNER_MODES)}, "
                                  f"got {options.learner_mode!r}")
     store = WeightStore(store_dir)
+    held = claim(store_dir, "stop it, give this server another --store, or --no-learner") if options.learner else None
     live = store.live_version()
     embedding = loaded.model.embed.weight
     model = (load_drafter(store.weights_path(live), loaded.fingerprint, embedding.dtype, target_embedding=embedding)
@@ -135,14 +138,15 @@ def _embedded_wiring(options: ServeOptions, loaded: LoadedTarget, store_dir: Pat
             process = LearnerProcess(config_for_process(LearnerConfig(k=options.k, canary=options.canary)),
                                      store_dir, loaded.model, loaded.fingerprint, embedding.dtype, learner_cores)
         return Wiring(process.sink, process.sink.counters, LocalStore(store), model, live, store, process,
-                      serving_cores=serving_cores)
+                      serving_cores=serving_cores, claim=held)
     bus = InProcessBus()
     learner = None
     if options.learner:
         learner = Learner(LearnerConfig(duty_cycle=options.duty_cycle, k=options.k, canary=options.canary), bus,
                           store, model,
                           loaded.fingerprint, embedding.dtype, embedding, target=loaded.model)
-    return Wiring(bus, bus.counters, LocalStore(store), model, store.live_version() or BUILT_IN_VERSION, store, learner)
+    return Wiring(bus, bus.counters, LocalStore(store), model, store.live_version() or BUILT_IN_VERSION, store, learner,
+                  claim=held)
 
 
 def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> web.Application:
@@ -268,6 +272,8 @@ def _lifecycle(options: ServeOptions, wiring: Wiring, worker: EngineWorker, swap
         worker.stop()
         if wiring.publisher is not None:
             wiring.publisher.stop()
+        if wiring.claim is not None:
+            wiring.claim.release()
         restore()
 
     return lifecycle
