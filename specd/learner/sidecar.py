@@ -32,7 +32,6 @@ background failures. `POST /v1/live` of a candidate version goes through the lea
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -48,7 +47,7 @@ from specd.control.plane import ControlPlane, add_control_routes
 from specd.core.background_metrics import BackgroundCollector
 from specd.core.errors import BadRequest, RecordRefused, RefusalReason
 from specd.core.http_requests import json_object
-from specd.core.threads import BackgroundHealth, supervise
+from specd.core.threads import BackgroundHealth, backoff_delay, supervise
 from specd.drafter.factory import DrafterSpec, initial_model
 from specd.hotswap.store import WeightStore
 from specd.learner.claim import claim
@@ -173,6 +172,7 @@ class Sidecar:
             await asyncio.to_thread(self.spool.compact)
 
     async def announcer(self, stop: asyncio.Event) -> None:
+        failures = 0  # in a row: while the broker is down, tries back off and only the first is a warning
         while not stop.is_set():
             live = self.store.live_version()
             # again every REANNOUNCE_S even when unchanged: the retained message is what a server
@@ -182,13 +182,23 @@ class Sidecar:
                 try:
                     await announce(self.options.mqtt, {"version": live, "url": self.options.public_url,
                                                        "time": time.time()})
-                    self._announced, self._announced_at = live, time.monotonic()
-                except Exception as error:  # the broker may be down: try again shortly
-                    log.warning("could not announce version %s: %s", live, error)
+                    if failures:
+                        log.warning("announced version %s after %d failed tries", live, failures)
+                    self._announced, self._announced_at, failures = live, time.monotonic(), 0
+                except Exception as error:  # the broker may be down: try again, later each time
+                    failures += 1
+                    log.log(logging.WARNING if failures == 1 else logging.DEBUG,
+                            "could not announce version %s (retrying with backoff): %s", live, error)
                     self.health.failed(ANNOUNCER_TASK, error)
             self._changed.clear()
-            with contextlib.suppress(TimeoutError):  # wake on a change, or poll twice a second
-                await asyncio.wait_for(self._changed.wait(), timeout=0.5)
+            # wake on a change or a stop, else poll twice a second (after a failure: back off)
+            waits = [asyncio.ensure_future(self._changed.wait()), asyncio.ensure_future(stop.wait())]
+            try:
+                await asyncio.wait(waits, timeout=backoff_delay(failures) if failures else 0.5,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
 
 
 def _plain(value: object) -> object:
