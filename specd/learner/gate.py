@@ -73,6 +73,7 @@ class Gate:
                  confidence_z: float = 0.0) -> None:
         self.every, self.min_held_out, self.margin, self.confidence_z = every, min_held_out, margin, confidence_z
         self.held_out: deque[TrajectoryRecord] = deque(maxlen=capacity)
+        self.kept_from_ranks = 0
         self.traffic_window = traffic_window
         self.recent_domains: deque[str | None] = deque(maxlen=traffic_window or None)  # kept only when weighing
         self._lock = threading.Lock()
@@ -108,6 +109,7 @@ class Gate:
         """Hold out records another rank held out (the newest `capacity` are kept, as ever)."""
         with self._lock:
             self.held_out.extend(records)
+            self.kept_from_ranks += len(records)  # rank 0's sign of the traffic other ranks take
 
     @property
     def has_evidence(self) -> bool:

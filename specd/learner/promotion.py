@@ -177,11 +177,11 @@ class Promoter:
         steps = self.stats.steps
         on_time = (steps - self._steps_at_publish >= cfg.publish_every_steps
                    or time.monotonic() - self._last_publish >= cfg.publish_every_seconds)
-        fresh = self.stats.records_in > self._records_at_publish
-        if not (force or (on_time and fresh)) or steps == self._steps_at_publish:
+        records = self.stats.records_in + gate.kept_from_ranks  # with ranks, theirs reach rank 0 held out
+        if not (force or (on_time and records > self._records_at_publish)) or steps == self._steps_at_publish:
             return False
         self._steps_at_publish, self._last_publish = steps, time.monotonic()
-        self._records_at_publish = self.stats.records_in
+        self._records_at_publish = records
         if not gate.has_evidence:  # never a pass for lack of evidence: train on, try again when due
             self.stats.gate_waits += 1
             # logged once per stretch of waiting (due publications can come many times a second)
