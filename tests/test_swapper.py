@@ -353,3 +353,35 @@ def test_an_export_folder_outlives_its_process_until_the_next_export(tmp_path: P
     newest = temporary_folder("specd-eagle3-", remove_at_exit=False)
     assert not made.exists() and alive.is_dir() and foreign.is_dir() and newest.is_dir()
     assert (newest / OWNER_FILE).read_text() == str(os.getpid())
+
+
+class StatusOnly(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = json.dumps({"live": 7}).encode() if self.path == "/v1/status" else b"{}"
+        self.send_response(200 if self.path == "/v1/status" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_sidecar_server_asks_the_learner_for_its_live_version_without_waiting_for_the_broker(tmp_path) -> None:
+    """Started while the broker was down, it served the built-in drafter until the broker came back."""
+    from specd.serving.serve import ServeOptions, _sidecar_wiring
+    from specd.testing import tiny_loaded_target
+    from specd.transport.mqtt import MqttSettings
+
+    learner = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StatusOnly)
+    threading.Thread(target=learner.serve_forever, daemon=True).start()
+    try:
+        down_broker = MqttSettings(port=free_port())
+        url = f"http://127.0.0.1:{learner.server_address[1]}"
+        wiring = _sidecar_wiring(ServeOptions(learner_url=url), down_broker, tiny_loaded_target(), tmp_path)
+        assert wiring.source.live_version() == 7
+        unreachable = f"http://127.0.0.1:{free_port()}"  # no learner there: the announcement will tell
+        wiring = _sidecar_wiring(ServeOptions(learner_url=unreachable), down_broker, tiny_loaded_target(), tmp_path)
+        assert wiring.source.live_version() is None
+    finally:
+        learner.shutdown()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from aiohttp import web
 
 from specd.control.acceptance import AcceptanceLog
 from specd.control.plane import ControlPlane, add_control_routes
-from specd.core.errors import ConfigurationError
+from specd.core.errors import ConfigurationError, SpecdError
 from specd.core.threads import BackgroundHealth, supervise
 from specd.drafter.base import BUILT_IN_VERSION
 from specd.drafter.checkpoint import DrafterModel, clone_drafter, load_drafter
@@ -58,6 +59,7 @@ from specd.serving.http.metrics import ServingMetrics
 from specd.transport.bus import BusCounters, InProcessBus, RecordSink
 from specd.transport.mqtt import MqttPublisher, MqttSettings
 
+log = logging.getLogger(__name__)
 REPORTS_TASK = "reports"
 
 
@@ -105,6 +107,15 @@ class Wiring:
 
 def _sidecar_wiring(options: ServeOptions, mqtt: MqttSettings, loaded: LoadedTarget, store_dir: Path) -> Wiring:
     remote = RemoteSource(store_dir / "fetched", options.learner_url)
+    if options.learner_url:  # the live version now, not only once the broker announces it (it may be down)
+        try:
+            live = remote.learner_live()
+        except SpecdError as error:
+            log.warning("cannot ask the learner for its live version (%s): serving the built-in drafter until "
+                        "the broker announces one", error)
+        else:
+            if live is not None:
+                remote.announce({"version": live})
     health = BackgroundHealth()
     publisher = MqttPublisher(mqtt, options.server_id, on_announcement=remote.announce, health=health)
     model = initial_model(loaded.model, options.drafter, fingerprint=loaded.fingerprint)
