@@ -63,7 +63,7 @@ import torch
 
 from specd.core.records import TrajectoryRecord
 from specd.drafter.checkpoint import DrafterModel
-from specd.learner.simulation import replayable
+from specd.learner.simulation import record_replayable
 
 AcceptLength = Callable[[DrafterModel, list[TrajectoryRecord]], float]
 
@@ -92,7 +92,7 @@ class Gate:
                 self.recent_domains.append(record.domain)
         # a record too short to replay would score nothing for every drafter alike (a domain of only
         # such records weighed 0 tokens a pass into the verdict): it goes to training instead
-        if index % self.every or not replayable(len(record.prompt_ids), record.num_tokens):
+        if index % self.every or not record_replayable(record):
             return False
         with self._lock:
             self.held_out.append(record)

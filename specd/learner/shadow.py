@@ -29,7 +29,7 @@ from specd.core.errors import StoreError
 from specd.core.records import LEARNED_SOURCE, TrajectoryRecord
 from specd.drafter.checkpoint import DrafterModel
 from specd.hotswap.store import LiveVersionChanged, WeightStore
-from specd.learner.simulation import replayable
+from specd.learner.simulation import record_replayable
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class ShadowCanary:
         self.rollbacks: list[dict[str, Any]] = []
 
     def observe(self, record: TrajectoryRecord) -> None:
-        if not replayable(len(record.prompt_ids), record.num_tokens):  # it would pair 0 with 0 and dilute the mean
+        if not record_replayable(record):  # it would pair 0 with 0 and dilute the mean
             return
         self._seen += 1
         if self._seen % self.every == 0:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specd.core.records import TrajectoryRecord
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.model.distributions import target_probs
 
@@ -57,6 +58,11 @@ def replayable(prompt_length: int, length: int) -> bool:
     score: two prompt tokens and two output tokens at least (the first output token comes from the
     prefill, not from drafts). A shorter one says nothing about a drafter."""
     return prompt_length >= 2 and length - prompt_length >= 2
+
+
+def record_replayable(record: TrajectoryRecord) -> bool:
+    """`replayable` for a whole record (the gate's and the canary's filter)."""
+    return replayable(len(record.prompt_ids), record.num_tokens)
 
 
 def replay_start(prompt_length: int) -> int:
