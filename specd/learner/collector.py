@@ -15,6 +15,7 @@ Names:
   specd_learner_loop_failures_total         exceptions caught in the learner's loop
   specd_learner_record_age_seconds          learner lag: mean age of the last trained batch
   specd_learner_versions_behind             learner lag: drafter versions between the batch's records and live
+  specd_learner_records_missing             records servers numbered that never arrived (a sidecar's `missing`)
   specd_live_version                        the store's live version number
   specd_rollbacks_total                     versions rolled back (by an operator or the canary)
 """
@@ -35,10 +36,12 @@ if TYPE_CHECKING:
 
 class LearnerCollector(Collector):
     def __init__(self, learner: LearnerHandle, store: WeightStore,
-                 refused_before: Callable[[], Mapping[str, int]] | None = None) -> None:
+                 refused_before: Callable[[], Mapping[str, int]] | None = None,
+                 missing: Callable[[], int] | None = None) -> None:
         self.learner = learner
         self.store = store
         self.refused_before = refused_before
+        self.missing = missing
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         stats = self.learner.stats
@@ -65,6 +68,9 @@ class LearnerCollector(Collector):
                  "mean_versions_behind")):
             value = staleness.get(key)  # NaN until the learner has trained: unknown, not zero
             yield GaugeMetricFamily(name, help_text, value=math.nan if value is None else float(value))
+        if self.missing is not None:
+            yield GaugeMetricFamily("specd_learner_records_missing",
+                                    "records servers numbered that never reached the learner", value=self.missing())
         live = self.store.live_version()
         if live is not None:
             yield GaugeMetricFamily("specd_live_version", "the store's live drafter version", value=float(live))

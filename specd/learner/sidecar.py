@@ -9,7 +9,8 @@ and publishes versions to its weight store, announces the live version as a reta
 message whenever it changes (a publish, an operator's control operation, a canary rollback) and
 every `REANNOUNCE_S` besides (a garbled retained message must not hide it from servers started
 later), refuses and counts any message it cannot use without raising (an unacknowledged message
-would come back at every reconnect),
+would come back at every reconnect), counts the records each server numbered that never arrived
+(`records_missing`: a broker that dropped them for an absent learner; not with ranks),
 and serves the control plane and dashboard over HTTP (127.0.0.1 by default; POSTs need the
 bearer token when one is set). Reports feed the acceptance log that the dashboard shows; the
 learner's canary (`specd.learner.shadow`) replays the live version and its predecessor on the
@@ -61,6 +62,7 @@ from specd.learner.spool import SPOOL_INDEX, RecordSpool, SpoolConfig
 from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus
 from specd.transport.mqtt import MqttSettings, announce, subscribe_forever
+from specd.transport.sequence import SequenceGaps
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,8 @@ class Sidecar:
         self.acceptance = AcceptanceLog()
         self.health = BackgroundHealth()
         self.refused_messages: Counter = Counter()   # messages refused before they reached the learner, by reason
+        # a rank receives only part of each server's numbers (the shared subscription): its gaps are not losses
+        self.gaps = SequenceGaps() if group is None else None
         embedding = loaded.model.embed.weight
         initial = initial_model(loaded.model, options.drafter, fingerprint=loaded.fingerprint)
         self.learner = Learner(options.learner, self.bus, self.store, initial, loaded.fingerprint, embedding.dtype,
@@ -105,7 +109,9 @@ class Sidecar:
         self.plane = ControlPlane(self.store, self.acceptance, options.token, self.status, self._changed.set,
                                   submit=self.learner.submit)
         self.registry = CollectorRegistry()  # the learner's /metrics: its counters, lag and background failures
-        self.registry.register(LearnerCollector(self.learner, self.store, lambda: dict(self.refused_messages)))
+        gaps = self.gaps
+        self.registry.register(LearnerCollector(self.learner, self.store, lambda: dict(self.refused_messages),
+                                                missing=None if gaps is None else lambda: gaps.missing))
         self.registry.register(BackgroundCollector(self.health))
 
     def _records_of_use(self) -> int:
@@ -123,6 +129,7 @@ class Sidecar:
                 "records_refused": sum(stats.refused.values()) + sum(self.refused_messages.values()),
                 "records_refused_by_reason": dict(stats.refused + self.refused_messages),
                 "records_duplicate": spool.duplicates,
+                **self._missing(),
                 "spool": {"records": spool.num_records, "bytes": spool.num_bytes, "compactions": spool.compactions,
                           "dropped_for_space": spool.dropped_for_space},
                 "learner_steps": stats.steps, "tokens_trained": stats.tokens_trained,
@@ -134,6 +141,16 @@ class Sidecar:
                 "memory": memory_breakdown(self.learner, self.bus.backlog),
                 "background": self.health.snapshot(),
                 **({"ranks": read_statuses(self.options.store)} if self.group is not None else {})}
+
+    def _note_sequence(self, message: dict[str, object]) -> None:
+        if self.gaps is not None:
+            self.gaps.note(message)
+
+    def _missing(self) -> dict[str, object]:
+        """Records the servers numbered that never arrived (`sequence.py`); a rank cannot tell."""
+        if self.gaps is None:
+            return {}
+        return {"records_missing": self.gaps.missing, "records_missing_by_server": self.gaps.by_server()}
 
     def subscriber(self, stop: asyncio.Event) -> Awaitable[None]:
         """The records (and, alone or on rank 0, the reports) subscription, supervised by the caller."""
@@ -162,10 +179,12 @@ class Sidecar:
         try:  # before the spool: a record the learner would refuse must not take a good one's place there
             await asyncio.to_thread(self.learner.check_record, message)
         except RecordRefused as error:
+            self._note_sequence(message)  # it arrived: no gap in its server's numbers
             note_refusal(self.refused_messages, str(error.reason), f"a record on {topic}: {error}")
             return
         if not self.spool.add(message):
             return  # QoS 1 may deliver twice
+        self._note_sequence(message)
         self.bus.publish({**message, SPOOL_INDEX: self.spool.records_in})  # its number, as `load` gives it
         if self.spool.needs_compaction():
             # off the event loop; the subscriber awaits it, so nothing appends meanwhile

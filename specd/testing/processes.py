@@ -87,7 +87,7 @@ def terminate(process: subprocess.Popen | None, grace_seconds: float) -> None:
 class Broker:
     """Mosquitto on a free loopback port, with persistence so sessions survive a restart."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, max_queued_messages: int = 100_000) -> None:
         self.folder = folder
         self.port = free_port()
         self.process: subprocess.Popen | None = None
@@ -95,7 +95,7 @@ class Broker:
         (folder / "mosquitto.conf").write_text(
             # user root: as root, mosquitto would drop to a "mosquitto" user that cannot write here
             f"listener {self.port} 127.0.0.1\nallow_anonymous true\nuser root\npersistence true\n"
-            f"persistence_location {folder}/\nmax_queued_messages 100000\nautosave_interval 1\n")
+            f"persistence_location {folder}/\nmax_queued_messages {max_queued_messages}\nautosave_interval 1\n")
 
     @property
     def url(self) -> str:

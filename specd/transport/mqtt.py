@@ -7,8 +7,11 @@ Contract:
 - `MqttPublisher` runs its own thread and event loop; `publish()` (the `Bus` interface) only
   appends to a bounded buffer and never blocks a decoding step. Records leave the buffer only
   after the broker acknowledged them (QoS 1 PUBACK); while the broker is down they wait, the
-  oldest are shed (and counted) beyond the bound, and the client reconnects with jittered
-  exponential backoff. Its `counters` count trajectory records only; acceptance reports share
+  oldest are shed (and counted) beyond the bound (`capacity` messages or `capacity_bytes`, since
+  a record with the target's features is kilobytes a token), and the client reconnects with
+  jittered exponential backoff. Records still waiting when `stop` gives up are counted as shed too.
+  Every record carries its sequence stamp (`sequence.py`), so a learner can count the records a
+  broker dropped. Its `counters` count trajectory records only; acceptance reports share
   the buffer but are cumulative, so a shed one (counted in `reports_shed`) is replaced by the next.
 - The publisher's thread is supervised: any exception that ends a connection (a broker that is
   down or refuses the credentials, a failed send, a bug) is logged and counted in its
@@ -51,11 +54,13 @@ from paho.mqtt.properties import Properties
 from specd.core.errors import ConfigurationError
 from specd.core.threads import BackgroundHealth, backoff_delay, supervised_thread
 from specd.transport.bus import BusCounters
+from specd.transport.sequence import SequenceStamp
 
 log = logging.getLogger(__name__)
 
 # names under which the transport's background work reports its failures
 PUBLISHER_TASK = "mqtt-publisher"
+DEFAULT_CAPACITY_BYTES = 512 * 2**20   # about 1,400 records of 64 tokens with SmolLM2's features
 ANNOUNCEMENTS_TASK = "mqtt-announcements"
 SUBSCRIBER_TASK = "mqtt-subscriber"
 
@@ -113,10 +118,13 @@ class MqttPublisher:
 
     def __init__(self, settings: MqttSettings, server_id: str, capacity: int = 10_000,
                  on_announcement: Callable[[dict[str, Any]], None] | None = None,
-                 health: BackgroundHealth | None = None) -> None:
+                 health: BackgroundHealth | None = None, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
         self.settings = settings
         self.server_id = server_id
         self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
+        self.pending_bytes = 0
+        self.sequence = SequenceStamp()
         self.on_announcement = on_announcement
         self.counters = BusCounters()
         self.connected = threading.Event()
@@ -132,23 +140,32 @@ class MqttPublisher:
 
     # ---- the Bus interface ----------------------------------------------------------------
     def publish(self, record: dict[str, Any]) -> None:
-        self._enqueue(self.settings.topic("records", self.server_id), record, is_record=True)
+        self._enqueue(self.settings.topic("records", self.server_id), self.sequence.stamp(record), is_record=True)
 
     def report(self, report: dict[str, Any]) -> None:
         self._enqueue(self.settings.topic("reports", self.server_id), report, is_record=False)
 
     def _enqueue(self, topic: str, payload: dict[str, Any], is_record: bool) -> None:
         # `counters` count records only: reports are cumulative, and a lost one is replaced by the next
+        encoded = json.dumps(payload).encode()
         with self._lock:
-            if len(self._pending) >= self.capacity:
-                _, _, shed_record = self._pending.popleft()
-                if shed_record:
-                    self.counters.shed += 1
-                else:
-                    self.reports_shed += 1
-            self._pending.append((topic, json.dumps(payload).encode(), is_record))
+            # the newest message is always kept (one over `capacity_bytes` alone too): it is the freshest signal
+            while self._pending and (len(self._pending) >= self.capacity
+                                     or self.pending_bytes + len(encoded) > self.capacity_bytes):
+                self._shed_head()
+            self._pending.append((topic, encoded, is_record))
+            self.pending_bytes += len(encoded)
             self.counters.published += is_record
         self._wake_loop()
+
+    def _shed_head(self) -> None:
+        """Drop the oldest waiting message and count it (the caller holds the lock)."""
+        _, payload, is_record = self._pending.popleft()
+        self.pending_bytes -= len(payload)
+        if is_record:
+            self.counters.shed += 1
+        else:
+            self.reports_shed += 1
 
     def _wake_loop(self) -> None:
         """Wake the sending loop. Its loop may have just closed (stopped, or between two runs of
@@ -179,6 +196,13 @@ class MqttPublisher:
         self._wake_loop()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        with self._lock:
+            records_left = sum(is_record for _, _, is_record in self._pending)
+            while self._pending:
+                self._shed_head()
+        if records_left:
+            log.warning("%d records never reached the broker before the server stopped; counted as shed",
+                        records_left)
 
     async def _main(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
@@ -214,6 +238,7 @@ class MqttPublisher:
             with self._lock:
                 if self._pending and self._pending[0] is head:
                     self._pending.popleft()
+                    self.pending_bytes -= len(head[1])
                     self.counters.delivered += head[2]
 
     async def _listen(self, client: aiomqtt.Client) -> None:

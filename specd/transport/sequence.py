@@ -1,0 +1,91 @@
+"""Per-server sequence numbers on records sent over a broker, and the gaps a learner finds in them.
+
+Contract: a publisher stamps each record it sends with `SEQUENCE_FIELD`, {"run": the id of this
+publisher's run, "n": 1, 2, 3, ...} (`SequenceStamp`). A learner passes every record it receives to
+`SequenceGaps.note` (refused ones too, since they arrived; not the duplicates QoS 1 redelivers).
+`missing` counts, over every (server, run), the numbers between the lowest and the highest
+received that never arrived: records a broker dropped (a full queue for an absent learner, an
+expired session) or lost on the way, which no other counter can see. Records lost before the first
+one this learner process received from a run, or after the last, are not counted. A record
+without a stamp (an older server, the in-process bus, which counts its own sheds) is not counted.
+With data-parallel ranks each rank receives only part of every run (the shared subscription), so
+a rank's gaps are not losses: the ranks do not keep the count. At most `MAX_RUNS` runs are kept, the
+most recently heard from.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+SEQUENCE_FIELD = "sequence"
+MAX_RUNS = 1000
+
+
+class SequenceStamp:
+    """A publisher's numbering: a fresh run id per publisher, numbers from 1 in the order records
+    are handed over (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.run = secrets.token_hex(6)
+        self._numbers = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def stamp(self, record: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            number = next(self._numbers)
+        return {**record, SEQUENCE_FIELD: {"run": self.run, "n": number}}
+
+
+@dataclass
+class _Run:
+    lowest: int
+    highest: int
+    received: int = 0
+
+    @property
+    def missing(self) -> int:
+        return max(0, self.highest - self.lowest + 1 - self.received)
+
+
+class SequenceGaps:
+    """The learner's side: per (server, run), the numbers received; `missing` the gaps between."""
+
+    def __init__(self, max_runs: int = MAX_RUNS) -> None:
+        self._runs: OrderedDict[tuple[str, str], _Run] = OrderedDict()
+        self._max_runs = max_runs
+        self._forgotten_missing = 0   # gaps of runs evicted from the table still count
+
+    def note(self, record: dict[str, Any]) -> None:
+        stamp = record.get(SEQUENCE_FIELD)
+        if not isinstance(stamp, dict):
+            return
+        run, number, server = stamp.get("run"), stamp.get("n"), record.get("server_id")
+        if not (isinstance(run, str) and isinstance(server, str) and isinstance(number, int)) or number < 1:
+            return  # a garbled stamp says nothing about what went missing
+        key = (server, run[:64])
+        entry = self._runs.get(key)
+        if entry is None:
+            entry = self._runs[key] = _Run(number, number)
+            if len(self._runs) > self._max_runs:
+                _, oldest = self._runs.popitem(last=False)
+                self._forgotten_missing += oldest.missing
+        self._runs.move_to_end(key)
+        entry.lowest, entry.highest = min(entry.lowest, number), max(entry.highest, number)
+        entry.received += 1
+
+    @property
+    def missing(self) -> int:
+        return self._forgotten_missing + sum(run.missing for run in self._runs.values())
+
+    def by_server(self) -> dict[str, int]:
+        """Missing records per server id (only servers with a gap)."""
+        totals: dict[str, int] = {}
+        for (server, _), run in self._runs.items():
+            if run.missing:
+                totals[server] = totals.get(server, 0) + run.missing
+        return totals
