@@ -44,6 +44,7 @@ def test_dashboard_renders_live_charts_and_rolls_back_from_the_page(tmp_path: Pa
         for question in ("Hello there", "What is two plus two?", "Tell me a joke", "Name a colour"):
             chat(server.url, question)
         wait_for(lambda: get_json(server.url + "/v1/acceptance")["series"], 20, what="acceptance reports")
+        store.pin(2)   # an operator's pin: an event on the page, as swaps and rollbacks are
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium_binary(), args=[
                 "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -54,6 +55,9 @@ def test_dashboard_renders_live_charts_and_rolls_back_from_the_page(tmp_path: Pa
             page.wait_for_function("document.querySelectorAll('#rate polyline.series').length > 0", timeout=20000)
             assert page.locator("#length polyline.series").count() > 0
             assert page.locator("#source-rate polyline.series").count() > 0  # acceptance per drafting source
+            assert page.locator("#domain-length polyline.series").count() > 0  # and per traffic domain
+            assert "v2 pinned" in page.locator("#events li.pin").inner_text()
+            assert "need not agree" in page.locator("#gate-note").inner_text()  # gate replay vs served figures
             assert int(page.locator("#rate").get_attribute("data-points") or 0) > 0
             assert page.locator("#versions tbody tr").count() == 3
             assert page.locator("#injected").count() == 0

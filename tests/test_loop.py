@@ -492,7 +492,8 @@ def test_gate_waits_for_enough_held_out_records_then_promotes_a_good_candidate(
     assert store.live_version() == learner.live_version == 2
     assert store.manifest(2)["evaluation"] == {"passed": True, "reason": "ok", "candidate": 2.0, "live": 1.0,
                                                "bar": 1.0, "improved": True, "held_out_records": 6,
-                                               "sampled_records": 6, "domain_weights": {"default": 1.0}}
+                                               "sampled_records": 6, "domain_weights": {"default": 1.0},
+                                               "replay_k": learner.config.k}
     # no traffic: the learner trains on, but offers nothing new (an idle server once got a version
     # every publish_every_seconds)
     for _ in range(5):

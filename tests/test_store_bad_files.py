@@ -104,7 +104,8 @@ def test_versions_shows_a_dash_for_a_field_a_manifest_lacks(store: WeightStore, 
     manifest_path(store, 2).write_text(json.dumps(manifest))
     assert main(["versions", "--store", str(store.root)]) == 0
     rows = capsys.readouterr().out.splitlines()
-    assert len(rows) == 5 and rows[3].split()[0] == "2" and rows[3].endswith(" -")
+    assert len(rows) == 6 and rows[3].split()[0] == "2" and rows[3].endswith(" -")
+    assert rows[-1].startswith("accept len: the gate's replay")
 
 
 def test_gc_keeps_a_version_whose_manifest_is_damaged(tmp_path: Path) -> None:

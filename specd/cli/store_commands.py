@@ -158,6 +158,10 @@ def run_versions(args: argparse.Namespace) -> int:
           f"{'served acceptance':17} created")
     for m in manifests:
         print(_row(m, by_version))
+    if manifests:
+        print("accept len: the gate's replay of each version's learned drafter alone on the learner's held-out "
+              "records, at a fixed number of drafts a step; served acceptance: drafts accepted / drafted as servers "
+              "reported them (every source's own steps), so the two need not agree")
     if by_source:
         print("served acceptance by drafting source: " + ", ".join(
             f"{source} {_acceptance(counts)}" for source, counts in sorted(by_source.items()) if source != "none"))

@@ -313,7 +313,8 @@ class WeightStore:
         return f"version {version} does not exist in {self.root}"
 
     def pin(self, version: int, pinned: bool = True) -> None:
-        self.update(version, pinned=pinned)
+        # the time makes the (un)pinning an event the dashboard can mark, as swaps and rollbacks are
+        self.update(version, pinned=pinned, pin_time=time.time())
 
     def gc(self) -> list[int]:
         """Delete the versions nobody may need (see the module's contract); returns their numbers."""

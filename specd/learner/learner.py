@@ -180,8 +180,9 @@ class Learner(SupervisedLoop):
 
     def evaluate(self, candidate: DrafterModel) -> dict[str, Any]:
         """The gate's verdict on `candidate` against the live version the learner last saw and the bar."""
-        return self.gate.verdict(candidate, self.promoter.live_model(), self.simulated_accept_length,
-                                 bar=self.promoter.bar_model())
+        verdict = self.gate.verdict(candidate, self.promoter.live_model(), self.simulated_accept_length,
+                                    bar=self.promoter.bar_model())
+        return {**verdict, "replay_k": self.config.k}  # the drafts a step the replay drafted: not what servers chose
 
     def simulated_accept_length(self, model: DrafterModel, records: list[TrajectoryRecord]) -> float:
         """Tokens per target pass the drafter would reach on these records, greedy or sampled

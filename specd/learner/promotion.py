@@ -224,7 +224,7 @@ class Promoter:
             return {"passed": False, "waiting": True, "reason": f"the gate has {len(gate.held_out)} held-out "
                     f"records and needs {self.config.gate_min_held_out}; try again later"}
         seen = self.store.live_version()
-        verdict = gate.verdict(self.load(version), self.live_model(seen), accept_length)
+        verdict = {**gate.verdict(self.load(version), self.live_model(seen), accept_length), "replay_k": self.config.k}
         verdict = promote(self.store, version, verdict, seen, "operator, gate passed", reject_lost_race=False)
         log.info("submitted version %s: %s", version, verdict)
         return verdict
