@@ -149,3 +149,25 @@ def test_continuations_reach_past_k_unless_the_demo_fixes_k(argv: list[str], rea
     args = build_parser().parse_args(argv)
     spec = demo_drafter_spec(args) if argv[0] == "demo" else drafter_spec(args)
     assert spec.context_k == reach
+
+
+def test_pretrain_says_when_the_draft_vocabulary_asked_for_is_more_than_the_target_has(tmp_path, capsys,
+                                                                                       monkeypatch) -> None:
+    import specd.offline.pretrain as offline
+    from specd.testing.processes import tiny_checkpoint
+
+    checkpoint = tiny_checkpoint(tmp_path / "tiny")
+    ran: list[int] = []
+
+    def pretend(loaded, config, *_rest):   # the training itself is pretrain's own tests' business
+        ran.append(config.draft_vocab)
+        return {"held_out": {"accept_length": 1.0, "validation": {"accept_length": 1.0}, "k": 4},
+                "steps": 0, "tokens_trained": 0}
+
+    monkeypatch.setattr(offline, "pretrain", pretend)
+    argv = ["pretrain", "--target", str(checkpoint), "--out", str(tmp_path / "d.safetensors"),
+            "--work", str(tmp_path / "work"), "--data", "sharegpt"]
+    assert main([*argv, "--draft-vocab", "100000"]) == 0 and ran == [100000]
+    assert "--draft-vocab 100000 is more than the target's 49152 ids" in capsys.readouterr().err
+    assert main(argv) == 0   # the recipe's own vocabulary: nothing to say
+    assert "--draft-vocab" not in capsys.readouterr().err

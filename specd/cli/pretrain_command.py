@@ -130,7 +130,12 @@ def run_pretrain(args: argparse.Namespace) -> int:
     if stage_of is not None and parent is None:
         raise ConfigurationError(f"recipe {args.recipe} continues a version file made by --recipe {stage_of}: "
                                  f"give that file with --init-from")
-    manifest = pretrain(LoadedTarget.load(args.target), config, Path(args.work), Path(args.out), command, parent)
+    loaded = LoadedTarget.load(args.target)
+    vocab_size = loaded.model.config.vocab_size
+    if args.draft_vocab is not None and args.draft_vocab > vocab_size:
+        print(f"specd pretrain: --draft-vocab {args.draft_vocab} is more than the target's {vocab_size} ids: "
+              f"the drafter covers all {vocab_size}", file=sys.stderr)
+    manifest = pretrain(loaded, config, Path(args.work), Path(args.out), command, parent)
     held_out = manifest["held_out"]
     print(f"wrote {args.out}: held-out accept length {held_out['accept_length']:.3f} on evaluation prompts "
           f"(validation {held_out['validation']['accept_length']:.3f}, k = {held_out['k']}) after "
