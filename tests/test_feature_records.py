@@ -120,6 +120,10 @@ def test_features_round_trip_the_mqtt_transport_bit_exactly(tmp_path: Path) -> N
         assert back == record
         assert back.features is not None and record.features is not None
         assert same_bits(back.features.array(), record.features.array())
+        # the broker may forward the record before its acknowledgement reaches the publisher
+        deadline = time.monotonic() + 10
+        while publisher.counters.delivered < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert publisher.counters.delivered == 1
     finally:
         publisher.stop()
