@@ -33,9 +33,44 @@ def stamped(server: str, run: str, n: int) -> dict:
 
 def test_a_publishers_stamps_number_its_records_in_order_under_one_run() -> None:
     stamp = SequenceStamp()
-    first, second = stamp.stamp({"record_id": "a"}), stamp.stamp({"record_id": "b"})
-    assert first[SEQUENCE_FIELD] == {"run": stamp.run, "n": 1} and second[SEQUENCE_FIELD]["n"] == 2
+    first = json.loads(stamp.stamp_json(json.dumps({"record_id": "a", "n": [1, 2]}).encode()))
+    second = json.loads(stamp.stamp_json(b"{}"))
+    assert first == {SEQUENCE_FIELD: {"run": stamp.run, "n": 1}, "record_id": "a", "n": [1, 2]}
+    assert second == {SEQUENCE_FIELD: {"run": stamp.run, "n": 2}}
     assert SequenceStamp().run != stamp.run   # a restarted server starts a run of its own
+    with pytest.raises(ValueError):
+        stamp.stamp_json(b"[1, 2]")
+
+
+def test_records_are_numbered_as_they_leave_and_a_resent_one_keeps_its_number() -> None:
+    """A record the server shed before sending is counted there and takes no number: no gap here."""
+    from specd.transport.mqtt import MqttPublisher, MqttSettings
+
+    publisher = MqttPublisher(MqttSettings(port=1), "server-a", capacity=2)   # never started: sent by hand below
+    for i in range(5):
+        publisher.publish({"record_id": f"r{i}"})   # r0-r2 shed by the full buffer, counted there
+    sent: list[dict] = []
+
+    class Broker:   # stands for the connection: the first send fails, as a dropped connection does
+        failed = False
+
+        async def publish(self, topic: str, payload: bytes, qos: int) -> None:
+            if not Broker.failed:
+                Broker.failed = True
+                raise OSError("connection lost")
+            sent.append(json.loads(payload))
+            if len(sent) == 2:
+                publisher._stop.set()
+
+    async def drain() -> None:
+        publisher._wake = asyncio.Event()
+        with pytest.raises(OSError):
+            await publisher._drain(Broker())
+        await publisher._drain(Broker())   # the reconnected loop sends the head again
+
+    asyncio.run(drain())
+    assert [(r["record_id"], r[SEQUENCE_FIELD]["n"]) for r in sent] == [("r3", 1), ("r4", 2)]
+    assert publisher.counters.shed == 3 and publisher.counters.delivered == 2 and publisher.pending_bytes == 0
 
 
 def test_gaps_between_received_numbers_are_counted_per_server_and_run() -> None:
@@ -65,7 +100,7 @@ def test_the_sidecar_reports_records_that_never_arrived_in_its_status_and_metric
 
     sidecar = Sidecar(SidecarOptions(store=str(tmp_path / "store")), tiny_loaded_target())
     stamp = SequenceStamp()
-    messages = [stamp.stamp(valid_record(i)) for i in range(6)]
+    messages = [json.loads(stamp.stamp_json(json.dumps(valid_record(i)).encode())) for i in range(6)]
     refused = {**messages[1], "output_ids": [10**9]}          # arrived, though refused: not missing
     deliveries = [messages[0], refused, messages[2], messages[2], messages[5]]   # 3 and 4 lost; 2 twice
 

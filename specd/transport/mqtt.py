@@ -10,8 +10,8 @@ Contract:
   oldest are shed (and counted) beyond the bound (`capacity` messages or `capacity_bytes`, since
   a record with the target's features is kilobytes a token), and the client reconnects with
   jittered exponential backoff. Records still waiting when `stop` gives up are counted as shed too.
-  Every record carries its sequence stamp (`sequence.py`), so a learner can count the records a
-  broker dropped. Its `counters` count trajectory records only; acceptance reports share
+  Every record that leaves carries its sequence number (`sequence.py`), so a learner can count
+  the records a broker dropped. Its `counters` count trajectory records only; acceptance reports share
   the buffer but are cumulative, so a shed one (counted in `reports_shed`) is replaced by the next.
 - The publisher's thread is supervised: any exception that ends a connection (a broker that is
   down or refuses the credentials, a failed send, a bug) is logged and counted in its
@@ -113,6 +113,16 @@ class MqttSettings:
 backoff = backoff_delay  # jittered exponential backoff, shared with every supervised loop
 
 
+@dataclass(eq=False)
+class _Waiting:
+    """A message in the publisher's buffer; a record gets its sequence number as it first leaves."""
+
+    topic: str
+    payload: bytes
+    is_record: bool
+    numbered: bool = False
+
+
 class MqttPublisher:
     """A never-blocking `Bus` whose records (and reports) reach the broker from a background thread."""
 
@@ -128,7 +138,7 @@ class MqttPublisher:
         self.on_announcement = on_announcement
         self.counters = BusCounters()
         self.connected = threading.Event()
-        self._pending: deque[tuple[str, bytes, bool]] = deque()   # (topic, payload, is a record)
+        self._pending: deque[_Waiting] = deque()
         self.reports_shed = 0
         self.health = health or BackgroundHealth()
         self.health.register(PUBLISHER_TASK)
@@ -140,7 +150,7 @@ class MqttPublisher:
 
     # ---- the Bus interface ----------------------------------------------------------------
     def publish(self, record: dict[str, Any]) -> None:
-        self._enqueue(self.settings.topic("records", self.server_id), self.sequence.stamp(record), is_record=True)
+        self._enqueue(self.settings.topic("records", self.server_id), record, is_record=True)
 
     def report(self, report: dict[str, Any]) -> None:
         self._enqueue(self.settings.topic("reports", self.server_id), report, is_record=False)
@@ -153,16 +163,16 @@ class MqttPublisher:
             while self._pending and (len(self._pending) >= self.capacity
                                      or self.pending_bytes + len(encoded) > self.capacity_bytes):
                 self._shed_head()
-            self._pending.append((topic, encoded, is_record))
+            self._pending.append(_Waiting(topic, encoded, is_record))
             self.pending_bytes += len(encoded)
             self.counters.published += is_record
         self._wake_loop()
 
     def _shed_head(self) -> None:
         """Drop the oldest waiting message and count it (the caller holds the lock)."""
-        _, payload, is_record = self._pending.popleft()
-        self.pending_bytes -= len(payload)
-        if is_record:
+        shed = self._pending.popleft()
+        self.pending_bytes -= len(shed.payload)
+        if shed.is_record:
             self.counters.shed += 1
         else:
             self.reports_shed += 1
@@ -197,7 +207,7 @@ class MqttPublisher:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self._lock:
-            records_left = sum(is_record for _, _, is_record in self._pending)
+            records_left = sum(waiting.is_record for waiting in self._pending)
             while self._pending:
                 self._shed_head()
         if records_left:
@@ -230,16 +240,21 @@ class MqttPublisher:
         while not self._stop.is_set():
             with self._lock:
                 head = self._pending[0] if self._pending else None
+                if head is not None and head.is_record and not head.numbered:
+                    # numbered as it first leaves (a resend keeps its number): one shed here is not a gap
+                    numbered = self.sequence.stamp_json(head.payload)
+                    self.pending_bytes += len(numbered) - len(head.payload)
+                    head.payload, head.numbered = numbered, True
             if head is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await client.publish(head[0], head[1], qos=1)  # returns once the broker acknowledged it
+            await client.publish(head.topic, head.payload, qos=1)  # returns once the broker acknowledged it
             with self._lock:
                 if self._pending and self._pending[0] is head:
                     self._pending.popleft()
-                    self.pending_bytes -= len(head[1])
-                    self.counters.delivered += head[2]
+                    self.pending_bytes -= len(head.payload)
+                    self.counters.delivered += head.is_record
 
     async def _listen(self, client: aiomqtt.Client) -> None:
         async for message in client.messages:

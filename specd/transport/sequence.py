@@ -1,21 +1,23 @@
 """Per-server sequence numbers on records sent over a broker, and the gaps a learner finds in them.
 
-Contract: a publisher stamps each record it sends with `SEQUENCE_FIELD`, {"run": the id of this
-publisher's run, "n": 1, 2, 3, ...} (`SequenceStamp`). A learner passes every record it receives to
-`SequenceGaps.note` (refused ones too, since they arrived; not the duplicates QoS 1 redelivers).
-`missing` counts, over every (server, run), the numbers between the lowest and the highest
-received that never arrived: records a broker dropped (a full queue for an absent learner, an
-expired session) or lost on the way, which no other counter can see. Records lost before the first
-one this learner process received from a run, or after the last, are not counted. A record
-without a stamp (an older server, the in-process bus, which counts its own sheds) is not counted.
-With data-parallel ranks each rank receives only part of every run (the shared subscription), so
-a rank's gaps are not losses: the ranks do not keep the count. At most `MAX_RUNS` runs are kept, the
-most recently heard from.
+Contract: a publisher stamps each record as it first leaves for the broker with `SEQUENCE_FIELD`,
+{"run": the id of this publisher's run, "n": 1, 2, 3, ...} (`SequenceStamp`); a record it shed
+before sending (counted there) takes no number, so it is not counted again here. A learner passes
+every record it receives to `SequenceGaps.note` (refused ones too, since they arrived; not the
+duplicates QoS 1 redelivers). `missing` counts, over every (server, run), the numbers between the
+lowest and the highest received that never arrived: records a broker dropped (a full queue for an
+absent learner, an expired session) or lost on the way, which no other counter can see. Records
+lost before the first one this learner process received from a run, or after the last, are not
+counted. A record without a stamp (an older server, the in-process bus, which counts its own
+sheds) is not counted. With data-parallel ranks each rank receives only part of every run (the
+shared subscription), so a rank's gaps are not losses: the ranks do not keep the count. At most
+`MAX_RUNS` runs are kept, the most recently heard from.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import secrets
 import threading
 from collections import OrderedDict
@@ -28,17 +30,24 @@ MAX_RUNS = 1000
 
 class SequenceStamp:
     """A publisher's numbering: a fresh run id per publisher, numbers from 1 in the order records
-    are handed over (thread-safe)."""
+    are stamped (thread-safe)."""
 
     def __init__(self) -> None:
         self.run = secrets.token_hex(6)
         self._numbers = itertools.count(1)
         self._lock = threading.Lock()
 
-    def stamp(self, record: dict[str, Any]) -> dict[str, Any]:
+    def stamp_json(self, record: bytes) -> bytes:
+        """The record (a JSON object, encoded) with the next number spliced in as its first field:
+        a record with the target's features is megabytes, not worth decoding again to add a field."""
         with self._lock:
             number = next(self._numbers)
-        return {**record, SEQUENCE_FIELD: {"run": self.run, "n": number}}
+        stamp = json.dumps({SEQUENCE_FIELD: {"run": self.run, "n": number}}).encode()
+        body = record.strip()
+        if not (body.startswith(b"{") and body.endswith(b"}")):
+            raise ValueError("a record to number must be an encoded JSON object")
+        inner = body[1:-1].strip()
+        return stamp if not inner else stamp[:-1] + b", " + inner + b"}"
 
 
 @dataclass
