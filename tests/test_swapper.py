@@ -234,6 +234,19 @@ def test_a_version_that_stopped_being_live_while_it_loaded_is_not_offered(store:
     assert swapper.check_once() is True and swapper.prepared_version == 2 and source.fetches == [3, 2]
 
 
+def test_a_rollback_before_the_prepared_version_served_withdraws_it(store: WeightStore) -> None:
+    # an idle server: version 3 is prepared but no step has taken it when the operator rolls back
+    store.set_live(1)
+    store.set_live(3)
+    drafter = serving()
+    swapper = Swapper(LocalStore(store), drafter, FINGERPRINT)
+    assert swapper.check_once() is True and swapper.prepared_version == 3
+    store.rollback(1)
+    assert swapper.check_once() is False and swapper.prepared_version == 1
+    assert drafter.apply_pending() is False and drafter.version == 1 and drafter.num_swaps == 0
+    assert swapper.check_once() is False and drafter.take() is None   # nothing offered again
+
+
 def test_force_version_only_pins_and_the_swapper_thread_fetches(store: WeightStore) -> None:
     flaky = FlakySource(store, live=1)
     pinned = PinnedSource(flaky)  # type: ignore[arg-type]

@@ -99,6 +99,9 @@ class HybridDrafter:
     def apply_pending(self) -> bool:
         return self.learned.apply_pending()
 
+    def withdraw(self) -> int | None:
+        return self.learned.withdraw()
+
     def bind(self, max_batch: int, max_seq: int, device: torch.device) -> None:
         self.learned.bind(max_batch, max_seq, device)
 

@@ -4,8 +4,10 @@ Contract: a `Swappable` serves one drafter model at a time (`model`, `version`) 
 one in two halves: `offer(model, version)` from any thread (the swapper's), which raises if
 `check_compatible(model)` does, and `apply_pending()` on the serving thread between two steps,
 which installs the newest offer not yet taken (a later offer replaces one not yet taken) and
-says whether it did. The engine's drafters (token, feature, and the hybrid over either) and vLLM's
-drafter slot are all one; the swapper (`specd.hotswap.swapper`) knows only this protocol.
+says whether it did; `withdraw()` drops an offer not yet taken (the live version went back to
+the one serving: a rollback must not be undone by the offer it made obsolete). The engine's
+drafters (token, feature, and the hybrid over either) and vLLM's drafter slot are all one; the
+swapper (`specd.hotswap.swapper`) knows only this protocol.
 
 `HotSwapped` is the implementation they share: the handoff, the kind check and the swap count.
 A subclass names the weights it serves (`serves`), may convert them on the offering thread
@@ -44,6 +46,9 @@ class Swappable(Protocol):
     def offer(self, model: DrafterModel, version: int) -> None: ...
 
     def apply_pending(self) -> bool: ...
+
+    def withdraw(self) -> int | None:
+        """Drop the offer not yet taken; its version, or None when there was none."""
 
 
 @runtime_checkable
@@ -101,6 +106,10 @@ class HotSwapped(Generic[Payload]):
     def take(self) -> tuple[Payload, int] | None:
         """The pending offer, removed (None when there is none)."""
         return self._handoff.take()
+
+    def withdraw(self) -> int | None:
+        pending = self.take()
+        return None if pending is None else pending[1]
 
     def apply_pending(self) -> bool:
         """Install the pending offer now; only between steps, on the serving thread."""

@@ -15,7 +15,9 @@ decoding thread. Two kinds of failure:
   to its failed attempts. A different live version (newer, or an operator's pin) supersedes them;
 - permanent: weights that were fetched and fail a check (any other `SpecdError`). The reason is
   logged and kept in `refused`, and the version is never fetched again.
-Either way the drafter keeps the version it has. After each fetch that completed, a source that
+Either way the drafter keeps the version it has. When the live version goes back to the one the
+drafter serves before a prepared version took over (a rollback right after a publish, on an idle
+server), the prepared offer is withdrawn. After each fetch that completed, a source that
 keeps files (`RemoteSource`) is pruned, keeping the serving and wanted versions.
 """
 
@@ -123,6 +125,8 @@ class Swapper:
         if self._live_error is not None:
             log.info("the store's live version is readable again")
             self._live_error = None
+        if live is not None and live == self.drafter.version and self._wanted not in (None, live):
+            self._withdraw(live)
         if live is None or live in (self.drafter.version, self._wanted) or live in self.refused:
             self.retrying.clear()  # whatever was retried is not wanted any more
             return False
@@ -150,6 +154,14 @@ class Swapper:
         log.info("drafter version %s ready; it takes over at the next step", live)
         self._prune()
         return True
+
+    def _withdraw(self, live: int) -> None:
+        """The live version went back to the one serving (a rollback or unpin before the prepared
+        version's first step): the prepared one must not be installed at the next step."""
+        withdrawn = self.drafter.withdraw()
+        if withdrawn is not None:
+            log.info("drafter version %s withdrawn before it served: version %s is live again", withdrawn, live)
+        self._wanted = live
 
     def _superseded(self, loaded: int) -> bool:
         """Whether the live version moved on while `loaded` was fetched and checked (an operator's
