@@ -262,6 +262,8 @@ def test_a_pin_to_a_version_not_yet_published_waits_for_it_instead_of_refusing_i
     swapper = Swapper(pinned, serving(), FINGERPRINT, clock=lambda: now[0])
     force_version(pinned, 7)  # the store holds versions 1-6
     assert swapper.check_once() is False and 7 not in swapper.refused and swapper.retrying == {7: 1}
+    assert swapper.report() == {"prepared_version": None, "refused_versions": {}, "retrying_versions": {7: 1},
+                                "fetch_failures": 1}   # what a vLLM server's specd_status shows of the wait
     store.publish(new_drafter_model(tiny_target(), SHAPE, seed=7), FINGERPRINT, None, {})
     now[0] += 60  # past the backoff
     assert swapper.check_once() is True and swapper.prepared_version == 7

@@ -400,3 +400,45 @@ def test_the_eagle3_start_refuses_what_it_cannot_start_from_in_one_line(tmp_path
     (store.version_dir(1) / "manifest.json").write_text(json.dumps({"version": 1, "sha256": "0" * 64}))
     with pytest.raises(ConfigurationError, match="version 1"):
         prepare_eagle3_drafter(bundled, PluginSettings(store=str(store.root), version=1), tmp_path / "missing")
+
+
+def test_printed_commands_for_different_versions_start_from_folders_of_their_own(tmp_path: Path, capsys,
+                                                                                  monkeypatch) -> None:
+    from specd.cli.main import main
+    from specd.hotswap.store import WeightStore
+    from specd.model.loading import read_target_head
+    from specd.model.target import LoadedTarget
+    from specd.testing.processes import tiny_checkpoint
+
+    folder = tiny_checkpoint(tmp_path / "tiny")
+    target = LoadedTarget.load(folder).model.float()
+    fingerprint = TargetFingerprint.of(read_target_head(folder)[0], folder)
+    store = WeightStore(tmp_path / "store")
+    for seed in (0, 1):
+        store.publish(drafter(target, seed), fingerprint, None, {})
+    monkeypatch.setenv("SPECD_CACHE", str(tmp_path / "cache"))   # where printed commands' exports stay
+
+    def printed(version: int, *flags: str) -> list[str]:
+        argv = ["vllm", "--print", "--json", "--target", str(folder), "--store", str(store.root),
+                "--version", str(version), *flags]
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)["argv"]
+
+    def start_folder(argv: list[str]) -> Path:
+        return Path(json.loads(argv[argv.index("--speculative-config") + 1])["model"])
+
+    first, second, again = printed(2), printed(1), printed(2)
+    # the first printed command still starts from version 2 after the second was printed
+    assert start_folder(first) != start_folder(second) and start_folder(first) == start_folder(again)
+    assert read_metadata(start_folder(first) / SPECD_CHECKPOINT)["specd_version"] == "2"
+    assert read_metadata(start_folder(second) / SPECD_CHECKPOINT)["specd_version"] == "1"
+    # the name `specd serve` answers to (the folder's), and the path vLLM would use
+    names = first[first.index("--served-model-name") + 1:first.index("--served-model-name") + 3]
+    assert names == ["tiny", str(folder)]
+    assert printed(1, "--model-name", "mine")[first.index("--served-model-name") + 1] == "mine"
+    own = printed(1, "--", "--served-model-name", "theirs")
+    assert own.count("--served-model-name") == 1 and own[own.index("--served-model-name") + 1] == "theirs"
+    # the custom route serves token drafters: a store of feature drafters is refused before vLLM starts
+    argv = ["vllm", "--print", "--route", "custom", "--target", str(folder), "--store", str(store.root)]
+    assert main([*argv, "--version", "1"]) == 2
+    assert "version 1 is a feature drafter" in capsys.readouterr().err

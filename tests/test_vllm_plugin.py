@@ -574,3 +574,26 @@ def test_draft_budget_prices_a_drafters_own_passes_after_the_first() -> None:
     one = budget.drafting_bar
     budget.rows = 8                          # unmeasured at batch 8: batch 1's price, the only one measured
     assert budget.drafting_bar == pytest.approx(one) and one > 0
+
+
+def test_a_taken_port_is_refused_before_vllm_starts(tmp_path, capsys, monkeypatch) -> None:
+    import os
+    import socket
+
+    def never(*_args) -> None:   # had the check missed it, vLLM would replace this test's process
+        raise AssertionError("vLLM was started")
+
+    monkeypatch.setattr(os, "execvpe", never)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["vllm", "--route", "custom", "--store", str(tmp_path / "store"), "--port", str(port)])
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_a_pin_that_is_not_a_version_is_refused_naming_what_was_given() -> None:
+    from specd.serving.vllm.shared.extension import SpecdWorkerExtension
+
+    with pytest.raises(ValueError, match="got 'abc'"):
+        SpecdWorkerExtension.specd_force_version(object(), "abc")   # type: ignore[arg-type]

@@ -11,6 +11,7 @@ from typing import Any
 
 from specd.core.arguments import at_least, fraction, non_negative_number, port_number, positive_number, pull_share
 from specd.core.errors import ConfigurationError
+from specd.core.listening import cannot_listen, check_address
 from specd.drafter.factory import DrafterSpec
 from specd.drafter.hybrid import WIDE_PASS_ROWS
 from specd.engine.engine import EngineConfig
@@ -241,25 +242,6 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_address(host: str, port: int) -> None:
-    """Bind `host:port` once and let it go, so that a taken or foreign address is found out before a
-    model and a learner start (`listen` still catches the rare case of losing it in between)."""
-    try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, address in addresses:
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
-                probe.bind(address)
-    except OSError as error:  # socket.gaierror (a host that does not resolve) among them
-        raise _cannot_listen(host, port, error) from None
-
-
-def _cannot_listen(host: str, port: int, error: OSError) -> ConfigurationError:
-    # the errno's own words ("Address already in use"); a resolver error (negative code) has only its text
-    reason = os.strerror(error.errno) if error.errno and error.errno > 0 else error.strerror or str(error)
-    return ConfigurationError(f"cannot listen on {host}:{port}: {reason}")
-
-
 def listen(app: Any, host: str, port: int) -> None:
     """Serve `app` until stopped; an address that cannot be bound (in use, not this machine's, a
     privileged port) is a clear error, not a traceback. Startup hooks have run by then, and
@@ -270,8 +252,8 @@ def listen(app: Any, host: str, port: int) -> None:
         # handlers have had their grace (the app's own shutdown hook) before aiohttp waits for them
         web.run_app(app, host=host, port=port, shutdown_timeout=5.0, print=lambda line: print(line, flush=True))
     except socket.gaierror as error:  # a host name that does not resolve
-        raise _cannot_listen(host, port, error) from None
+        raise cannot_listen(host, port, error) from None
     except OSError as error:
         if error.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
             raise
-        raise _cannot_listen(host, port, error) from None
+        raise cannot_listen(host, port, error) from None

@@ -113,6 +113,17 @@ class Swapper:
         """The last version handed to the drafter (it serves from the drafter's next proposal)."""
         return self._wanted
 
+    @staticmethod
+    def idle_report() -> dict[str, Any]:
+        """`report`'s fields before a swapper exists (a worker not started yet)."""
+        return {"prepared_version": None, "refused_versions": {}, "retrying_versions": {}, "fetch_failures": 0}
+
+    def report(self) -> dict[str, Any]:
+        """What a server's status shows of its swaps: the version handed over, the versions refused and
+        why, a version whose fetch keeps failing (a pin to one not yet published) and its tries."""
+        return {"prepared_version": self.prepared_version, "refused_versions": dict(self.refused),
+                "retrying_versions": dict(self.retrying), "fetch_failures": self.fetch_failures}
+
     def check_once(self) -> bool:
         """Prepare the live version if it is new; True when a model was handed to the drafter."""
         try:

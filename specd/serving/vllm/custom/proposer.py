@@ -186,15 +186,14 @@ class SpecdProposer:
     def status(self) -> dict[str, Any]:
         """What the control path (`collective_rpc`) shows an operator."""
         return {"server_id": self.settings.server_id, "version": self.drafter.version if self.drafter else None,
-                "prepared_version": self.swapper.prepared_version if self.swapper else None,
+                **(self.swapper.report() if self.swapper else Swapper.idle_report()),
                 "forced_version": self.source.forced if self.source else None,
                 "source_live_version": self.source.inner.live_version() if self.source else None,
                 "k": self.k, "drafter": self.settings.drafter_kind, "steps": self.num_steps,
                 "mean_propose_ms": 1000 * self.seconds_proposing / max(self.num_steps, 1),
                 **self.faults.status(), **self.policy.status(), **self.telemetry.status(),
                 "traffic_table_rows": self.drafter.num_table_rows if isinstance(self.drafter, HybridDrafter) else 0,
-                "swaps": self.drafter.num_swaps if self.drafter else 0,
-                "refused_versions": dict(self.swapper.refused) if self.swapper else {}}
+                "swaps": self.drafter.num_swaps if self.drafter else 0}
 
     def force_version(self, version: int | None) -> dict[str, Any]:
         """Serve `version` regardless of announcements (None: follow them again); it takes over within a poll."""

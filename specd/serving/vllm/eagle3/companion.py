@@ -312,7 +312,7 @@ class Eagle3Companion:
         slot, swapper, source = self.slot, self.swapper, self.source
         return {"route": "eagle3", "server_id": self.settings.server_id, "k": self.k,
                 "version": slot.version if slot else None,
-                "prepared_version": swapper.prepared_version if swapper else None,
+                **(swapper.report() if swapper else Swapper.idle_report()),
                 "forced_version": source.forced if source else None,
                 "source_live_version": source.inner.live_version() if source else None,
                 "steps": self.num_steps, "mean_specd_ms": 1000 * self.seconds_outside_vllm / max(self.num_steps, 1),
@@ -320,7 +320,6 @@ class Eagle3Companion:
                 "install_ms": [round(1000 * s, 2) for s in self.install_seconds],
                 "drafter_gemm": str(self.gemm_dtype).removeprefix("torch.") if self.gemm_dtype else "native",
                 "swaps": slot.num_swaps if slot else 0,
-                "refused_versions": dict(swapper.refused) if swapper else {},
                 "hybrid": self.hybrid_on, "hybrid_stood_aside": self.hybrid_stood_aside,
                 "confidence_trimming": self.confidence.attached,
                 "eagle_stopped_early": self.confidence.stopped_early,

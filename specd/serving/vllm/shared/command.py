@@ -10,14 +10,20 @@ Bad arguments end as `specd: error: ...` like every specd command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from specd.core.arguments import at_least, port_number, positive_number
-from specd.core.errors import CheckpointError, ConfigurationError
+from specd.core.errors import CheckpointError, ConfigurationError, SpecdError
+from specd.core.listening import check_address
 from specd.model.bundled import cache_dir
 from specd.serving.vllm.shared.launch import (
     PluginSettings,
@@ -46,6 +52,9 @@ def add_vllm_parser(sub: Any) -> None:
                         "when more than -k (vLLM then verifies up to this many; EAGLE-3 still drafts at most -k)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--model-name", default=None,
+                   help="the model id clients send, as with specd serve (default: the target folder name; "
+                        "the target's path is accepted too)")
     p.add_argument("--max-num-seqs", type=at_least(1), default=8, help="most requests decoded together (default 8)")
     p.add_argument("--max-model-len", type=at_least(1), default=4096,
                    help="prompt + output tokens per request (default 4096)")
@@ -82,6 +91,66 @@ def _check_plugin_allowed(allowed: str | None) -> None:
     if allowed is not None and "specd" not in {name.strip() for name in allowed.split(",")}:
         raise ConfigurationError(f"VLLM_PLUGINS={allowed!r} leaves out specd's plugin, which the eagle3 route runs "
                                  "in: add specd to it, or unset it")
+
+
+def lasting_export(target: str, settings: PluginSettings, parent: Path) -> Path:
+    """The start export in a folder of `parent` named by its content: commands printed for different
+    versions never share (and overwrite) one, and the same export is kept once."""
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="eagle3-staging-", dir=parent))
+    try:
+        prepare_eagle3_drafter(target, settings, staging)
+        final = parent / f"eagle3-start-{_content_digest(staging)[:16]}"
+        if not final.is_dir():
+            with contextlib.suppress(OSError):   # another command made the same one meanwhile
+                staging.rename(final)
+        return final
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _content_digest(folder: Path) -> str:
+    """sha256 of a folder's files; a safetensors file by its tensors and sorted metadata (the format
+    writes its metadata in no fixed order, so equal exports differ byte for byte)."""
+    import torch
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0")
+        if path.suffix != ".safetensors":
+            digest.update(path.read_bytes())
+            continue
+        with safe_open(str(path), "pt") as tensors:
+            digest.update(json.dumps(tensors.metadata() or {}, sort_keys=True).encode())
+            for name in sorted(tensors.keys()):
+                raw = tensors.get_tensor(name).contiguous().view(-1).view(torch.uint8)
+                digest.update(name.encode() + raw.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _check_token_store(store: str, version: int | None) -> None:
+    """The custom route serves token drafters: from a store whose version to serve is a feature
+    drafter every swap would be refused, and the server would draft with its built-in drafter, never
+    learning (the eagle3 route refuses the other kind at start too). What cannot be read here is left
+    to the server, which reports it."""
+    from specd.drafter.checkpoint import FEATURE_FORMAT, read_metadata
+    from specd.hotswap.store import WeightStore
+
+    if not os.path.isdir(store):
+        return
+    weights = WeightStore(store)
+    try:
+        chosen = version if version is not None else weights.live_version()
+        if chosen is None:
+            return
+        kind = read_metadata(weights.weights_path(chosen)).get("specd_format")
+    except (OSError, ValueError, SpecdError):
+        return
+    if kind == FEATURE_FORMAT:
+        raise ConfigurationError(f"{store}: version {chosen} is a feature drafter, which the custom route cannot "
+                                 "serve (it serves token drafters: `specd learner --drafter-arch token`); leave "
+                                 "--route out for the eagle3 route, or give a store of token drafters")
 
 
 def _has_cuda() -> bool:
@@ -126,7 +195,13 @@ def run_vllm(args: argparse.Namespace) -> int:
             _check_plugin_allowed(os.environ.get("VLLM_PLUGINS"))
             if args.drafter_dir is not None:
                 check_exported_drafter(target, args.drafter_dir)
+        elif store is not None:
+            _check_token_store(store, args.version)
         extra = [a for a in args.vllm_args if a != "--"]
+        if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in extra):
+            # the name `specd serve` answers to, so one client works with both; vLLM's own (the path) too
+            extra = ["--served-model-name", args.model_name or os.path.basename(os.path.normpath(target)), target,
+                     *extra]
         kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else (None if _has_cuda() else 2.0)
         if kv_gib is not None:
             extra = ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30)), *extra]
@@ -135,7 +210,8 @@ def run_vllm(args: argparse.Namespace) -> int:
             # a printed command runs later, after this process: its export must not be a temporary
             # folder of ours (a later export sweeps those once their owner is gone)
             lasting = settings.cache or (str(cache_dir() / "vllm") if args.print else None)
-            drafter_dir = str(prepare_eagle3_drafter(target, settings, lasting and f"{lasting}/eagle3-start"))
+            drafter_dir = str(lasting_export(target, settings, Path(lasting)) if lasting else
+                              prepare_eagle3_drafter(target, settings))
         schedule = parse_schedule(args.drafts_per_batch, reach) if args.drafts_per_batch else None
         env, argv = vllm_command(target, settings, reach, args.host, args.port, args.max_num_seqs,
                                  args.max_model_len, extra, drafter_dir=drafter_dir, per_batch_size=schedule)
@@ -146,5 +222,6 @@ def run_vllm(args: argparse.Namespace) -> int:
         return 0
     if importlib.util.find_spec("vllm") is None:
         raise ConfigurationError(f"vLLM is not installed in this environment; {INSTALL_HINT}")
+    check_address(args.host, args.port)   # vLLM would find out after loading, with a traceback
     os.execvpe(argv[0], argv, {**os.environ, **env})
     return 0  # not reached: exec replaced this process

@@ -37,11 +37,12 @@ class SpecdWorkerExtension:
 
         vLLM's HTTP route passes arguments as strings, so "3" means version 3.
         """
+        given = version
         if isinstance(version, str):
             text = version.strip().lower()
             version = None if text in ("", "none", "null") else int(text) if text.isdigit() else -1
         if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
-            raise ValueError(f"version must be a non-negative integer or none, got {version!r}")
+            raise ValueError(f"version must be a non-negative integer or none, got {given!r}")
         return self._specd_proposer().force_version(version)
 
     def specd_hybrid(self, on: bool | str = True) -> dict[str, Any]:
