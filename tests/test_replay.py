@@ -89,3 +89,18 @@ def test_a_sampled_row_from_the_first_read_entry_replays_as_the_whole_row(prompt
     cut = simulated_counts(model, [sequence], 3, [SampledRow(1.0, 1.0, half[first:], first)])
     assert whole.drafts > 0 and cut.accepted == pytest.approx(whole.accepted)
     assert cut.passes == pytest.approx(whole.passes)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_a_chain_longer_than_the_record_replays_as_one_the_record_can_hold(num_layers: int) -> None:
+    # a short answer replayed at a large k (the demo's -k 12 on 4-token answers crashed here): the
+    # steps past the record's end are never read, so any k from the record's length on is the same
+    model, (tokens, features, _) = drafter_and_sequence(num_layers)
+    short = (tokens[:8], features[:8], 5)
+    reach = simulated_counts(model, [short], 7)
+    for k in (8, 12, 40):
+        longer = simulated_counts(model, [short], k)
+        assert (longer.accepted, longer.drafts, longer.passes) == pytest.approx(
+            (reach.accepted, reach.drafts, reach.passes))
+    with torch.no_grad():   # training unrolls the same way (pretrain --unroll 100 crashed)
+        assert len(model.unrolled(features[None, :7], tokens[None, 1:8], 40)) == 40

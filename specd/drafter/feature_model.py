@@ -296,8 +296,11 @@ def _chained_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     chain_values = []
     for i in range(1, j + 1):
         shift = j - i
-        k_i = F.pad(keys[i][:, :, :width - shift], (0, 0, shift, 0)) if shift else keys[i]
-        v_i = F.pad(values[i][:, :, :width - shift], (0, 0, shift, 0)) if shift else values[i]
+        if shift >= width:  # a chain longer than the window: every entry is before its start, padding
+            k_i, v_i = torch.zeros_like(keys[i]), torch.zeros_like(values[i])
+        else:
+            k_i = F.pad(keys[i][:, :, :width - shift], (0, 0, shift, 0)) if shift else keys[i]
+            v_i = F.pad(values[i][:, :, :width - shift], (0, 0, shift, 0)) if shift else values[i]
         scores.append((q * k_i).sum(-1, keepdim=True) * scale)
         chain_values.append(v_i)
     weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
