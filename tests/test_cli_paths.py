@@ -76,6 +76,18 @@ def test_ctrl_c_ends_the_command_with_status_130_and_no_traceback(capsys, monkey
     assert capsys.readouterr().err == "specd: interrupted\n"
 
 
+def test_sigterm_ends_the_command_as_ctrl_c_does_with_status_143(capsys, monkeypatch) -> None:
+    import specd.cli.generate as generate
+    from specd.cli.main import Terminated
+
+    def terminated(args):
+        raise Terminated   # what the SIGTERM handler raises in the command's main thread
+
+    monkeypatch.setattr(generate, "run_generate", terminated)
+    assert main(["generate", "--prompt", "hi"]) == 143
+    assert capsys.readouterr().err == "specd: terminated\n"
+
+
 def test_flags_that_contradict_each_other_are_refused_before_anything_loads(tmp_path, capsys) -> None:
     assert "--adaptive-k goes with -k" in _refused(["demo", "--adaptive-k", "--json-out", str(tmp_path / "d.json")],
                                                    capsys)

@@ -134,3 +134,59 @@ def test_a_server_with_a_learner_process_makes_only_the_layouts_its_own_cores_us
         torch.set_num_threads(threads)
     layers = [layer for layer in loaded.model.modules() if isinstance(layer, packed_linear.PackedLinear)]
     assert layers and all(set(layer._layouts or {}) == wanted for layer in layers), wanted
+
+
+PARENT = """
+import sys, time
+from pathlib import Path
+import torch
+from specd.drafter.factory import DrafterSpec, initial_model
+from specd.hotswap.store import WeightStore
+from specd.learner.config import LearnerConfig
+from specd.learner.process import LearnerProcess
+from specd.testing import tiny_loaded_target
+
+if __name__ == "__main__":
+    loaded, store = tiny_loaded_target(), Path(sys.argv[1])
+    day0 = initial_model(loaded.model, DrafterSpec(head_vocab=200), fingerprint=loaded.fingerprint)
+    weights = WeightStore(store)
+    weights.set_live(weights.publish(day0, loaded.fingerprint, None, {}))
+    process = LearnerProcess(LearnerConfig(), store, loaded.model, loaded.fingerprint, torch.float32, [0]).start()
+    while not process.report()["alive"]:
+        time.sleep(0.1)
+    print(process.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_learner_process_whose_parent_was_killed_outright_ends_too(tmp_path: Path) -> None:
+    """SIGKILL (or a SIGTERM the parent did not handle) skips the parent's cleanup: `daemon` then
+    stops nothing, and the learner, a gigabyte on a core of its own, stayed behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path / "store")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "the learner process outlived its parent"
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, reaped by init any moment, counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

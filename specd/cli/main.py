@@ -4,7 +4,8 @@ Contract: every subcommand either does its job or exits 2 with one line `specd: 
 on stderr (a mistake on the command line: argparse's usage, then one line `specd SUBCOMMAND:
 error: ...`); a traceback is never the answer to bad input. `--json` output is one JSON object on
 stdout. Ctrl+C ends a command with status 130 and one line, from the first moment (the
-subcommands' modules, which import torch, load inside `main`); a reader that goes away (`specd
+subcommands' modules, which import torch, load inside `main`), and SIGTERM the same way with status
+143 (servers drain first, by their own handlers); a reader that goes away (`specd
 versions | head`) ends it with status 141 and no word.
 """
 
@@ -13,7 +14,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 
 from specd.core.errors import SpecdError
 
@@ -38,7 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an interruption so that the same cleanup runs as for Ctrl+C (a demo's
+    learner process stopped, its temporary store removed). Servers install their own handlers."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and threading.current_thread() is threading.main_thread():   # the command itself, not a test
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -46,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecdError as error:  # every failure a person can fix; anything else is a bug and shows as one
         print(f"specd: error: {error}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("specd: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:  # Ctrl+C: what was written stays written (pretraining resumes from its work folder)
         print("specd: interrupted", file=sys.stderr)
         return 130

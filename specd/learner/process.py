@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
 import os
 import queue
 import signal
@@ -193,7 +194,11 @@ def run_child(spec: ChildSpec, target: Transformer, records: Any, reports: Any, 
 
     reports.put(report(True))
     last_report = time.monotonic()
-    while not stop.value:
+    parent = multiprocessing.parent_process()
+    # a parent killed outright (SIGKILL, or SIGTERM to a program that does not stop us) leaves this
+    # process behind: `daemon` acts only at a parent's orderly exit, so it must notice by itself
+    # (by the parent's sentinel pipe, which its death closes; getppid is not reliable in every sandbox)
+    while not stop.value and (parent is None or parent.is_alive()):
         time.sleep(0.05)
         _answer_submissions(learner, submissions, verdicts)
         if time.monotonic() - last_report >= spec.report_every_s:
