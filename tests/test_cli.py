@@ -98,6 +98,7 @@ def test_a_later_stage_recipe_without_the_file_it_continues_is_refused(recipe, t
     ["pretrain", "--out", "o", "--work", "w", "--first-round", "-1"], ["serve", "--max-context", "1"],
     ["pretrain", "--out", "o", "--work", "w", "--lr", "inf"], ["pretrain", "--out", "o", "--work", "w", "--lr", "nan"],
     ["pretrain", "--out", "o", "--work", "w", "--prompt-weight", "nan"], ["serve", "--shutdown-grace", "-1"],
+    ["pretrain", "--out", "o", "--max-length", "8"],
     ["serve", "--duty-cycle", "-3"], ["demo", "--duty-cycle", "1.5"],
     ["learner", "--store", "s", "--publish-every", "-1"],
     ["learner", "--store", "s", "--spool-max-mb", "-5"], ["learner", "--store", "s", "--dedup-window", "-1"],

@@ -399,6 +399,18 @@ def test_greedy_only_trains_on_the_greedy_answers_and_two_layers_make_a_two_laye
     assert isinstance(model, FeatureDrafterModel) and model.config.num_layers == 2
 
 
+def test_greedy_only_on_rounds_that_are_all_sampled_is_refused_before_training(tmp_path: Path) -> None:
+    from specd.core.errors import ConfigurationError
+
+    # round 1 alone (a later stage's data) is all sampled: nothing greedy is left to train on
+    config = replace(TINY_PRETRAIN, data="distilled", steps=2, greedy_only=True,
+                     distill=DistillConfig(prompts=2, max_prompt=120, max_new_tokens=8, rounds=2, first_round=1,
+                                           batch=2, shard_size=2, dtype="float32"))
+    with pytest.raises(ConfigurationError, match="--greedy-only keeps none"):
+        pretrain(tiny_loaded_target(), config, tmp_path / "work", tmp_path / "drafter.safetensors", COMMAND)
+    assert not (tmp_path / "drafter.safetensors").exists()
+
+
 def test_a_drafter_started_from_the_targets_last_layer_holds_its_weights_and_trains_from_them(tmp_path: Path) -> None:
     loaded = tiny_loaded_target()
     target = loaded.model

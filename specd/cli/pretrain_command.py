@@ -34,7 +34,8 @@ def add_pretrain_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", choices=["distilled", "sharegpt"], default=None,
                    help="distilled: the target's own responses (default); sharegpt: ShareGPT's own text")
     p.add_argument("--conversations", type=at_least(1), default=None, help="sharegpt: conversations read")
-    p.add_argument("--max-length", type=at_least(1), default=None, help="sharegpt: tokens kept per conversation")
+    p.add_argument("--max-length", type=at_least(16), default=None,
+                   help="sharegpt: tokens kept per conversation (at least 16: shorter conversations are left out)")
     p.add_argument("--draft-vocab", type=at_least(1), default=None, help="ids the output head covers")
     p.add_argument("--drafter-layers", type=at_least(1), default=None, help="the drafter's decoder layers (default 1)")
     p.add_argument("--init", choices=INITS, default=None,

@@ -101,11 +101,17 @@ def distilled_corpus(generator: LoadedTarget, distill_config: DistillConfig, cap
         kept = [i for i, example in enumerate(examples) if example.temperature == 0]
         sequences, features, weights = ([items[i] for i in kept] for items in (sequences, features, weights))
         examples = [examples[i] for i in kept]
+        if not examples:
+            raise ConfigurationError("--greedy-only keeps none of these answers: all are sampled (only round 0 "
+                                     "has greedy ones, and --first-round leaves it out); leave --greedy-only out")
     sampled = sum(1 for e in examples if e.temperature > 0)
     description = (f"the target's own responses to {len(examples)} user turns of ShareGPT conversations "
                    f"{TRAINING_RANGE.start}-{TRAINING_RANGE.stop - 1} ({len(examples) - sampled} greedy, "
                    f"{sampled} sampled at temperature {distill_config.temperature})")
     return TrainingCorpus(sequences, features, weights, draft_ids, coverage, description)
+
+
+MIN_SEQUENCE = 16   # tokens a ShareGPT conversation needs to be trained on (shorter ones are left out)
 
 
 def sharegpt_corpus(loaded: LoadedTarget, conversations: int, max_length: int, draft_vocab: int,
@@ -123,10 +129,13 @@ def sharegpt_corpus(loaded: LoadedTarget, conversations: int, max_length: int, d
             ids = loaded.tokenizer.apply_chat_template(messages, tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
             ids = [int(t) for t in ids][:max_length]
-            if len(ids) >= 16:
+            if len(ids) >= MIN_SEQUENCE:
                 sequences.append(torch.tensor(ids))
             if len(sequences) >= conversations:
                 break
+        if not sequences:
+            raise ConfigurationError(f"no ShareGPT training conversation has {MIN_SEQUENCE} tokens within "
+                                     f"--max-length {max_length}")
         draft_ids, coverage = rank_vocabulary(sequences, loaded.model.config.vocab_size, draft_vocab)
         offsets = [0]
         for seq in sequences:
