@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from specd.cli.main import main
 from specd.core.errors import ConfigurationError, TrafficError
@@ -200,3 +201,38 @@ def test_only_the_default_demos_humaneval_problems_are_held_out_from_the_setting
     assert tuned_on(default) == []
     reseeded = default_shift_traffic(DEMO_REQUESTS, seed=1) + default_held_out(DEMO_REQUESTS, seed=1)
     assert tuned_on(reseeded)  # another draw serves problems the learner's settings were chosen on
+
+
+def test_generate_refuses_a_pretrained_file_whose_weights_are_not_the_ones_its_manifest_names(tmp_path,
+                                                                                            capsys) -> None:
+    import shutil
+
+    from specd.drafter.pretrained import SHIPPED_DRAFTER
+
+    copy = tmp_path / SHIPPED_DRAFTER.name
+    shutil.copy(SHIPPED_DRAFTER, copy)
+    shutil.copy(SHIPPED_DRAFTER.with_suffix(".json"), copy.with_suffix(".json"))
+    data = bytearray(copy.read_bytes())
+    data[-4096:] = bytes(4096)   # finite zeros over the last weights: only the digest can tell
+    copy.write_bytes(bytes(data))
+    assert main(["generate", "--prompt", "hi", "--max-tokens", "2", "--drafter", str(copy)]) == 2
+    assert "sha256" in capsys.readouterr().err
+
+
+def test_a_feature_drafter_reading_layers_the_target_lacks_is_refused_before_it_drafts() -> None:
+    import dataclasses
+    from pathlib import Path
+
+    from specd.core.errors import CheckpointError
+    from specd.drafter.feature_model import new_feature_drafter
+    from specd.drafter.pretrained import check_fits_target
+    from specd.testing import tiny_target
+
+    target = tiny_target()
+    model = new_feature_drafter(target.config, target.embed.weight, target.lm_head.weight, target.norm.weight,
+                                torch.arange(16))
+    check_fits_target(Path("fits.safetensors"), model, target)
+    last = target.config.num_layers - 1
+    model.config = dataclasses.replace(model.config, capture_layers=(0, last + 5))   # a layer past the target's
+    with pytest.raises(CheckpointError, match="reading layers"):
+        check_fits_target(Path("other.safetensors"), model, target)

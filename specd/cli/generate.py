@@ -21,7 +21,8 @@ from specd.core.errors import ConfigurationError
 from specd.drafter.base import BUILT_IN_VERSION, Drafter
 from specd.drafter.checkpoint import load_drafter
 from specd.drafter.factory import DrafterSpec, build_drafter
-from specd.drafter.pretrained import SHIPPED_DRAFTER
+from specd.drafter.feature_model import FeatureDrafterModel
+from specd.drafter.pretrained import SHIPPED_DRAFTER, check_fits_target, check_manifest
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.greedy_recording import record_greedy
@@ -70,7 +71,10 @@ def _build_drafter(choice: str, loaded: LoadedTarget, prompt_ids: list[int], par
     path = SHIPPED_DRAFTER if choice == "shipped" else Path(choice)
     if not path.is_file():
         raise ConfigurationError(f"--drafter {choice!r}: not a file, and not one of shipped, random, replay, none")
+    check_manifest(path, required=choice == "shipped")   # a file `specd pretrain` wrote matches what it names
     model = load_drafter(path, loaded.fingerprint, DTYPES[dtype], device, target_embedding=loaded.model.embed.weight)
+    if isinstance(model, FeatureDrafterModel):
+        check_fits_target(path, model, loaded.model)
     return build_drafter(DrafterSpec(kind="learned"), model, BUILT_IN_VERSION)  # a file, not a stored version
 
 

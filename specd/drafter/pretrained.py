@@ -80,12 +80,19 @@ def load_pretrained(path: Path, target: Transformer, fingerprint: TargetFingerpr
     model = load_drafter(path, fingerprint, embedding.dtype, embedding.device, target_embedding=embedding)
     if not isinstance(model, FeatureDrafterModel):
         raise CheckpointError(f"{path}: a token-level drafter, not a feature drafter")
-    config, target_config = model.config, target.config
-    if config.hidden_size != target_config.hidden_size or config.capture_layers[-1] != target_config.num_layers - 1:
-        raise CheckpointError(f"{path}: made for a target {config.hidden_size} wide reading layers "
-                              f"{config.capture_layers}; this one is {target_config.hidden_size} wide with "
-                              f"{target_config.num_layers} layers")
+    check_fits_target(path, model, target)
     return model
+
+
+def check_fits_target(path: Path, model: FeatureDrafterModel, target: Transformer) -> None:
+    """CheckpointError unless the drafter reads layers the target has, the last one among them, at
+    its width (a file made for another target would fail in the first step that captures them)."""
+    config, target_config = model.config, target.config
+    layers = config.capture_layers   # increasing (the config checks it): the last one bounds them all
+    if config.hidden_size != target_config.hidden_size or layers[-1] != target_config.num_layers - 1:
+        raise CheckpointError(f"{path}: made for a target {config.hidden_size} wide reading layers "
+                              f"{layers}; this one is {target_config.hidden_size} wide with "
+                              f"{target_config.num_layers} layers")
 
 
 def day0_feature_model(target: Transformer, fingerprint: TargetFingerprint | None, draft_vocab: int,
