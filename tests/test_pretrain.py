@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -397,6 +398,20 @@ def test_greedy_only_trains_on_the_greedy_answers_and_two_layers_make_a_two_laye
     model = load_drafter(tmp_path / "drafter.safetensors", loaded.fingerprint,
                          target_embedding=loaded.model.embed.weight)
     assert isinstance(model, FeatureDrafterModel) and model.config.num_layers == 2
+
+
+def test_a_second_run_on_a_work_folder_in_use_is_refused_naming_the_first(tmp_path: Path) -> None:
+    from specd.core.errors import StoreError
+    from specd.learner.claim import claim
+
+    first = claim(tmp_path / "work", "", what="pretraining run", lock_name="pretrain.lock")   # a run in progress
+    try:
+        with pytest.raises(StoreError, match=rf"another pretraining run \(pid {os.getpid()}\)"):
+            pretrain(tiny_loaded_target(), replace(TINY_PRETRAIN, steps=2), tmp_path / "work",
+                     tmp_path / "drafter.safetensors", COMMAND)
+    finally:
+        first.release()
+    assert not (tmp_path / "work" / "config.json").exists()   # it wrote nothing into the folder in use
 
 
 def test_greedy_only_on_rounds_that_are_all_sampled_is_refused_before_training(tmp_path: Path) -> None:

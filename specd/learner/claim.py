@@ -1,5 +1,6 @@
 """One learner per store (and per spool): a second one would publish into the same store and
-number records into the same spool, which drops some of them as duplicates.
+number records into the same spool, which drops some of them as duplicates. (A pretraining run
+holds its work folder the same way: two would write the same checkpoints.)
 
 Contract: `claim(folder, advice)` takes an exclusive, non-blocking lock on `folder/learner.lock` and
 writes this process's pid into it; it raises `StoreError` naming the holder's pid when another
@@ -30,9 +31,10 @@ class LearnerClaim:
             handle.close()
 
 
-def claim(folder: str | Path, advice: str) -> LearnerClaim:
-    """Hold `folder` for this learner; StoreError (ending with `advice`) if another learner holds it."""
-    path = Path(folder) / LOCK_NAME
+def claim(folder: str | Path, advice: str, what: str = "learner", lock_name: str = LOCK_NAME) -> LearnerClaim:
+    """Hold `folder` for this learner (or another `what`, under its own `lock_name`: a pretraining run
+    holds its work folder); StoreError (ending with `advice`) if another one holds it."""
+    path = Path(folder) / lock_name
     path.parent.mkdir(parents=True, exist_ok=True)
     handle = path.open("a+")
     try:
@@ -41,8 +43,8 @@ def claim(folder: str | Path, advice: str) -> LearnerClaim:
         handle.seek(0)
         holder = handle.read().strip() or "unknown"
         handle.close()
-        raise StoreError(f"another learner (pid {holder}) is running on {folder}: one learner per store; "
-                         f"{advice}") from None
+        raise StoreError(f"another {what} (pid {holder}) is running on {folder}: one {what} per "
+                         f"{'store' if what == 'learner' else 'folder'}; {advice}") from None
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))

@@ -49,6 +49,7 @@ from specd.drafter.feature_model import (
     new_feature_drafter,
 )
 from specd.drafter.pretrained import check_manifest, load_pretrained
+from specd.learner.claim import claim
 from specd.learner.feature_signal import label_rows
 from specd.model.target import DTYPES, LoadedTarget
 from specd.model.transformer import Block
@@ -222,6 +223,16 @@ def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path
     from_model, parent_manifest = continued(loaded, parent, config) if parent is not None else (None, None)
     if parent_manifest is not None:
         config = replace(config, parent=parent_manifest["file_sha256"])
+    held = claim(work, "wait for it, or give this run another --work", what="pretraining run",
+                 lock_name="pretrain.lock")
+    try:
+        return _pretrain(loaded, config, work, out, command, from_model, parent_manifest)
+    finally:
+        held.release()
+
+
+def _pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path, command: str,
+              from_model: FeatureDrafterModel | None, parent_manifest: dict[str, Any] | None) -> dict[str, Any]:
     claim_work_folder(work, config)
     torch.manual_seed(config.seed)
     target = loaded.model
