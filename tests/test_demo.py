@@ -32,3 +32,16 @@ def test_demo_replays_traffic_in_three_modes_losslessly(tmp_path: Path) -> None:
     assert (tmp_path / "store" / "versions").is_dir() and result["static_version"] is not None
     plot(result, tmp_path / "demo.png")
     assert (tmp_path / "demo.png").stat().st_size > 1000
+
+
+def test_a_request_over_the_context_window_is_named_with_the_max_tokens_the_user_gave(tmp_path: Path) -> None:
+    import pytest
+
+    from specd.core.errors import ConfigurationError
+
+    loaded = tiny_loaded_target()
+    window = loaded.model.config.max_position
+    items = [TrafficItem(prompt="hi", domain="chat"), TrafficItem(prompt="x" * (window - 8), domain="chat")]
+    config = DemoConfig(max_tokens=10, max_batch=2, drafter=DrafterSpec(head_vocab=200))
+    with pytest.raises(ConfigurationError, match=r"request 2 of the traffic: .* \+ --max-tokens 10 exceeds"):
+        run_demo(loaded, items, config, tmp_path / "store")

@@ -191,7 +191,9 @@ def calibrated_costs(loaded: LoadedTarget, drafter: ServingDrafter, prompts: lis
     for costs in (LookaheadCosts(), LookaheadCosts(keep_samples=True)):  # warm-up, then measured
         engine.lookahead = CalibrationSweep(config.k, costs)
         for i in range(requests):
-            engine.add_request(prompts[i % len(prompts)], SamplingParams(max_tokens=CALIBRATION_TOKENS))
+            # never more than a request of the run asks for: a prompt that fits the run fits here
+            engine.add_request(prompts[i % len(prompts)],
+                               SamplingParams(max_tokens=min(CALIBRATION_TOKENS, config.max_tokens)))
         while engine.has_work:
             engine.step()
     return costs.frozen_copy()
@@ -244,11 +246,23 @@ def _publish_day0(store: WeightStore, loaded: LoadedTarget, config: DemoConfig) 
     return version
 
 
+def _check_context(prompts: list[list[int]], items: list[TrafficItem], config: DemoConfig, window: int) -> None:
+    """Every request fits the context window: found before calibration, whose own requests would name
+    other numbers than the ones the traffic and --max-tokens give."""
+    for number, (ids, item) in enumerate(zip(prompts, items, strict=True), start=1):
+        wanted = item.max_tokens or config.max_tokens
+        if len(ids) + wanted > window:
+            named = f"its max_tokens {wanted}" if item.max_tokens else f"--max-tokens {wanted}"
+            raise ConfigurationError(f"request {number} of the traffic: its prompt ({len(ids)} tokens) + {named} "
+                                     f"exceeds the context window of {window} tokens")
+
+
 def _run_demo(loaded: LoadedTarget, items: list[TrafficItem], config: DemoConfig, store_dir: Path,
               held_out: list[TrafficItem] | None,
               after_round: Callable[[int, dict[str, Any]], None] | None) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     prompts = [encode(loaded, item) for item in items]
+    _check_context(prompts, items, config, loaded.model.config.max_position)
     domains = list(dict.fromkeys(item.domain for item in items))
     store = WeightStore(store_dir, keep_last=1000)  # every version stays for the adaptation curve
     static_version = _publish_day0(store, loaded, config)
