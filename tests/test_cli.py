@@ -79,6 +79,12 @@ def test_pretrain_flags_override_the_recipe_and_nothing_else() -> None:
         config("--distill-rounds", "2", "--first-round", "2")
 
 
+def test_init_and_init_from_together_are_refused(tmp_path, capsys) -> None:
+    code = main(["pretrain", "--init", "target_layer", "--init-from", str(tmp_path / "d.safetensors"),
+                 "--out", str(tmp_path / "e.safetensors"), "--work", str(tmp_path / "work")])
+    assert code == 2 and "give one of them" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("recipe", ["shipped-2", "shipped-3"])
 def test_a_later_stage_recipe_without_the_file_it_continues_is_refused(recipe, tmp_path, capsys) -> None:
     code = main(["pretrain", "--recipe", recipe, "--out", str(tmp_path / "d.safetensors"),

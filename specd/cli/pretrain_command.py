@@ -127,6 +127,9 @@ def run_pretrain(args: argparse.Namespace) -> int:
     check_paths(Path(args.out), Path(args.work))
     command = "specd " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     parent = Path(args.init_from) if args.init_from else None
+    if parent is not None and args.init is not None:
+        raise ConfigurationError("--init says how to start a new drafter; --init-from continues the one in a file: "
+                                 "give one of them")
     stage_of = RECIPE_PARENTS.get(args.recipe)
     if stage_of is not None and parent is None:
         raise ConfigurationError(f"recipe {args.recipe} continues a version file made by --recipe {stage_of}: "
