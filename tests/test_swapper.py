@@ -247,6 +247,24 @@ def test_a_rollback_before_the_prepared_version_served_withdraws_it(store: Weigh
     assert swapper.check_once() is False and drafter.take() is None   # nothing offered again
 
 
+def test_a_prepared_version_a_step_took_just_before_the_rollback_is_swapped_back(store: WeightStore) -> None:
+    store.set_live(1)
+    store.set_live(3)
+    drafter = serving()
+    swapper = Swapper(LocalStore(store), drafter, FINGERPRINT)
+    assert swapper.check_once() is True
+    store.rollback(1)
+    real_withdraw = drafter.withdraw
+
+    def taken_first() -> int | None:   # the decoding thread's step wins the race for the offer
+        assert drafter.apply_pending() and drafter.version == 3
+        return real_withdraw()
+
+    drafter.withdraw = taken_first  # type: ignore[method-assign]
+    assert swapper.check_once() is True and swapper.prepared_version == 1   # the live version offered again
+    assert drafter.apply_pending() and drafter.version == 1
+
+
 def test_force_version_only_pins_and_the_swapper_thread_fetches(store: WeightStore) -> None:
     flaky = FlakySource(store, live=1)
     pinned = PinnedSource(flaky)  # type: ignore[arg-type]

@@ -172,7 +172,9 @@ class Swapper:
         withdrawn = self.drafter.withdraw()
         if withdrawn is not None:
             log.info("drafter version %s withdrawn before it served: version %s is live again", withdrawn, live)
-        self._wanted = live
+            self._wanted = live
+        else:  # a step took it meanwhile: it serves now, and the next poll brings `live` back like any change
+            self._wanted = None
 
     def _superseded(self, loaded: int) -> bool:
         """Whether the live version moved on while `loaded` was fetched and checked (an operator's
