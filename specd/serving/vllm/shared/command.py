@@ -159,6 +159,19 @@ def _has_cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _extra_vllm_args(args: argparse.Namespace, target: str) -> list[str]:
+    """The arguments after `--`, after the ones specd adds unless those name their own."""
+    extra = [a for a in args.vllm_args if a != "--"]
+    if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in extra):
+        # the name `specd serve` answers to, so one client works with both; vLLM's own (the path) too
+        extra = ["--served-model-name", args.model_name or os.path.basename(os.path.normpath(target)), target,
+                 *extra]
+    kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else (None if _has_cuda() else 2.0)
+    if kv_gib is not None:
+        extra = ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30)), *extra]
+    return extra
+
+
 def run_vllm(args: argparse.Namespace) -> int:
     from specd.model.bundled import bundled_target_dir
     from specd.model.loading import read_config
@@ -197,14 +210,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                 check_exported_drafter(target, args.drafter_dir)
         elif store is not None:
             _check_token_store(store, args.version)
-        extra = [a for a in args.vllm_args if a != "--"]
-        if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in extra):
-            # the name `specd serve` answers to, so one client works with both; vLLM's own (the path) too
-            extra = ["--served-model-name", args.model_name or os.path.basename(os.path.normpath(target)), target,
-                     *extra]
-        kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else (None if _has_cuda() else 2.0)
-        if kv_gib is not None:
-            extra = ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30)), *extra]
+        extra = _extra_vllm_args(args, target)
         drafter_dir = args.drafter_dir
         if args.route == "eagle3" and drafter_dir is None:
             # a printed command runs later, after this process: its export must not be a temporary
