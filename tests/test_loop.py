@@ -295,6 +295,26 @@ def test_versions_each_within_the_margin_of_the_last_cannot_walk_the_drafter_dow
     assert learner.promoter.held() and learner.promoter.bar_version == learner.live_version == 2
 
 
+def test_a_learner_restarted_soon_after_a_rollback_holds_for_what_is_left_of_the_hold(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from specd.learner.promotion import GATE_PASSED, Promoter
+
+    learner = learner_with_held_out_records(tmp_path)
+    store, promoter = learner.store, learner.promoter
+    second = store.publish(learner.model, FINGERPRINT, 1, {})
+    store.set_live(second, GATE_PASSED)
+
+    def restarted(hold: float) -> Promoter:   # a new learner process on the same store
+        config = replace(learner.config, hold_after_rollback_s=hold)
+        return Promoter(config, store, FINGERPRINT, torch.float32, None, learner.stats, promoter.take_weights)
+
+    assert not restarted(60).held()          # its own version live: nothing to hold
+    store.rollback(1)                        # an operator's rollback, then the learner restarts
+    assert restarted(60).held()              # the restarted learner still holds (it published over it)
+    assert not restarted(0.0).held()         # a hold that has run out holds nothing
+
+
 def test_a_rollback_while_a_candidate_is_evaluated_stands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     learner = learner_with_held_out_records(tmp_path)
     store = learner.store

@@ -40,6 +40,10 @@ AcceptLength = Callable[[DrafterModel, list[TrajectoryRecord]], float]
 TakeWeights = Callable[[DrafterModel], bool]
 
 
+INITIAL, GATE_PASSED = "initial", "gate passed"   # why the learner's own versions went live
+OWN_REASONS = (INITIAL, GATE_PASSED)   # any other reason: someone else set it (a rollback, an operator)
+
+
 def promote(store: WeightStore, version: int, verdict: dict[str, Any], seen: int | None, why: str,
             reject_lost_race: bool = True) -> dict[str, Any]:
     """Make `version` live if `verdict` passed and the live version is still `seen`; else mark it
@@ -96,7 +100,7 @@ class Promoter:
         self._last_publish = time.monotonic()
         self._steps_at_publish = 0
         self._records_at_publish = 0
-        self._hold_until = 0.0
+        self._hold_until = self._hold_left_at_start()
         self._gate_waiting = False
         self._live_copy = HeldVersion(self.load)
         self.bar_version = self.live_version
@@ -135,9 +139,9 @@ class Promoter:
         """Day 0: the untrained drafter is version 1, live while nothing else is."""
         if self.live_version is not None:
             return
-        first = self.publish(model, {"evaluation": None, "reason": "initial"})
+        first = self.publish(model, {"evaluation": None, "reason": INITIAL})
         try:
-            self.store.set_live(first, "initial", if_live=None)
+            self.store.set_live(first, INITIAL, if_live=None)
             self.live_version = self.bar_version = first
         except LiveVersionChanged:  # another learner or an operator was first: resume from theirs
             self.adopt(self.store.live_version())
@@ -156,6 +160,26 @@ class Promoter:
         if not self.take_weights(restored):
             log.warning("live version %s is another kind or shape of drafter (or drafts another vocabulary); "
                         "training goes on from the learner's own", live)
+
+    def _hold_left_at_start(self) -> float:
+        """A learner (re)started soon after someone else set the live version (an operator's rollback)
+        holds for what is left of `hold_after_rollback_s` after it: the hold was in the stopped
+        process's memory, and a restart published over the rollback 40 s after it."""
+        if self.live_version is None:
+            return 0.0
+        try:
+            manifest = self.store.manifest(self.live_version)
+        except (SpecdError, OSError, ValueError):
+            return 0.0
+        since = manifest.get("live_since")
+        if manifest.get("live_reason") in OWN_REASONS or not isinstance(since, int | float):
+            return 0.0
+        left = since + self.config.hold_after_rollback_s - time.time()
+        if left <= 0:
+            return 0.0
+        log.warning("version %s went live %.0f s ago (%s); holding publications for the %.0f s left",
+                    self.live_version, time.time() - since, manifest.get("live_reason"), left)
+        return time.monotonic() + left
 
     def held(self) -> bool:
         """Follow a live version an operator or the canary set: True while publishing is held."""
@@ -200,7 +224,7 @@ class Promoter:
                 "tokens_trained": self.stats.tokens_trained, "learner_steps": self.stats.steps,
                 "staleness": staleness}
         version = self.publish(candidate, info)
-        verdict = promote(self.store, version, verdict, seen, "gate passed")
+        verdict = promote(self.store, version, verdict, seen, GATE_PASSED)
         if verdict["passed"]:
             self.live_version = version
             if verdict.get("improved", True):
