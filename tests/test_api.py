@@ -117,6 +117,24 @@ async def test_stream_with_include_usage_ends_with_the_token_counts(client) -> N
     assert bad.status == 400 and "include_usage" in (await bad.json())["error"]["message"]
 
 
+async def test_latency_histograms_hold_time_to_first_token_apart_and_gaps_of_streamed_tokens_only(client) -> None:
+    def counts() -> tuple[float, float]:
+        metrics = api_state(client).metrics
+        first = metrics.time_to_first_token.collect()[0].samples
+        gaps = metrics.inter_token_latency.collect()[0].samples
+        return (next(x.value for x in first if x.name.endswith("_count")),
+                next(x.value for x in gaps if x.name.endswith("_count")))
+
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 9, "temperature": 0}
+    before = counts()
+    await (await client.post("/v1/completions", json=body)).json()
+    after_plain = counts()
+    assert after_plain == (before[0] + 1, before[1])   # an answer sent whole has no gaps between tokens
+    await (await client.post("/v1/completions", json={**body, "stream": True})).text()
+    # one gap per streamed token after the first, however many tokens a step emitted
+    assert counts() == (after_plain[0] + 1, after_plain[1] + 8)
+
+
 async def test_stop_string_cuts_the_text(client) -> None:
     body = {"model": "tiny", "prompt": "hey", "max_tokens": 40, "temperature": 0}
     full = (await (await client.post("/v1/completions", json=body)).json())["choices"][0]["text"]

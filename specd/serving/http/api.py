@@ -161,9 +161,10 @@ class _Stream:
             except TimeoutError:
                 continue
 
-    async def deltas(self) -> AsyncGenerator[str, None]:
-        """Yield text pieces as they are decoded; sets finish_reason at the end."""
-        last = time.perf_counter()
+    async def deltas(self, streamed: bool) -> AsyncGenerator[str, None]:
+        """Yield text pieces as they are decoded; sets finish_reason at the end. The first tokens'
+        wait is time to first token; later gaps, per token, are inter-token latency when `streamed`."""
+        last, first = time.perf_counter(), True
         while True:
             kind, value = await self._next_event()
             if kind == "error":
@@ -172,8 +173,8 @@ class _Stream:
                                kind="invalid_request_error" if failure.status < 500 else "server_error")
             if kind == "tokens":
                 now = time.perf_counter()
-                self.state.metrics.inter_token_latency.observe((now - last) / max(len(value), 1))
-                last = now
+                self.state.metrics.observe_tokens(now - last, len(value), first, streamed)
+                last, first = now, False
                 text = self._feed(value)
             else:  # done: every token was reported before, but take any the report did not carry
                 self.seq = value
@@ -254,7 +255,7 @@ async def _respond(request: web.Request, body: dict[str, Any], state: ApiState, 
     response: web.StreamResponse | None = None
     try:
         if not stream:
-            text = "".join([piece async for piece in decoder.deltas()])
+            text = "".join([piece async for piece in decoder.deltas(streamed=False)])
             state.metrics.request_latency.observe(time.perf_counter() - begin)
             return web.json_response({**base, "object": kind, "usage": usage(),
                                       "choices": [choice(text, decoder.finish_reason, False)]})
@@ -265,7 +266,7 @@ async def _respond(request: web.Request, body: dict[str, Any], state: ApiState, 
             data = payload if isinstance(payload, str) else json.dumps(payload)
             await response.write(f"data: {data}\n\n".encode())
 
-        async with contextlib.aclosing(decoder.deltas()) as pieces:
+        async with contextlib.aclosing(decoder.deltas(streamed=True)) as pieces:
             first = await anext(pieces, "")  # errors before the first token still get a JSON error
             await response.prepare(request)
             try:

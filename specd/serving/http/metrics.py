@@ -26,7 +26,8 @@ Names (the `specd_` twins of vLLM's `vllm:spec_decode_*`):
   specd_spec_decode_acceptance_rate{version,source}, specd_spec_decode_accept_length{version,source}  (gauges)
   specd_drafter_swaps_total, specd_drafter_refused_total
   specd_records_published_total, specd_records_shed_total
-  specd_request_latency_seconds, specd_inter_token_latency_seconds (histograms)
+  specd_request_latency_seconds, specd_time_to_first_token_seconds, specd_inter_token_latency_seconds
+  (histograms; inter-token: streamed requests, per token after the first)
   specd_spec_decode_domain_{draft_tokens,accepted_tokens,verification_passes,emitted_tokens}_total{version,source,domain}
   specd_background_failures_total{task}   failures of supervised background loops (threads.py)
 """
@@ -124,6 +125,9 @@ class ServingMetrics:
                                          buckets=LATENCY_BUCKETS)
         self.inter_token_latency = Histogram("specd_inter_token_latency_seconds",
                                              "time between streamed tokens", registry=r, buckets=ITL_BUCKETS)
+        self.time_to_first_token = Histogram("specd_time_to_first_token_seconds",
+                                             "time from a request's arrival to its first token", registry=r,
+                                             buckets=LATENCY_BUCKETS)
         # (version, source kind, domain) -> counts: what reports to the learner carry. Written by
         # the engine thread, read by scrapes and reports: only under `_lock`
         self.totals: dict[Key, AcceptanceCounts] = {}
@@ -195,6 +199,17 @@ class ServingMetrics:
         with self._lock:
             return {(version_label(version), source, domain): replace(counts)
                     for (version, source, domain), counts in self.totals.items()}
+
+    def observe_tokens(self, waited: float, count: int, first: bool, streamed: bool) -> None:
+        """`count` tokens arrived `waited` seconds after the request did (`first`) or after the last
+        ones. The first wait is time to first token, whatever the request; the gaps after it, once
+        per token (a step that emits three tokens streams three, a third of the wait apart), are
+        inter-token latency, for streamed requests only (a non-streamed answer has no such gaps)."""
+        if first:
+            self.time_to_first_token.observe(waited)
+        elif streamed:
+            for _ in range(count):
+                self.inter_token_latency.observe(waited / max(count, 1))
 
     def record_published(self) -> None:
         self.records_published.inc()
