@@ -44,6 +44,28 @@ INITIAL, GATE_PASSED = "initial", "gate passed"   # why the learner's own versio
 OWN_REASONS = (INITIAL, GATE_PASSED)   # any other reason: someone else set it (a rollback, an operator)
 
 
+def hold_left_at_start(store: WeightStore, live: int | None, hold_s: float) -> float:
+    """The monotonic time a learner (re)started soon after someone else set the live version (an
+    operator's rollback) holds its publications until: what is left of `hold_s` after it (the hold
+    lived in the stopped process's memory, and a restart published over a rollback 40 s after it).
+    0 when its own version is live or the hold has run out."""
+    if live is None:
+        return 0.0
+    try:
+        manifest = store.manifest(live)
+    except (SpecdError, OSError, ValueError):
+        return 0.0
+    since = manifest.get("live_since")
+    if manifest.get("live_reason") in OWN_REASONS or not isinstance(since, int | float):
+        return 0.0
+    left = since + hold_s - time.time()
+    if left <= 0:
+        return 0.0
+    log.warning("version %s went live %.0f s ago (%s); holding publications for the %.0f s left",
+                live, time.time() - since, manifest.get("live_reason"), left)
+    return time.monotonic() + left
+
+
 def promote(store: WeightStore, version: int, verdict: dict[str, Any], seen: int | None, why: str,
             reject_lost_race: bool = True) -> dict[str, Any]:
     """Make `version` live if `verdict` passed and the live version is still `seen`; else mark it
@@ -100,7 +122,7 @@ class Promoter:
         self._last_publish = time.monotonic()
         self._steps_at_publish = 0
         self._records_at_publish = 0
-        self._hold_until = self._hold_left_at_start()
+        self._hold_until = hold_left_at_start(store, self.live_version, config.hold_after_rollback_s)
         self._gate_waiting = False
         self._live_copy = HeldVersion(self.load)
         self.bar_version = self.live_version
@@ -160,26 +182,6 @@ class Promoter:
         if not self.take_weights(restored):
             log.warning("live version %s is another kind or shape of drafter (or drafts another vocabulary); "
                         "training goes on from the learner's own", live)
-
-    def _hold_left_at_start(self) -> float:
-        """A learner (re)started soon after someone else set the live version (an operator's rollback)
-        holds for what is left of `hold_after_rollback_s` after it: the hold was in the stopped
-        process's memory, and a restart published over the rollback 40 s after it."""
-        if self.live_version is None:
-            return 0.0
-        try:
-            manifest = self.store.manifest(self.live_version)
-        except (SpecdError, OSError, ValueError):
-            return 0.0
-        since = manifest.get("live_since")
-        if manifest.get("live_reason") in OWN_REASONS or not isinstance(since, int | float):
-            return 0.0
-        left = since + self.config.hold_after_rollback_s - time.time()
-        if left <= 0:
-            return 0.0
-        log.warning("version %s went live %.0f s ago (%s); holding publications for the %.0f s left",
-                    self.live_version, time.time() - since, manifest.get("live_reason"), left)
-        return time.monotonic() + left
 
     def held(self) -> bool:
         """Follow a live version an operator or the canary set: True while publishing is held."""
