@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -328,13 +329,12 @@ def test_eagle3_route_settings_and_speculative_config() -> None:
         speculative_config(3, "eagle3")
 
 
-def test_the_eagle3_route_starts_from_the_stores_live_version_else_the_shipped_drafter(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def tiny_target_with_two_versions(tmp_path: Path) -> tuple[Path, Any]:
+    """A tiny target checkpoint folder and a store holding two feature drafter versions for it."""
     from specd.hotswap.store import WeightStore
     from specd.model.loading import read_target_head
     from specd.model.target import LoadedTarget
-    from specd.serving.vllm.shared.launch import prepare_eagle3_drafter
-    from specd.testing.processes import free_port, tiny_checkpoint
+    from specd.testing.processes import tiny_checkpoint
 
     folder = tiny_checkpoint(tmp_path / "tiny")
     target = LoadedTarget.load(folder).model.float()
@@ -342,6 +342,16 @@ def test_the_eagle3_route_starts_from_the_stores_live_version_else_the_shipped_d
     store = WeightStore(tmp_path / "store")
     for seed in (0, 1):
         store.publish(drafter(target, seed), fingerprint, None, {})
+    return folder, store
+
+
+def test_the_eagle3_route_starts_from_the_stores_live_version_else_the_shipped_drafter(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from specd.model.target import LoadedTarget
+    from specd.serving.vllm.shared.launch import prepare_eagle3_drafter
+    from specd.testing.processes import free_port
+
+    folder, store = tiny_target_with_two_versions(tmp_path)
     store.set_live(2)
     export = prepare_eagle3_drafter(folder, PluginSettings(store=str(store.root)), tmp_path / "live")
     assert read_metadata(export / SPECD_CHECKPOINT)["specd_version"] == "2"
@@ -405,17 +415,8 @@ def test_the_eagle3_start_refuses_what_it_cannot_start_from_in_one_line(tmp_path
 def test_printed_commands_for_different_versions_start_from_folders_of_their_own(tmp_path: Path, capsys,
                                                                                   monkeypatch) -> None:
     from specd.cli.main import main
-    from specd.hotswap.store import WeightStore
-    from specd.model.loading import read_target_head
-    from specd.model.target import LoadedTarget
-    from specd.testing.processes import tiny_checkpoint
 
-    folder = tiny_checkpoint(tmp_path / "tiny")
-    target = LoadedTarget.load(folder).model.float()
-    fingerprint = TargetFingerprint.of(read_target_head(folder)[0], folder)
-    store = WeightStore(tmp_path / "store")
-    for seed in (0, 1):
-        store.publish(drafter(target, seed), fingerprint, None, {})
+    folder, store = tiny_target_with_two_versions(tmp_path)
     monkeypatch.setenv("SPECD_CACHE", str(tmp_path / "cache"))   # where printed commands' exports stay
 
     def printed(version: int, *flags: str) -> list[str]:
