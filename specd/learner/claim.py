@@ -31,7 +31,8 @@ class LearnerClaim:
             handle.close()
 
 
-def claim(folder: str | Path, advice: str, what: str = "learner", lock_name: str = LOCK_NAME) -> LearnerClaim:
+def claim(folder: str | Path, advice: str, what: str = "learner", lock_name: str = LOCK_NAME,
+          per: str = "store") -> LearnerClaim:
     """Hold `folder` for this learner (or another `what`, under its own `lock_name`: a pretraining run
     holds its work folder); StoreError (ending with `advice`) if another one holds it."""
     path = Path(folder) / lock_name
@@ -43,8 +44,8 @@ def claim(folder: str | Path, advice: str, what: str = "learner", lock_name: str
         handle.seek(0)
         holder = handle.read().strip() or "unknown"
         handle.close()
-        raise StoreError(f"another {what} (pid {holder}) is running on {folder}: one {what} per "
-                         f"{'store' if what == 'learner' else 'folder'}; {advice}") from None
+        raise StoreError(f"another {what} (pid {holder}) is running on {folder}: one {what} per {per}; "
+                         f"{advice}") from None
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))

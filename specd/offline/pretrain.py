@@ -224,7 +224,7 @@ def pretrain(loaded: LoadedTarget, config: PretrainConfig, work: Path, out: Path
     if parent_manifest is not None:
         config = replace(config, parent=parent_manifest["file_sha256"])
     held = claim(work, "wait for it, or give this run another --work", what="pretraining run",
-                 lock_name="pretrain.lock")
+                 lock_name="pretrain.lock", per="work folder")
     try:
         return _pretrain(loaded, config, work, out, command, from_model, parent_manifest)
     finally:
