@@ -128,6 +128,9 @@ def test_pretrain_resumes_from_its_checkpoint_without_recomputing_features(pretr
     loaded = pretrained["loaded"]
     model = load_drafter(out, loaded.fingerprint, target_embedding=loaded.model.embed.weight)
     assert isinstance(model, FeatureDrafterModel)
+    # a budget below what the folder has trained is refused: the file would hold later weights than it says
+    with pytest.raises(ConfigurationError, match="already trained 6 steps"):
+        pretrain(pretrained["loaded"], replace(TINY_PRETRAIN, steps=4), work, tmp_path / "other.safetensors", COMMAND)
 
 
 def test_pretrain_continues_a_version_file_from_its_weights_and_keeps_its_manifest_as_the_parent(

@@ -1,7 +1,8 @@
 """The pretraining loop (`specd pretrain`'s training stage) over a corpus held in memory.
 
 Contract: `Trainer(model, rows, config, work)` resumes from `work` (weights, optimiser, progress
-and, with `config.keep == "best"`, the best weights so far) and `run(corpus, held_out)` trains to
+and, with `config.keep == "best"`, the best weights so far; ConfigurationError where it has trained
+past `config.steps`) and `run(corpus, held_out)` trains to
 `config.steps` or `config.max_seconds`: each step's batch depends on the seed and the step alone
 (a resumed run trains as an unbroken one), drawn from one length bucket (`length_buckets`,
 `sample_batch`); every `eval_every` steps the held-out accept length of both sets (k =
@@ -23,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from specd.core.errors import ConfigurationError
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.learner.feature_signal import collate, feature_loss
 from specd.learner.simulation import simulated_counts
@@ -91,6 +93,11 @@ class Trainer:
         self.model.load_state_dict(load_file(str(state)), strict=True)
         self.optimizer.load_state_dict(torch.load(self.work / "optimizer.pt", weights_only=True))
         progress = json.loads((self.work / "progress.json").read_text())
+        if progress["step"] > self.config.steps:
+            # the version file would hold later weights than its settings say
+            raise ConfigurationError(f"{self.work} has already trained {progress['step']} steps, more than "
+                                     f"--steps {self.config.steps}: give --steps {progress['step']} or more, "
+                                     f"or another --work")
         self.step, self.tokens, self.seconds = progress["step"], progress["tokens"], progress["seconds"]
         self.curve = progress["curve"]
         if self.config.keep == "best" and (self.work / "best.safetensors").is_file():
