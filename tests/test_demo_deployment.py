@@ -91,6 +91,12 @@ def test_the_demo_prints_its_table_from_a_real_result(tmp_path: Path, capsys: py
     print_demo(result)  # versions are numbers: the line naming them must still print
     out = capsys.readouterr().out
     assert f"versions serving after the shift: {result['static_version']}" in out and "lossless" in out
+    # one domain: no shift to name
+    chat_only = {mode: {"chat": rows["chat"]} for mode, rows in result["summary"].items()}
+    print_demo({**result, "domains": ["chat"], "summary": chat_only,
+                "rounds": {**result["rounds"], "by_domain": {"chat": result["rounds"]["by_domain"]["chat"]}}})
+    out = capsys.readouterr().out
+    assert f"versions serving: {result['static_version']}" in out and "shift" not in out
 
 
 def test_prompts_longer_than_a_prefill_chunk_are_served_in_every_mode(tmp_path: Path) -> None:

@@ -146,11 +146,12 @@ def print_demo(result: dict[str, Any]) -> None:
         print(f"  {domain} ({figures['rounds']} rounds): " + "; ".join(cells))
     learner, swaps = result["learner"], result["swaps"]
     print(f"\nlossless (greedy outputs equal to no speculation): {result['lossless']}")
-    print(f"static = version {result['static_version']}; {swaps['applied']} swaps; versions serving after the "
-          f"shift: {', '.join(str(v) for v in swaps['versions_live_after_shift'])}")
+    shifted = len(result["domains"]) > 1  # a single-domain --traffic has no shift to speak of
+    print(f"static = version {result['static_version']}; {swaps['applied']} swaps; versions serving"
+          f"{' after the shift' if shifted else ''}: {', '.join(str(v) for v in swaps['versions_live_after_shift'])}")
     print(f"learner ({learner['arrangement']}, cores {learner.get('cores')}): {learner['steps']} steps, "
           f"{learner['tokens_trained']} tokens trained, {len(learner['published'])} versions passed the gate, "
           f"{learner.get('rejected', 0)} rejected, {learner.get('cpu_seconds')} CPU s")
     for point in result["adaptation"] or []:
         print(f"  version {point['version']:>3} ({point['status']}): after {point['records_after_shift']:>3} "
-              f"records of the new domain, held-out accept length {point['accept_length']:.2f}")
+              f"records{' of the new domain' if shifted else ''}, held-out accept length {point['accept_length']:.2f}")

@@ -14,6 +14,7 @@ gate measures) lives in `specd.learner.simulation`.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,11 @@ from specd.drafter.feature_model import FeatureDrafterModel
 from specd.learner.head_loss import head_cross_entropy, target_labels
 
 OBJECTIVES = ("kl", "accept")
+
+# Under bf16 autocast the drafter's RMSNorm gets bfloat16 input and float32 weights, so torch takes
+# its unfused path and warns on every run; the result is the same norm, so the warning says nothing
+# to a user (and printed through every progress bar of pretraining and the demo).
+warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
 
 
 @dataclass
