@@ -25,6 +25,7 @@ Names (the `specd_` twins of vLLM's `vllm:spec_decode_*`):
   specd_spec_decode_num_emitted_tokens_total{version,source}
   specd_spec_decode_acceptance_rate{version,source}, specd_spec_decode_accept_length{version,source}  (gauges)
   specd_drafter_swaps_total, specd_drafter_refused_total
+  specd_drafter_version{server}   (gauge) the version drafting now, labelled with the server id
   specd_records_published_total, specd_records_shed_total
   specd_request_latency_seconds, specd_time_to_first_token_seconds, specd_inter_token_latency_seconds
   (histograms; inter-token: streamed requests, per token after the first)
@@ -75,11 +76,20 @@ class _DerivedRates(Collector):
         yield length
         for name, help_text in (("specd_drafter_swaps", "drafter versions taken over"),
                                 ("specd_drafter_refused", "drafter versions refused by verification"),
-                                ("specd_records_shed", "trajectory records shed by a full bus")):
+                                ("specd_records_shed",
+                                 "trajectory records shed: a full bus, a broker down, left at stop")):
             source = self.metrics.sources.get(name)
             if source is not None:
                 yield CounterMetricFamily(name, help_text, value=source())
         yield from _domain_counters(self.metrics.labelled_snapshot())
+        serving = self.metrics.serving
+        if serving is not None:
+            server_id, version = serving()
+            gauge = GaugeMetricFamily("specd_drafter_version", "the drafter version this server drafts with "
+                                      "(no sample while it drafts with none)", labels=["server"])
+            if version is not None:
+                gauge.add_metric([server_id], version)
+            yield gauge
 
 
 DOMAIN_COUNTERS = (("draft_tokens", "drafts proposed", "drafts"), ("accepted_tokens", "drafts accepted", "accepted"),
@@ -121,6 +131,8 @@ class ServingMetrics:
         self.records_published = Counter("specd_records_published", "trajectory records published", registry=r)
         # counts owned by other objects (drafter, swapper, bus), read at scrape time
         self.sources: dict[str, Callable[[], float]] = {}
+        # (server id, drafter version now drafting) read at scrape time: which version each server runs
+        self.serving: Callable[[], tuple[str, int | None]] | None = None
         self.request_latency = Histogram("specd_request_latency_seconds", "request latency", registry=r,
                                          buckets=LATENCY_BUCKETS)
         self.inter_token_latency = Histogram("specd_inter_token_latency_seconds",
@@ -202,11 +214,16 @@ class ServingMetrics:
 
     def observe_tokens(self, waited: float, count: int, first: bool, streamed: bool) -> None:
         """`count` tokens arrived `waited` seconds after the request did (`first`) or after the last
-        ones. The first wait is time to first token, whatever the request; the gaps after it, once
-        per token (a step that emits three tokens streams three, a third of the wait apart), are
-        inter-token latency, for streamed requests only (a non-streamed answer has no such gaps)."""
+        ones. The first wait is time to first token, whatever the request; every token after the
+        first is one inter-token sample, for streamed requests only (a non-streamed answer has no such
+        gaps): a step that emits three tokens streams three, a third of the wait apart, and the tokens
+        that came with the first (drafts accepted in the prefill's step) came 0 s after it. So the
+        samples' mean is (request time − time to first token) / (tokens − 1), vLLM's time per output token."""
         if first:
             self.time_to_first_token.observe(waited)
+            if streamed:
+                for _ in range(count - 1):
+                    self.inter_token_latency.observe(0.0)
         elif streamed:
             for _ in range(count):
                 self.inter_token_latency.observe(waited / max(count, 1))
