@@ -8,9 +8,11 @@ sync, and records held out on rank 1 must reach rank 0's gate.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
+import time
 import uuid
 from pathlib import Path
 
@@ -21,7 +23,16 @@ import torch.multiprocessing as mp
 from specd.core.records import TrajectoryRecord
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.learner.config import LearnerConfig, LearnerStats
-from specd.learner.ranks import RankGroup, RankInfo, rank_cores, weights_digest
+from specd.learner.ranks import (
+    RANK_STALL_S,
+    RankGroup,
+    RankInfo,
+    group_status,
+    rank_cores,
+    status_path,
+    weights_digest,
+    write_status,
+)
 from specd.learner.trainer import Trainer
 from specd.testing import learnable_target
 from specd.testing.processes import free_port
@@ -194,3 +205,13 @@ def test_a_version_drafting_another_vocabulary_is_not_adopted_into_the_trainer()
     other.get_buffer("draft_ids").copy_(torch.arange(VOCAB).flip(0))  # the same shape, other ids
     assert not trainer.take_weights(other)  # its head's rows would mean other tokens than the labels'
     assert trainer.take_weights(drafter(7))
+
+
+def test_rank_0s_status_sums_every_ranks_records_and_names_a_rank_that_stopped_writing(tmp_path: Path) -> None:
+    write_status(tmp_path, RankInfo(0, 2, 0), {"records_in": 30, "tokens_trained": 900, "steps": 4})
+    write_status(tmp_path, RankInfo(1, 2, 1), {"records_in": 12, "tokens_trained": 800, "steps": 4})
+    late = status_path(tmp_path, 1)
+    late.write_text(json.dumps({**json.loads(late.read_text()), "time": time.time() - RANK_STALL_S - 5}))
+    status = group_status(tmp_path)
+    assert status["ranks_total"] == {"records_in": 42, "tokens_trained": 1700}
+    assert status["ranks_stalled"] == [1] and [r["stalled"] for r in status["ranks"]] == [False, True]

@@ -4,7 +4,8 @@ Records carry token ids only (as vLLM's servers send them), so each rank recompu
 of its own records with its copy of the tiny target. Every record must reach exactly one rank
 (each rank's spool says which it took), both ranks must hold identical weights after the same
 step, only rank 0 publishes, and a rank killed mid-run must cost no acknowledged record: torchrun
-restarts the group, which resumes from the last published version.
+restarts the group, which resumes from the last published version. A plain learner is refused on
+the group's store, and ranks whose launcher is killed outright stop rather than hold the store.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -90,7 +93,8 @@ def same_weights_after_the_same_step(store: Path) -> bool:
     if len(statuses) != 2:
         return False
     first, second = statuses
-    return bool(first["syncs"] and first["syncs"] == second["syncs"] and first["digest"] == second["digest"])
+    return bool(first.get("digest_at_sync") and first["digest_at_sync"] == second.get("digest_at_sync")
+                and first["digest"] == second["digest"])
 
 
 def test_two_ranks_share_the_records_and_hold_the_same_weights(folder, learner, broker) -> None:
@@ -124,3 +128,28 @@ def test_a_killed_rank_loses_no_acknowledged_record_and_the_group_resumes(folder
     numbers = [v["version"] for v in versions]
     assert len(numbers) == len(set(numbers))
     assert all(v["rank"] == 0 for v in versions)  # every manifest names its publisher: rank 0
+
+
+def test_a_plain_learner_is_refused_on_the_groups_store(folder, learner, broker) -> None:
+    plain = subprocess.run([sys.executable, "-m", "specd.cli.main", "learner", "--store", str(folder / "store"),
+                            "--broker", broker.url, "--deployment", DEPLOYMENT, "--client-id", "intruder",
+                            "--target", str(tiny_checkpoint(folder / "tiny")), "--port", str(free_port())],
+                           capture_output=True, text=True, timeout=300)
+    assert plain.returncode != 0
+    assert "another learner (pid" in plain.stderr and "one learner per store" in plain.stderr
+
+
+def test_ranks_stop_when_their_launcher_is_killed_outright(folder, learner, broker) -> None:
+    """Last: it kills the module's group. kill -9 reaches no child; the ranks notice and stop."""
+    ranks = [s["pid"] for s in read_statuses(folder / "store")]
+    assert len(ranks) == 2
+    learner.kill()
+
+    def gone(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        return state == "Z"
+
+    wait_for(lambda: all(gone(pid) for pid in ranks), 60, what="the ranks to stop")

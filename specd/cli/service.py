@@ -94,8 +94,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_serve)
 
 
-def _add_broker(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--broker", default=None, help="MQTT broker URL, e.g. mqtt://127.0.0.1:1883 (sidecar mode)")
+def _add_broker(p: argparse.ArgumentParser, required: bool = False) -> None:
+    # not argparse's required: its error would come before the rest of the line is checked, and
+    # `specd learner` says what it needs in its own words
+    p.add_argument("--broker", default=None, help="MQTT broker URL, e.g. mqtt://127.0.0.1:1883 "
+                   + ("(required)" if required else "(sidecar mode)"))
     p.add_argument("--deployment", default="default", help="MQTT topic namespace (default: default)")
     p.add_argument("--tls-ca", default=None, help="CA file for an mqtts:// broker (default: system CAs)")
     p.add_argument("--tls-cert", default=None, help="client certificate file for an mqtts:// broker")
@@ -156,11 +159,13 @@ def add_learner_parser(sub: argparse._SubParsersAction) -> None:
                    help="data-parallel learner ranks on this machine, started by torchrun; records are shared "
                         "among them through an MQTT shared subscription (default 1: one learner process)")
     p.add_argument("--max-restarts", type=at_least(0), default=3,
-                   help="with --ranks: times torchrun restarts the group after a rank dies (default 3)")
+                   help="with --ranks (ignored without): times torchrun restarts the group after a rank dies "
+                        "(default 3)")
     p.add_argument("--rank-status-every", type=at_least(1), default=50,
-                   help="with --ranks: steps between each rank's status file (with its weights' digest)")
+                   help="with --ranks (ignored without): steps between the digests of each rank's weights in its "
+                        "status file (default 50)")
     add_drafter_flags(p, serving=False)  # the learner trains the drafter; how far it reaches is the servers' flag
-    _add_broker(p)
+    _add_broker(p, required=True)
     p.set_defaults(run=run_learner)
 
 
@@ -184,6 +189,7 @@ def run_learner(args: argparse.Namespace) -> int:
         raise ConfigurationError("specd learner needs --broker mqtt://host:port")
     info = RankInfo.from_env()
     if info is None and args.ranks > 1:
+        _check_before_ranks(args)  # a rank that fails on these would be restarted by torchrun, to no end
         return launch_ranks(args.ranks, args.max_restarts)  # torchrun runs this same command once per rank
     options = SidecarOptions(store=args.store, mqtt=settings, client_id=args.client_id,
                              public_url=args.public_url or f"http://{args.host}:{args.port}",
@@ -206,6 +212,25 @@ def run_learner(args: argparse.Namespace) -> int:
     app = build_sidecar(options, loaded, group)
     listen(app, args.host, args.port)
     return 0
+
+
+def _check_before_ranks(args: argparse.Namespace) -> None:
+    """What would make every rank fail at start, said once: rank 0's address taken, the store or a
+    rank's folder held by a learner still running (a plain one, a leftover rank); more ranks than cores."""
+    from pathlib import Path
+
+    from specd.learner.claim import claim
+
+    check_address(args.host, args.port)
+    store = Path(args.store)
+    folders = {store, *(store / f"rank-{rank}" for rank in range(args.ranks)),
+               *(path for path in store.glob("rank-*") if path.is_dir())}
+    for folder in sorted(folders):
+        claim(folder, "stop it, or give this learner another --store",
+              per="store" if folder == store else "spool folder").release()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if args.ranks > cores:
+        log.warning("%d ranks on %d cores: ranks share cores, and each step waits for the slowest", args.ranks, cores)
 
 
 def control_token(args: argparse.Namespace) -> str | None:

@@ -16,6 +16,7 @@ Names:
   specd_learner_record_age_seconds          learner lag: mean age of the last trained batch
   specd_learner_versions_behind             learner lag: drafter versions between the batch's records and live
   specd_learner_records_missing             records servers numbered that never arrived (a sidecar's `missing`)
+  specd_learner_rank_{records_received,steps,status_age_seconds}{rank}   with ranks, on rank 0: every rank's
   specd_live_version                        the store's live version number
   specd_rollbacks_total                     versions rolled back (by an operator or the canary)
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -37,11 +38,13 @@ if TYPE_CHECKING:
 class LearnerCollector(Collector):
     def __init__(self, learner: LearnerHandle, store: WeightStore,
                  refused_before: Callable[[], Mapping[str, int]] | None = None,
-                 missing: Callable[[], int] | None = None) -> None:
+                 missing: Callable[[], int] | None = None,
+                 ranks: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         self.learner = learner
         self.store = store
         self.refused_before = refused_before
         self.missing = missing
+        self.ranks = ranks
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         stats = self.learner.stats
@@ -71,6 +74,25 @@ class LearnerCollector(Collector):
         if self.missing is not None:
             yield GaugeMetricFamily("specd_learner_records_missing",
                                     "records servers numbered that never reached the learner", value=self.missing())
+        if self.ranks is not None:
+            yield from _rank_gauges(self.ranks())
         live = self.store.live_version()
         if live is not None:
             yield GaugeMetricFamily("specd_live_version", "the store's live drafter version", value=float(live))
+
+
+RANK_GAUGES = (("records_received", "records this rank received (its spool's count)", "records_in"),
+               ("steps", "training steps this rank took part in", "steps"),
+               ("status_age_seconds", "seconds since this rank last wrote its status (grows while it is stopped)",
+                "age_s"))
+
+
+def _rank_gauges(statuses: list[dict[str, Any]]) -> Iterator[GaugeMetricFamily]:
+    """specd_learner_rank_*{rank}: rank 0's counters above are its own; these are every rank's, from
+    their status files (gauges: a file is as of its last write)."""
+    for short, help_text, key in RANK_GAUGES:
+        family = GaugeMetricFamily(f"specd_learner_rank_{short}", help_text, labels=["rank"])
+        for status in statuses:
+            if isinstance(status.get(key), int | float):
+                family.add_metric([str(status.get("rank"))], float(status[key]))
+        yield family

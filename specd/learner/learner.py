@@ -93,8 +93,7 @@ class Learner(SupervisedLoop):
         self.started_from = self.promoter.live_version
         if group is not None:
             self.promoter.origin = {"rank": group.info.rank}
-            group.figures["started_from"] = self.started_from
-            group.report()
+            group.report(started_from=self.started_from)
         self.trainer = Trainer(clone_drafter(initial).float().train(), config, target, group)
         self.model, self.objective, self.optimizer = self.trainer.model, self.trainer.objective, self.trainer.optimizer
         self.gate = Gate(config.holdout_every, config.holdout_capacity, config.gate_min_held_out, config.gate_margin,

@@ -19,8 +19,13 @@ Contract:
 - A rank whose step fails leaves the collectives: it exits (`RANK_FAILURE_EXIT`), torchrun's
   elastic agent restarts the group, and each rank resumes from the store's live version and its
   own spool (records are acknowledged only once spooled, per rank).
-- `write_status` leaves each rank's figures (steps, records, a digest of its weights at a step
-  every rank reaches) in `<store>/ranks/rank-N.json`, which rank 0's status shows.
+- `write_status` leaves each rank's figures (steps, records received and trained, a digest of its
+  weights at a step every rank reaches) in `<store>/ranks/rank-N.json`, written at syncs and every
+  `RANK_STATUS_S`, which rank 0's status shows with each file's age: a rank stopped or hung
+  (`stalled`) shows there, while the others wait at a collective for up to `COLLECTIVE_TIMEOUT_S`
+  before the group restarts.
+- A rank stops (as SIGTERM stops it) when the process that launched it is gone: a launcher killed
+  outright leaves no rank behind holding the store.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -48,6 +55,8 @@ log = logging.getLogger(__name__)
 
 RANK_FAILURE_EXIT = 75              # a rank that cannot go on: torchrun restarts the group
 COLLECTIVE_TIMEOUT_S = 300.0        # a peer that died mid-collective is noticed within this
+RANK_STATUS_S = 5.0                 # each rank's status file is written this often besides its syncs
+RANK_STALL_S = 30.0                 # a status file older than this: its rank's process is not running
 
 
 @dataclass(frozen=True)
@@ -80,11 +89,12 @@ def rank_cores(local_rank: int, local_world: int, available: list[int], per_rank
 class RankGroup:
     def __init__(self, info: RankInfo, backend: str = "gloo", pin_cores: bool = True,
                  cores_per_rank: int | None = None, status_folder: str | Path | None = None,
-                 status_every: int = 50) -> None:
+                 status_every: int = 50, watch_parent: bool = True) -> None:
         self.info = info
         self.status_folder, self.status_every = status_folder, max(status_every, 1)
         self.syncs = 0                    # the same count on every rank
         self.figures: dict[str, Any] = {}  # what this rank's status file shows besides the sync figures
+        self._report_lock = threading.Lock()
         if pin_cores and hasattr(os, "sched_setaffinity"):
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
             cores = rank_cores(info.local_rank, local_world, sorted(os.sched_getaffinity(0)), cores_per_rank)
@@ -95,6 +105,8 @@ class RankGroup:
             dist.init_process_group(backend, store=_store_of(info, timeout), rank=info.rank,
                                     world_size=info.world_size, timeout=timeout)
         self._weights_epoch = 0           # rank 0's adoptions seen, the same count on every rank
+        if watch_parent:
+            _stop_with_parent(info.rank)
 
     @property
     def is_root(self) -> bool:
@@ -130,21 +142,59 @@ class RankGroup:
             return []
         return [record for part in gathered for record in (part or [])]
 
-    def report(self, model: torch.nn.Module | None = None, stats: Any = None) -> None:
-        """Write this rank's status (when it has a folder): its figures, and at a sync its weights' digest."""
-        if self.status_folder is None:
-            return
-        figures: dict[str, Any] = {"syncs": self.syncs, **self.figures}
-        if model is not None:
-            figures["digest"] = weights_digest(model)
-        if stats is not None:
-            figures.update(steps=stats.steps, tokens_trained=stats.tokens_trained,
-                           records_trained=stats.records_trained)
-        write_status(self.status_folder, self.info, figures)
+    def report(self, model: torch.nn.Module | None = None, stats: Any = None, **figures: Any) -> None:
+        """Write this rank's status (when it has a folder): its figures (kept: a later report without
+        them repeats the last), and at a sync its weights' digest. From the learner's thread at syncs
+        and from the sidecar's loop every `RANK_STATUS_S` (so a rank that hangs shows by its age)."""
+        with self._report_lock:
+            self.figures.update(figures, syncs=self.syncs)
+            if model is not None:
+                self.figures.update(digest=weights_digest(model), digest_at_sync=self.syncs)
+            if stats is not None:
+                self.figures.update(steps=stats.steps, tokens_trained=stats.tokens_trained,
+                                    records_trained=stats.records_trained)
+            if self.status_folder is not None:
+                write_status(self.status_folder, self.info, self.figures)
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _parent_gone(parent: int) -> bool:
+    if os.getppid() != parent:
+        return True  # adopted by init or a subreaper
+    try:  # a killed parent no one has reaped yet is a zombie, which kill(pid, 0) still finds
+        state = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no such process (where /proc exists), or a system without /proc
+        return Path("/proc/self").exists() or not _pid_exists(parent)
+    return state in ("Z", "X")
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stop_with_parent(rank: int, poll_s: float = 1.0, grace_s: float = 30.0) -> None:
+    """A rank whose launcher was killed outright (kill -9 reaches no child) stops as SIGTERM stops it,
+    and exits regardless after `grace_s`; otherwise it would hold its store and port for good."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not _parent_gone(parent):
+            time.sleep(poll_s)
+        log.warning("rank %d: its launcher (pid %d) is gone; stopping", rank, parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(RANK_FAILURE_EXIT)
+
+    threading.Thread(target=watch, name="specd-parent-watch", daemon=True).start()
 
 
 def launch_ranks(ranks: int, max_restarts: int) -> int:
@@ -164,8 +214,13 @@ def launch_ranks(ranks: int, max_restarts: int) -> int:
     except SignalException:
         return 0
     except ChildFailedError as error:
-        raise SpecdError(f"the learner ranks failed {max_restarts + 1} times; the last failure: "
-                         f"{error.get_first_failure()[1].message}") from None
+        rank, failure = error.get_first_failure()
+        tries = max_restarts + 1
+        # torchrun's message is its advice on tracebacks unless the rank died of a signal
+        cause = (failure.message if failure.message and not failure.message.startswith("To enable traceback")
+                 else f"exit code {failure.exitcode}")
+        raise SpecdError(f"the learner ranks failed {tries} time{'s' if tries > 1 else ''}; the last failure: "
+                         f"rank {rank}, {cause} (its error is logged above)") from None
     return 0
 
 
@@ -178,8 +233,13 @@ def leave_group_on_failure(group: RankGroup | None) -> Iterator[None]:
         return
     try:
         yield
-    except Exception:
-        log.exception("rank %d failed a step; leaving the group for torchrun to restart it", group.info.rank)
+    except Exception as error:
+        if isinstance(error, dist.DistError) or "gloo" in str(error).lower():
+            # a peer that died or hung: expected now and then, and its traceback says nothing more
+            log.error("rank %d: a collective failed (%s: %s); leaving the group for torchrun to restart it",
+                      group.info.rank, type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
+        else:
+            log.exception("rank %d failed a step; leaving the group for torchrun to restart it", group.info.rank)
         logging.shutdown()
         os._exit(RANK_FAILURE_EXIT)
 
@@ -219,11 +279,24 @@ def write_status(store: str | Path, info: RankInfo, figures: dict[str, Any]) -> 
 
 
 def read_statuses(store: str | Path) -> list[dict[str, Any]]:
-    """Every rank's last figures, by rank (a file being replaced or unreadable is left out)."""
+    """Every rank's last figures, by rank (a file being replaced or unreadable is left out), each with
+    `age_s`, the seconds since it was written, and `stalled` when that is past `RANK_STALL_S`."""
     found = []
+    now = time.time()
     for path in sorted((Path(store) / "ranks").glob("rank-*.json")):
         try:
-            found.append(json.loads(path.read_text()))
+            status = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        age = round(now - float(status.get("time", now)), 1)
+        found.append({**status, "age_s": age, "stalled": age > RANK_STALL_S})
     return sorted(found, key=lambda s: s.get("rank", 0))
+
+
+def group_status(store: str | Path) -> dict[str, Any]:
+    """What rank 0's status adds (the rest is its own): every rank's figures, their sums, the ranks stalled."""
+    ranks = read_statuses(store)
+    return {"ranks": ranks,
+            # steps are taken together (one step is every rank's), so they are not summed
+            "ranks_total": {key: sum(int(r.get(key) or 0) for r in ranks) for key in ("records_in", "tokens_trained")},
+            "ranks_stalled": [r["rank"] for r in ranks if r["stalled"]]}

@@ -24,7 +24,10 @@ The subscriber and the announcer are supervised: a failure is logged, counted un
 With data-parallel ranks (`specd learner --ranks N`, under torchrun; `specd.learner.ranks`) every
 rank is a sidecar of its own: its spool under `<store>/rank-N/`, its own MQTT session
 (`<client id>-rankN`) in the shared subscription `$share/<client id>/...` for records. Rank 0
-alone takes the reports, announces, and serves HTTP; its `/v1/status` lists every rank's status. `/metrics` exposes the
+alone takes the reports, announces, and serves HTTP; its `/v1/status` lists every rank's status.
+Rank 0 also holds the store's own claim, so a plain learner and a group never run on one store; a
+plain learner, or rank 0, takes over the spools and MQTT sessions of learners that will not run on
+the store again (a group with fewer ranks, ranks after a plain learner: `takeover.py`). `/metrics` exposes the
 learner's counters and lag, the store's live version and rollbacks (`collector.py`) and the
 background failures. `POST /v1/live` of a candidate version goes through the learner's gate first
 (`Learner.submit`), judged on a worker of its own.
@@ -33,6 +36,7 @@ background failures. `POST /v1/live` of a candidate version goes through the lea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -57,8 +61,9 @@ from specd.learner.config import LearnerConfig
 from specd.learner.intake import note_refusal
 from specd.learner.learner import Learner
 from specd.learner.memory import memory_breakdown
-from specd.learner.ranks import RankGroup, read_statuses
+from specd.learner.ranks import RANK_STATUS_S, RankGroup, group_status, read_statuses
 from specd.learner.spool import SPOOL_INDEX, RecordSpool, SpoolConfig
+from specd.learner.takeover import LeftBehind, left_behind, mark_session
 from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus
 from specd.transport.mqtt import MqttSettings, announce, subscribe_forever
@@ -100,9 +105,15 @@ class Sidecar:
                                embedding, target=loaded.model, group=group)
         spool_folder = Path(options.store) / (f"rank-{group.info.rank}" if group is not None else "")
         self.claim = claim(spool_folder, "stop it, or give this learner another --store")
+        # rank 0 holds the store as a lone learner does: a plain learner and a group never share one
+        self.store_claim = (claim(options.store, "stop it, or give this learner another --store")
+                            if group is not None and group.is_root else None)
+        session = self._session_id()
+        mark_session(spool_folder, session[0], session[1])
         self.spool = RecordSpool(spool_folder, options.spool, self._records_of_use)
         for record in self.spool.load():  # what the learner had received, for its buffers again
             self.bus.publish(record)
+        self.left_behind = self._take_over() if group is None or group.is_root else None
         self._announced: int | None = None
         self._announced_at = -REANNOUNCE_S
         self._changed = asyncio.Event()
@@ -111,8 +122,33 @@ class Sidecar:
         self.registry = CollectorRegistry()  # the learner's /metrics: its counters, lag and background failures
         gaps = self.gaps
         self.registry.register(LearnerCollector(self.learner, self.store, lambda: dict(self.refused_messages),
-                                                missing=None if gaps is None else lambda: gaps.missing))
+                                                missing=None if gaps is None else lambda: gaps.missing,
+                                                ranks=None if group is None else lambda: read_statuses(options.store)))
         self.registry.register(BackgroundCollector(self.health))
+
+    def _session_id(self) -> tuple[str, str | None]:
+        """(MQTT client id, shared group) of this learner's session."""
+        if self.group is None:
+            return self.options.client_id, None
+        return f"{self.options.client_id}-rank{self.group.info.rank}", self.options.client_id
+
+    def _take_over(self) -> LeftBehind:
+        """The spools of learners that will not run on this store again, into this one's (`takeover.py`)."""
+        store = Path(self.options.store)
+        left = LeftBehind(store, self.options.spool, self._records_of_use)
+        for folder in left_behind(store, None if self.group is None else self.group.info.world_size):
+            for record in left.take(folder, self.options.client_id, self.store_claim):
+                if self.spool.add(record):
+                    self.bus.publish({**record, SPOOL_INDEX: self.spool.records_in})
+        return left
+
+    def release(self) -> None:
+        """Give up this learner's claims on its folders (as a stopped process does)."""
+        if self.left_behind is not None:
+            self.left_behind.release()
+        for held in (self.claim, self.store_claim):
+            if held is not None:
+                held.release()
 
     def _records_of_use(self) -> int:
         """Records a restarted learner can still use: its buffers' capacity (the held-out set fills
@@ -140,7 +176,7 @@ class Sidecar:
                 "learner": self.learner.health(),
                 "memory": memory_breakdown(self.learner, self.bus.backlog),
                 "background": self.health.snapshot(),
-                **({"ranks": read_statuses(self.options.store)} if self.group is not None else {})}
+                **(group_status(self.options.store) if self.group is not None else {})}
 
     def _note_sequence(self, message: dict[str, object]) -> None:
         if self.gaps is not None:
@@ -154,11 +190,16 @@ class Sidecar:
 
     def subscriber(self, stop: asyncio.Event) -> Awaitable[None]:
         """The records (and, alone or on rank 0, the reports) subscription, supervised by the caller."""
-        options, group = self.options, self.group
-        if group is None:
-            return subscribe_forever(options.mqtt, options.client_id, self.handle, stop, self.health)
-        return subscribe_forever(options.mqtt, f"{options.client_id}-rank{group.info.rank}", self.handle, stop,
-                                 self.health, share_group=options.client_id, reports=group.is_root)
+        return self._subscribe(stop)
+
+    async def _subscribe(self, stop: asyncio.Event) -> None:
+        # first the sessions of learners that will not run again: before this learner's own records,
+        # so that nothing else adds to the spool meanwhile (its compaction runs on another thread)
+        if self.left_behind is not None and self.left_behind.taken:
+            await self.left_behind.end_sessions(self.options.mqtt, self.handle)
+        client_id, share_group = self._session_id()
+        await subscribe_forever(self.options.mqtt, client_id, self.handle, stop, self.health,
+                                share_group=share_group, reports=self.group is None or self.group.is_root)
 
     async def handle(self, topic: str, payload: bytes) -> None:
         # whatever a message holds, it is refused and counted here, never raised: a message that
@@ -225,6 +266,17 @@ def _plain(value: object) -> object:
     return value if value is None or isinstance(value, str | int | float | dict | list) else str(value)
 
 
+async def report_rank_status(sidecar: Sidecar, stop: asyncio.Event) -> None:
+    """A rank's status file every RANK_STATUS_S, with what it has received: also while it waits."""
+    assert sidecar.group is not None
+    while not stop.is_set():
+        stats = sidecar.learner.stats
+        sidecar.group.report(records_in=sidecar.spool.records_in, records_waiting=sidecar.bus.backlog,
+                             steps=stats.steps, tokens_trained=stats.tokens_trained)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), RANK_STATUS_S)
+
+
 def build_sidecar(options: SidecarOptions, loaded: LoadedTarget, group: RankGroup | None = None) -> web.Application:
     sidecar = Sidecar(options, loaded, group)
     app = web.Application()
@@ -247,6 +299,8 @@ def build_sidecar(options: SidecarOptions, loaded: LoadedTarget, group: RankGrou
                                      name="specd-subscriber"),
                  asyncio.create_task(supervise(ANNOUNCER_TASK, lambda: sidecar.announcer(stop), health, stop),
                                      name="specd-announcer")]
+        if sidecar.group is not None:
+            tasks.append(asyncio.create_task(report_rank_status(sidecar, stop), name="specd-rank-status"))
         sidecar.learner.start()
         yield
         stop.set()
@@ -255,7 +309,7 @@ def build_sidecar(options: SidecarOptions, loaded: LoadedTarget, group: RankGrou
         await asyncio.gather(*tasks, return_exceptions=True)  # no append may race the spool's close
         sidecar.learner.stop()
         sidecar.spool.close()
-        sidecar.claim.release()
+        sidecar.release()
 
     app.cleanup_ctx.append(lifecycle)
     return app
@@ -272,10 +326,11 @@ async def run_rank(options: SidecarOptions, loaded: LoadedTarget, group: RankGro
         loop.add_signal_handler(signum, stop.set)
     subscriber = asyncio.create_task(supervise(SUBSCRIBER_LOOP, lambda: sidecar.subscriber(stop), sidecar.health,
                                                stop), name="specd-subscriber")
+    reporter = asyncio.create_task(report_rank_status(sidecar, stop), name="specd-rank-status")
     sidecar.learner.start()
     await stop.wait()
     subscriber.cancel()
-    await asyncio.gather(subscriber, return_exceptions=True)
+    await asyncio.gather(subscriber, reporter, return_exceptions=True)
     sidecar.learner.stop()
     sidecar.spool.close()
-    sidecar.claim.release()
+    sidecar.release()

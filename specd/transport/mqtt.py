@@ -29,6 +29,8 @@ Contract:
   subscription `$share/<group>/specd/D/records/+`: the broker gives each record to one member
   of the group, and a member's unacknowledged records wait in its session for its return.
   `reports=False` leaves the acceptance reports to another subscriber (rank 0).
+- `retire_session` takes what a session of a learner that will not run again still holds and
+  ends the session, so the broker stops queuing records for it.
 - Username/password and TLS (a CA file, optional client certificate) pass straight through.
 """
 
@@ -91,19 +93,20 @@ class MqttSettings:
         return f"specd/{self.deployment}/{kind}" + (f"/{server}" if server else "")
 
     def client(self, identifier: str | None = None, clean_session: bool | None = None,
-               persistent_v5: bool = False) -> aiomqtt.Client:
+               persistent_v5: bool = False, end_v5: bool = False) -> aiomqtt.Client:
         """A client; `persistent_v5`: MQTT v5, resuming a session that never expires (what a
-        shared subscription's member needs to find its unacknowledged messages again)."""
+        shared subscription's member needs to find its unacknowledged messages again); `end_v5`:
+        MQTT v5 with a clean start and no expiry, which ends such a session when it disconnects."""
         context = None
         if self.tls_ca is not None:
             context = ssl.create_default_context(cafile=None if self.tls_ca == "system" else self.tls_ca)
             if self.tls_cert:
                 context.load_cert_chain(self.tls_cert, self.tls_key)
-        if persistent_v5:
+        if persistent_v5 or end_v5:
             properties = Properties(PacketTypes.CONNECT)
-            properties.SessionExpiryInterval = 0xFFFFFFFF
+            properties.SessionExpiryInterval = 0 if end_v5 else 0xFFFFFFFF
             return aiomqtt.Client(self.host, self.port, username=self.username, password=self.password,
-                                  identifier=identifier, protocol=aiomqtt.ProtocolVersion.V5, clean_start=False,
+                                  identifier=identifier, protocol=aiomqtt.ProtocolVersion.V5, clean_start=end_v5,
                                   properties=properties, tls_context=context, timeout=5)
         return aiomqtt.Client(self.host, self.port, username=self.username, password=self.password,
                               identifier=identifier, clean_session=clean_session, tls_context=context,
@@ -316,6 +319,40 @@ async def subscribe_forever(settings: MqttSettings, client_id: str,
         if not stop.is_set():
             await asyncio.sleep(backoff(attempt))
             attempt += 1
+
+
+async def retire_session(settings: MqttSettings, client_id: str, share_group: str | None,
+                         handle: Callable[[str, bytes], Awaitable[None]], quiet_s: float = 2.0) -> int:
+    """End the persistent session of a learner that will not run again (`learner/takeover.py`):
+    resume it, take what the broker still queued for it through `handle` (acknowledged after, as
+    `subscribe_forever` does) until `quiet_s` pass without a message, unsubscribe it so nothing more
+    is queued for it, and end it. Returns how many messages it took."""
+    records, reports = settings.topic("records") + "/+", settings.topic("reports") + "/+"
+    client = settings.client(identifier=client_id, clean_session=False, persistent_v5=share_group is not None)
+    client._client.manual_ack_set(True)
+    taken = 0
+
+    async def take_until_quiet() -> None:
+        nonlocal taken
+        messages = aiter(client.messages)
+        while True:
+            try:
+                async with asyncio.timeout(quiet_s):
+                    message = await anext(messages)
+            except TimeoutError:
+                return
+            await handle(str(message.topic), bytes(message.payload))
+            client._client.ack(message.mid, message.qos)
+            taken += 1
+
+    async with client:
+        await take_until_quiet()
+        await client.unsubscribe([records if share_group is None else f"$share/{share_group}/{records}", reports])
+        await take_until_quiet()  # what reached the session before the broker took the unsubscription
+    # a clean start discards the session; with no expiry (v5) or clean_session (3.1.1) none is kept after
+    async with settings.client(identifier=client_id, clean_session=True, end_v5=share_group is not None):
+        pass
+    return taken
 
 
 async def announce(settings: MqttSettings, payload: dict[str, Any]) -> None:
