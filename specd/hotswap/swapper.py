@@ -116,13 +116,18 @@ class Swapper:
     @staticmethod
     def idle_report() -> dict[str, Any]:
         """`report`'s fields before a swapper exists (a worker not started yet)."""
-        return {"prepared_version": None, "refused_versions": {}, "retrying_versions": {}, "fetch_failures": 0}
+        return Swapper.report_of(None, {}, {}, 0)
 
     def report(self) -> dict[str, Any]:
         """What a server's status shows of its swaps: the version handed over, the versions refused and
         why, a version whose fetch keeps failing (a pin to one not yet published) and its tries."""
-        return {"prepared_version": self.prepared_version, "refused_versions": dict(self.refused),
-                "retrying_versions": dict(self.retrying), "fetch_failures": self.fetch_failures}
+        return self.report_of(self.prepared_version, self.refused, self.retrying, self.fetch_failures)
+
+    @staticmethod
+    def report_of(prepared: int | None, refused: dict[int, str], retrying: dict[int, int],
+                  failures: int) -> dict[str, Any]:
+        return {"prepared_version": prepared, "refused_versions": dict(refused),
+                "retrying_versions": dict(retrying), "fetch_failures": failures}
 
     def check_once(self) -> bool:
         """Prepare the live version if it is new; True when a model was handed to the drafter."""
