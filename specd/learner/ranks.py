@@ -236,8 +236,9 @@ def leave_group_on_failure(group: RankGroup | None) -> Iterator[None]:
     except Exception as error:
         if isinstance(error, dist.DistError) or "gloo" in str(error).lower():
             # a peer that died or hung: expected now and then, and its traceback says nothing more
+            first = (str(error).splitlines() or [""])[0].split(". ")[0]  # gloo's first sentence names the cause
             log.error("rank %d: a collective failed (%s: %s); leaving the group for torchrun to restart it",
-                      group.info.rank, type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
+                      group.info.rank, type(error).__name__, first[:300])
         else:
             log.exception("rank %d failed a step; leaving the group for torchrun to restart it", group.info.rank)
         logging.shutdown()

@@ -119,7 +119,8 @@ class LeftBehind:
                             "the next start tries again", client_id, error)
                 continue
             if taken:
-                log.warning("took %d messages the broker still held for %s", taken, client_id)
+                log.warning("took %d messages (records and acceptance reports) the broker still held for %s",
+                            taken, client_id)
             (folder / SESSION_FILE).unlink(missing_ok=True)
             if folder != self.store:
                 if held is not None:
