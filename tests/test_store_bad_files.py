@@ -273,3 +273,19 @@ def test_store_commands_help_says_what_each_argument_does() -> None:
     assert "earlier or later" in helps["rollback"]["version"]
     rollback = next(c for c in sub._choices_actions if c.dest == "rollback")  # type: ignore[attr-defined]
     assert "earlier version live again" not in rollback.help
+
+
+def test_a_version_the_full_disk_cannot_hold_is_refused_naming_the_store_and_leaves_nothing(
+        store: WeightStore, monkeypatch) -> None:
+    import specd.hotswap.store as store_module
+
+    before = store.versions()
+
+    def full(*args, **kwargs) -> None:
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(store_module, "save_drafter", full)
+    with pytest.raises(StoreError, match=f"cannot write version {before[-1] + 1} to the store {store.root}"):
+        publish(store, 9)
+    assert store.versions() == before
+    assert [p.name for p in (store.root / "versions").iterdir() if p.name.startswith(".")] == []  # no staging left

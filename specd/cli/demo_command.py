@@ -13,6 +13,7 @@ from typing import Any
 from specd.cli.service import add_drafter_flags, drafter_spec
 from specd.core.arguments import at_least, fraction
 from specd.core.errors import ConfigurationError
+from specd.core.files import write_text_atomic
 from specd.drafter.factory import DrafterSpec
 from specd.model.target import LoadedTarget
 
@@ -121,7 +122,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     settings = {name: value for name, value in vars(args).items() if name != "run"}
     result = {"provenance": {**provenance(at_start, started, settings), "seconds": round(time.time() - started, 1)},
               **result}
-    Path(args.json_out).write_text(json.dumps(result, indent=2))
+    write_text_atomic(args.json_out, json.dumps(result, indent=2))  # a full disk leaves no truncated JSON
     plot(result, Path(args.plot_out))
     print_demo(result)
     print(f"wrote {args.json_out} and {args.plot_out}")

@@ -6,7 +6,8 @@ error: ...`); a traceback is never the answer to bad input. `--json` output is o
 stdout. Ctrl+C ends a command with status 130 and one line, from the first moment (the
 subcommands' modules, which import torch, load inside `main`), and SIGTERM the same way with status
 143 (servers drain first, by their own handlers); a reader that goes away (`specd
-versions | head`) ends it with status 141 and no word.
+versions | head`) ends it with status 141 and no word. A full disk (`core.errors.out_of_space`) is
+said in one line, status 2.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 import sys
 import threading
 
-from specd.core.errors import SpecdError
+from specd.core.errors import SpecdError, out_of_space
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         # must not fail again on the closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception as error:
+        if not out_of_space(error):
+            raise
+        # a full disk is the machine's state, not a bug: say where, in one line
+        print(f"specd: error: no space left on the device: {str(error).splitlines()[0][:300]}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -112,3 +112,22 @@ class TransportError(SpecdError):
 class ConfigurationError(SpecdError, ValueError):
     kind = "configuration_error"
     http_status = 400
+
+
+_OUT_OF_SPACE_TEXT = ("No space left on device", "os error 28", "database or disk is full", "Disk quota exceeded")
+
+
+def out_of_space(error: BaseException) -> bool:
+    """Whether `error` (or what it was raised from) is a full disk: an OSError with ENOSPC or
+    EDQUOT, or the same from libraries that wrap it in their own exception (safetensors' writer,
+    SQLite), which only their text says."""
+    import errno
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(seen) for text in _OUT_OF_SPACE_TEXT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

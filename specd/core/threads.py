@@ -86,6 +86,13 @@ class BackgroundHealth:
         with self._lock:
             return {name: asdict(task) for name, task in self._tasks.items()}
 
+    def failing(self, within_s: float = 60.0) -> list[str]:
+        """The tasks that failed within the last `within_s` seconds (what a health probe should flag)."""
+        now = time.time()
+        with self._lock:
+            return sorted(name for name, task in self._tasks.items()
+                          if task.last_failure_time is not None and now - task.last_failure_time <= within_s)
+
 
 def _this_attempt(attempt: int, started: float, max_delay: float) -> int:
     # a body that ran well past the longest backoff was healthy: its failure starts the backoff anew

@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from specd.core.errors import BadRequest, TransportError
+from specd.core.errors import BadRequest, TransportError, out_of_space
 from specd.core.http_requests import json_object
 from specd.hotswap.integrity import check_digest, sha256_file
 
@@ -138,6 +138,9 @@ class RemoteSource:
                             handle.write(chunk)
                             received += len(chunk)
                 except (OSError, http.client.HTTPException) as error:  # IncompleteRead is not an OSError
+                    if out_of_space(error):  # this server's cache is full, not the learner's disk
+                        raise TransportError(f"cannot store {url} in this server's cache {self.cache}: "
+                                             f"no space left on its device") from None
                     raise TransportError(f"cannot fetch {url}: {error}") from None
                 # read(n) ends quietly at a connection closed early: only the length tells a cut body
                 if promised is not None and promised.isdigit() and received != int(promised):

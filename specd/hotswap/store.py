@@ -47,7 +47,8 @@ from typing import Any
 
 import torch
 
-from specd.core.errors import StoreError, VersionNotFound
+from specd.core.errors import StoreError, VersionNotFound, out_of_space
+from specd.core.files import write_text_atomic
 from specd.drafter.checkpoint import DrafterModel, save_drafter
 from specd.hotswap.integrity import check_file, sha256_file
 from specd.model.fingerprint import TargetFingerprint
@@ -73,12 +74,7 @@ ANY_LIVE = _AnyLive()
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle, indent=2)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2), fsync=True)  # a failed write leaves no temporary file
 
 
 def _read_json(path: Path) -> Any:
@@ -197,6 +193,11 @@ class WeightStore:
                         "history": [], **info}
             _write_json_atomic(staging / "manifest.json", manifest)
             os.rename(staging, self.version_dir(version))
+        except Exception as error:
+            if out_of_space(error):  # say which store is full (safetensors' own error names no file)
+                raise StoreError(f"cannot write version {version} to the store {self.root}: no space left on "
+                                 f"its device") from error
+            raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return version

@@ -225,6 +225,7 @@ class Promoter:
         info = {"evaluation": verdict, "records_trained": self.stats.records_trained,
                 "tokens_trained": self.stats.tokens_trained, "learner_steps": self.stats.steps,
                 "staleness": staleness}
+        self.store.gc()  # first too: on a full disk, what gc frees is what the new version needs
         version = self.publish(candidate, info)
         verdict = promote(self.store, version, verdict, seen, GATE_PASSED)
         if verdict["passed"]:

@@ -176,6 +176,7 @@ class Sidecar:
                 "learner": self.learner.health(),
                 "memory": memory_breakdown(self.learner, self.bus.backlog),
                 "background": self.health.snapshot(),
+                "failing": self.health.failing(),  # background tasks that failed in the last minute
                 **(group_status(self.options.store) if self.group is not None else {})}
 
     def _note_sequence(self, message: dict[str, object]) -> None:

@@ -37,7 +37,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specd.core.errors import SpecdError, out_of_space
+
 log = logging.getLogger(__name__)
+
+
+class SpoolFull(SpecdError):
+    """The spool's disk is full: the record was not stored (and must not be acknowledged)."""
+
+    kind = "spool_full"
+    http_status = 507
 
 DATABASE = "spool.sqlite3"
 SPOOL_INDEX = "_spool_index"  # a record's number n, beside its fields on the learner's bus
@@ -132,8 +141,12 @@ class RecordSpool:
                     db.execute("INSERT INTO records (n, record_id, body, bytes) VALUES (?, ?, ?, ?)",
                                (self.records_in + 1, record_id, body, len(body)))
                 db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
+            except BaseException as error:
+                if db.in_transaction:  # a failed COMMIT (a full disk) may have ended it already
+                    db.execute("ROLLBACK")
+                if isinstance(error, sqlite3.OperationalError) and out_of_space(error):
+                    raise SpoolFull(f"the spool {self.path} cannot store a record: {error} (the record stays "
+                                    f"with the broker, unacknowledged, and comes again once there is room)") from error
                 raise
         if not taken:
             self.duplicates += 1

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any, Protocol, Self
 
+from specd.core.errors import out_of_space
 from specd.core.threads import lower_thread_priority
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,11 @@ class SupervisedLoop:
             except Exception as error:  # a bug here must not take serving down with it, nor pass unseen
                 self._failures.loop_failures += 1
                 self._failures.last_failure = {"error": f"{type(error).__name__}: {error}", "time": time.time()}
-                log.exception("%s failed (%d failures so far); retrying in %.0f s",
-                              self._name, self._failures.loop_failures, self._backoff_s)
+                if out_of_space(error):  # the machine's state, not a bug: one line, no traceback
+                    log.error("%s cannot write (no space left on the device: %s; %d failures so far); "
+                              "retrying in %.0f s", self._name, str(error).splitlines()[0][:300],
+                              self._failures.loop_failures, self._backoff_s)
+                else:
+                    log.exception("%s failed (%d failures so far); retrying in %.0f s",
+                                  self._name, self._failures.loop_failures, self._backoff_s)
                 self._stop.wait(self._backoff_s)

@@ -204,7 +204,9 @@ def _status(options: ServeOptions, wiring: Wiring, worker: EngineWorker) -> Call
                 "requests_queued": worker.queued, "records_published": worker.num_records_published,
                 "records_delivered": counters.delivered, "records_shed": counters.shed,
                 "broker_connected": publisher.connected.is_set() if publisher else None,
-                "learner_steps": steps, "background": wiring.health.snapshot()}
+                "learner_steps": steps, "background": wiring.health.snapshot(),
+                "failing": wiring.health.failing(),  # background tasks that failed in the last minute
+                **({"learner": learner.health()} if learner is not None else {})}
     return status
 
 

@@ -24,10 +24,12 @@ Contract:
   otherwise acknowledge on receipt, before the learner has stored it, and a learner killed in
   between would lose a message the broker no longer holds. When `handle` raises, the message is
   not acknowledged: the failure is counted under `mqtt-subscriber`, the session reconnects and
-  the broker delivers the message again. With `share_group` (data-parallel learner ranks) it
-  speaks MQTT v5 with a session that never expires and takes records through the shared
-  subscription `$share/<group>/specd/D/records/+`: the broker gives each record to one member
-  of the group, and a member's unacknowledged records wait in its session for its return.
+  the broker delivers the message again, with a backoff that keeps growing until no failure came
+  for `BACKOFF_RESET_S`; the same failure again (a full spool) is counted, not logged again.
+  With `share_group` (data-parallel learner ranks) it speaks MQTT v5 with a session that never
+  expires and takes records through the shared subscription `$share/<group>/specd/D/records/+`:
+  the broker gives each record to one member of the group, and a member's unacknowledged records
+  wait in its session for its return.
   `reports=False` leaves the acceptance reports to another subscriber (rank 0).
 - `retire_session` takes what a session of a learner that will not run again still holds and
   ends the session, so the broker stops queuing records for it.
@@ -53,7 +55,7 @@ import aiomqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from specd.core.errors import ConfigurationError
+from specd.core.errors import ConfigurationError, SpecdError
 from specd.core.threads import BackgroundHealth, backoff_delay, supervised_thread
 from specd.transport.bus import BusCounters
 from specd.transport.sequence import SequenceStamp
@@ -114,6 +116,7 @@ class MqttSettings:
 
 
 backoff = backoff_delay  # jittered exponential backoff, shared with every supervised loop
+BACKOFF_RESET_S = 30.0   # the subscriber's backoff starts anew only after this long without a failure
 
 
 @dataclass(eq=False)
@@ -293,6 +296,7 @@ async def subscribe_forever(settings: MqttSettings, client_id: str,
     health = health or BackgroundHealth()
     health.register(SUBSCRIBER_TASK)
     attempt = 0
+    failed_at, said = -BACKOFF_RESET_S, ""   # the last failure: when, and what was logged of it
     while not stop.is_set():
         try:
             client = settings.client(identifier=client_id, clean_session=False,
@@ -307,15 +311,24 @@ async def subscribe_forever(settings: MqttSettings, client_id: str,
                 async for message in client.messages:
                     await handle(str(message.topic), bytes(message.payload))
                     client._client.ack(message.mid, message.qos)
-                    # reset only once a message went through: a message whose handling fails each
-                    # time it comes back must meet a growing backoff, not a reconnect per second
-                    attempt = 0
+                    # reset only once messages went through for a while: a message whose handling
+                    # fails each time it comes back must meet a growing backoff, even while others
+                    # (reports) go through between its returns
+                    if time.monotonic() - failed_at > BACKOFF_RESET_S:
+                        attempt, said = 0, ""
         except aiomqtt.MqttError as error:
             log.warning("MQTT broker unreachable (%s); retrying", error)
             health.failed(SUBSCRIBER_TASK, error)
         except Exception as error:  # `handle` failed: the message stays unacknowledged and comes again
-            log.exception("MQTT subscriber failed; reconnecting")
             health.failed(SUBSCRIBER_TASK, error)
+            failed_at = time.monotonic()
+            if str(error) == said:  # the same failure again (a full spool): counted, not logged again
+                log.debug("MQTT subscriber failed again: %s", error)
+            elif isinstance(error, SpecdError):  # a condition with its own words: no traceback
+                log.warning("MQTT subscriber cannot take a message (it comes again): %s", error)
+            else:
+                log.exception("MQTT subscriber failed; reconnecting")
+            said = str(error)
         if not stop.is_set():
             await asyncio.sleep(backoff(attempt))
             attempt += 1
