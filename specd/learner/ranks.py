@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from specd.core.errors import SpecdError
+from specd.core.files import write_text_atomic
 from specd.core.records import TrajectoryRecord
 
 log = logging.getLogger(__name__)
@@ -274,9 +275,7 @@ def write_status(store: str | Path, info: RankInfo, figures: dict[str, Any]) -> 
     path = status_path(store, info.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {**asdict(info), "pid": os.getpid(), "time": time.time(), **figures}
-    partial = path.with_suffix(".json.part")
-    partial.write_text(json.dumps(body))
-    os.replace(partial, path)
+    write_text_atomic(path, json.dumps(body))
 
 
 def read_statuses(store: str | Path) -> list[dict[str, Any]]:

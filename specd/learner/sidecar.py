@@ -63,7 +63,7 @@ from specd.learner.learner import Learner
 from specd.learner.memory import memory_breakdown
 from specd.learner.ranks import RANK_STATUS_S, RankGroup, group_status, read_statuses
 from specd.learner.spool import SPOOL_INDEX, RecordSpool, SpoolConfig
-from specd.learner.takeover import LeftBehind, left_behind, mark_session
+from specd.learner.takeover import LeftBehind, left_behind, mark_session, session_of
 from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus
 from specd.transport.mqtt import MqttSettings, announce, subscribe_forever
@@ -128,9 +128,7 @@ class Sidecar:
 
     def _session_id(self) -> tuple[str, str | None]:
         """(MQTT client id, shared group) of this learner's session."""
-        if self.group is None:
-            return self.options.client_id, None
-        return f"{self.options.client_id}-rank{self.group.info.rank}", self.options.client_id
+        return session_of(self.options.client_id, None if self.group is None else self.group.info.rank)
 
     def _take_over(self) -> LeftBehind:
         """The spools of learners that will not run on this store again, into this one's (`takeover.py`)."""

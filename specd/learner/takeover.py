@@ -36,20 +36,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specd.core.files import write_text_atomic
 from specd.learner.claim import LearnerClaim, claim
 from specd.learner.ranks import status_path
-from specd.learner.spool import SPOOL_INDEX, RecordSpool, SpoolConfig
+from specd.learner.spool import DATABASE, SPOOL_INDEX, RecordSpool, SpoolConfig
 from specd.transport.mqtt import MqttSettings, retire_session
 
 log = logging.getLogger(__name__)
 
 SESSION_FILE = "session.json"
-SPOOL_FILES = ("spool.sqlite3", "spool.sqlite3-wal", "spool.sqlite3-shm")
+SPOOL_FILES = (DATABASE, f"{DATABASE}-wal", f"{DATABASE}-shm")   # SQLite's database and its WAL files
 _RANK_FOLDER = re.compile(r"rank-(\d+)")
 
 
+def session_of(client_id: str, rank: int | None) -> tuple[str, str | None]:
+    """(MQTT client id, shared group) of a plain learner's session (`rank` None) or rank `rank`'s."""
+    return (client_id, None) if rank is None else (f"{client_id}-rank{rank}", client_id)
+
+
 def mark_session(folder: str | Path, client_id: str, share_group: str | None) -> None:
-    (Path(folder) / SESSION_FILE).write_text(json.dumps({"client_id": client_id, "share_group": share_group}))
+    write_text_atomic(Path(folder) / SESSION_FILE, json.dumps({"client_id": client_id, "share_group": share_group}))
 
 
 def _rank_of(folder: Path) -> int | None:
@@ -74,8 +80,7 @@ def _session_of(folder: Path, store: Path, client_id: str) -> tuple[str, str | N
         marked = json.loads((folder / SESSION_FILE).read_text())
         return str(marked["client_id"]), marked.get("share_group")
     except (OSError, ValueError, KeyError, TypeError):
-        rank = _rank_of(folder)
-        return (client_id, None) if folder == store or rank is None else (f"{client_id}-rank{rank}", client_id)
+        return session_of(client_id, None if folder == store else _rank_of(folder))
 
 
 @dataclass
@@ -94,7 +99,7 @@ class LeftBehind:
         rank = _rank_of(folder)
         if rank is not None:
             status_path(self.store, rank).unlink(missing_ok=True)
-        if not (folder / SPOOL_FILES[0]).exists():
+        if not (folder / DATABASE).exists():
             return
         spool = RecordSpool(folder, self.spool, self.keep)
         count = 0
