@@ -85,6 +85,47 @@ def test_gaps_between_received_numbers_are_counted_per_server_and_run() -> None:
     assert gaps.missing == 3 and gaps.by_server() == {"a": 1, "b": 2}
 
 
+def test_a_report_counts_the_records_its_run_sent_after_the_last_one_received() -> None:
+    gaps = SequenceGaps()
+    for n in (3, 4):
+        gaps.note(stamped("a", "run1", n))
+    gaps.note_sent({"server_id": "a", SEQUENCE_FIELD: {"run": "run1", "sent": 7}})   # 5-7 never came
+    gaps.note_sent({"server_id": "a", SEQUENCE_FIELD: {"run": "run1", "sent": 6}})   # an older report
+    gaps.note_sent({"server_id": "b", SEQUENCE_FIELD: {"run": "run2", "sent": 9}})   # a run no record came from
+    gaps.note_sent({"server_id": "a", SEQUENCE_FIELD: {"run": "run1", "sent": "99"}})  # garbled: says nothing
+    gaps.note_sent({"server_id": "a"})
+    assert gaps.missing == 3 and gaps.by_server() == {"a": 3}
+    gaps.note(stamped("a", "run1", 6))   # one counted missing that arrives after all: no longer missing
+    assert gaps.missing == 2
+
+
+def test_a_publishers_report_carries_the_last_number_sent_before_it() -> None:
+    from specd.transport.mqtt import MqttPublisher, MqttSettings
+
+    publisher = MqttPublisher(MqttSettings(port=1), "server-a")   # never started: sent by hand below
+    publisher.report({"server_id": "server-a", "versions": {}})
+    for i in range(3):
+        publisher.publish({"record_id": f"r{i}"})
+    publisher.report({"server_id": "server-a", "versions": {}})
+    sent: list[dict] = []
+
+    class Broker:
+        async def publish(self, topic: str, payload: bytes, qos: int) -> None:
+            sent.append(json.loads(payload))
+            if len(sent) == 5:
+                publisher._stop.set()
+
+    async def drain() -> None:
+        publisher._wake = asyncio.Event()
+        await publisher._drain(Broker())
+
+    asyncio.run(drain())
+    run = publisher.sequence.run
+    assert [m[SEQUENCE_FIELD] for m in sent] == [{"run": run, "sent": 0}, {"run": run, "n": 1}, {"run": run, "n": 2},
+                                                 {"run": run, "n": 3}, {"run": run, "sent": 3}]
+    assert sent[-1]["versions"] == {} and publisher.counters.delivered == 3
+
+
 def test_gaps_of_runs_dropped_from_the_bounded_table_still_count() -> None:
     gaps = SequenceGaps(max_runs=2)
     gaps.note(stamped("a", "old", 1))
@@ -140,9 +181,11 @@ def test_records_still_waiting_when_a_server_stops_are_counted_as_shed() -> None
 
 
 @pytest.mark.mqtt
-def test_records_a_broker_dropped_for_an_absent_learner_are_counted_when_it_returns(tmp_path) -> None:
+@pytest.mark.parametrize("then", ["record", "report"])
+def test_records_a_broker_dropped_for_an_absent_learner_are_counted_when_it_returns(tmp_path, then) -> None:
     """Mosquitto queues at most `max_queued_messages` for a disconnected persistent session and
-    drops the rest; the learner that comes back counts exactly the ones it never got."""
+    drops the rest; the learner that comes back counts exactly the ones it never got, once the
+    server's next record or its next acceptance report arrives."""
     from specd.learner.sidecar import Sidecar, SidecarOptions
     from specd.testing import tiny_loaded_target
     from specd.testing.processes import Broker
@@ -190,13 +233,17 @@ def test_records_a_broker_dropped_for_an_absent_learner_are_counted_when_it_retu
         before = sidecar.spool.records_in
         running = run_subscriber()                     # the learner returns: the broker hands it its queue
         wait_until(lambda: sidecar.spool.records_in == before + 4, 30, "the queued records never came")
-        send()                                         # and the session is live again
-        wait_until(lambda: f"r{sent - 1}" in _spooled_ids(sidecar), 30, "the last record never came")
+        if then == "record":                           # and the session is live again
+            send()
+            wait_until(lambda: f"r{sent - 1}" in _spooled_ids(sidecar), 30, "the last record never came")
+        else:                                          # no more records: the report says what was sent
+            publisher.report({"server_id": "s", "versions": {}})
+            wait_until(lambda: sidecar.status()["records_missing"] > 0, 30, "the report never came")
         end(running)
         numbers = sorted(int(i[1:]) for i in _spooled_ids(sidecar))
         status = sidecar.status()
         assert status["records_missing"] == 12 - 4      # the broker kept 4 of the 12 sent while it was away
-        assert status["records_missing"] == numbers[-1] - numbers[0] + 1 - len(numbers)
+        assert status["records_missing"] == sent - 1 - numbers[0] + 1 - len(numbers)
     finally:
         publisher.stop(drain_seconds=0)
         loop.call_soon_threadsafe(loop.stop)

@@ -177,9 +177,9 @@ class Sidecar:
                 "failing": self.health.failing(),  # background tasks that failed in the last minute
                 **(group_status(self.options.store) if self.group is not None else {})}
 
-    def _note_sequence(self, message: dict[str, object]) -> None:
+    def _note_sequence(self, message: dict[str, object], report: bool = False) -> None:
         if self.gaps is not None:
-            self.gaps.note(message)
+            (self.gaps.note_sent if report else self.gaps.note)(message)
 
     def _missing(self) -> dict[str, object]:
         """Records the servers numbered that never arrived (`sequence.py`); a rank cannot tell."""
@@ -210,6 +210,7 @@ class Sidecar:
                          f"a malformed message on {topic}: {str(error)[:200]}")
             return
         if "/reports/" in topic:
+            self._note_sequence(message, report=True)  # the records its server had sent by then
             try:
                 self.acceptance.add(message)
             except Exception as error:  # RecordRefused, or what validation did not foresee

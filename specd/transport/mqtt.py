@@ -10,9 +10,10 @@ Contract:
   oldest are shed (and counted) beyond the bound (`capacity` messages or `capacity_bytes`, since
   a record with the target's features is kilobytes a token), and the client reconnects with
   jittered exponential backoff. Records still waiting when `stop` gives up are counted as shed too.
-  Every record that leaves carries its sequence number (`sequence.py`), so a learner can count
-  the records a broker dropped. Its `counters` count trajectory records only; acceptance reports share
-  the buffer but are cumulative, so a shed one (counted in `reports_shed`) is replaced by the next.
+  Every record that leaves carries its sequence number (`sequence.py`), and every report the last
+  number given before it, so a learner can count the records a broker dropped. Its `counters`
+  count trajectory records only; acceptance reports share the buffer but are cumulative, so a
+  shed one (counted in `reports_shed`) is replaced by the next.
 - The publisher's thread is supervised: any exception that ends a connection (a broker that is
   down or refuses the credentials, a failed send, a bug) is logged and counted in its
   `health` under the task `mqtt-publisher`, and the thread reconnects with backoff; the record
@@ -246,9 +247,11 @@ class MqttPublisher:
         while not self._stop.is_set():
             with self._lock:
                 head = self._pending[0] if self._pending else None
-                if head is not None and head.is_record and not head.numbered:
-                    # numbered as it first leaves (a resend keeps its number): one shed here is not a gap
-                    numbered = self.sequence.stamp_json(head.payload)
+                if head is not None and not head.numbered:
+                    # numbered as it first leaves (a resend keeps its number): one shed here is not a gap;
+                    # a report carries the last number given, every record before it acknowledged
+                    mark = self.sequence.stamp_json if head.is_record else self.sequence.mark_json
+                    numbered = mark(head.payload)
                     self.pending_bytes += len(numbered) - len(head.payload)
                     head.payload, head.numbered = numbered, True
             if head is None:
