@@ -38,7 +38,8 @@ def test_dashboard_is_importable_json_with_the_panels_operators_need() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     titles = " | ".join(panel["title"].lower() for panel in dashboard["panels"])
     for needed in ("acceptance rate", "accept length", "tokens/s", "swaps", "rollbacks", "learner lag",
-                   "time to first token", "inter-token", "drafter version by server", "records missing"):
+                   "time to first token", "inter-token", "drafter version by server", "records missing",
+                   "learner ranks"):
         assert needed in titles, f"no panel for {needed}"
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
@@ -60,12 +61,21 @@ def counter_reads(expression: str) -> set[str]:
 
 
 def sidecar_exposition(store: Path) -> str:
-    """What the learner sidecar's /metrics serves (its own registry)."""
+    """What the learner sidecar's /metrics serves (its own registry), and what rank 0 of a group of
+    two adds (every rank's gauges, from their status files)."""
+    from prometheus_client import CollectorRegistry
+
+    from specd.learner.collector import LearnerCollector
+    from specd.learner.ranks import RankInfo, read_statuses, write_status
     from specd.learner.sidecar import Sidecar, SidecarOptions
 
     sidecar = Sidecar(SidecarOptions(store=str(store)), tiny_loaded_target())
     try:
-        return generate_latest(sidecar.registry).decode()
+        for rank in (0, 1):
+            write_status(store, RankInfo(rank, 2, rank), {"records_in": 3 + rank, "steps": 2})
+        ranks = CollectorRegistry()
+        ranks.register(LearnerCollector(sidecar.learner, sidecar.store, ranks=lambda: read_statuses(store)))
+        return generate_latest(sidecar.registry).decode() + generate_latest(ranks).decode()
     finally:
         sidecar.spool.close()
         sidecar.claim.release()
