@@ -12,12 +12,21 @@ embedded `specd serve`:
                                                through the gate) is first put through the learner's
                                                gate where there is one: 409 if it fails, 503 with
                                                Retry-After while the gate lacks evidence
-  POST /v1/rollback  {"version": n?}           roll back (default: the previous live version)
-  POST /v1/pin       {"version": n, "pinned": true|false}
+  POST /v1/rollback  {"version": n?, "if_live": m?}
+                                               roll back (default: the previous live version);
+                                               with if_live, only while m is live (409 otherwise)
+  POST /v1/pin       {"version": n, "pinned": true|false}   answers {"live", "version", "pinned"}
   GET  /  and /dashboard            the dashboard page
-POST routes need `Authorization: Bearer <token>` when a token is configured. Store errors become
-JSON errors with the reason and their kind's status (404 for a version that does not exist, 409
-for an operation the store refuses, 400 for a malformed body).
+POST routes need `Authorization: Bearer <token>` when a token is configured; a body field a route
+does not take is refused (400), not ignored. A version an operator makes live or rolls back to
+(one that served before, or a file put in the store by hand) is first checked as every server
+will check it (`check_servable`: the digest, then the file loaded for `fingerprint`), so the store
+never names a live version that servers refuse: 409 with the reason. A default rollback is taken
+against the version live when the request came: two at once roll back one step, not two. Store
+errors become JSON errors with the reason and their kind's status (404 for a version that does
+not exist, 409 for an operation the store refuses, 400 for a malformed body, 413 for a body over
+`MAX_CONTROL_BODY_BYTES`); `control_app()` is the application a process that serves only the
+plane starts from (unknown routes and methods answered in JSON too).
 """
 
 from __future__ import annotations
@@ -31,12 +40,17 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from specd.control.acceptance import AcceptanceLog
-from specd.core.errors import BadRequest, InternalError, SpecdError, StoreError
+from specd.core.errors import BadRequest, InternalError, SpecdError, StoreError, VersionNotFound
 from specd.core.http_requests import bearer_matches, json_object, read_body
-from specd.hotswap.store import WeightStore
+from specd.hotswap.integrity import check_servable
+from specd.hotswap.store import MAX_VERSION, WeightStore
+from specd.model.fingerprint import TargetFingerprint
+
+MAX_CONTROL_BODY_BYTES = 8 * 1024 * 1024   # a body is a few fields; the OpenAI routes' limit
 
 
 @dataclass
@@ -49,6 +63,23 @@ class ControlPlane:
     # the learner's gate for candidates an operator wants live (None: no learner here, no gate)
     submit: Callable[[int], Future[dict[str, Any]]] | None = None
     gate_timeout_s: float = 300.0
+    # the target servers load versions for: an operator's version is checked as they will check it
+    # (None: its digest alone)
+    fingerprint: TargetFingerprint | None = None
+    target_embedding: torch.Tensor | None = None
+
+    def check(self, version: int) -> None:
+        """Refuse (409, StoreError) a version that every server would refuse."""
+        try:
+            if self.fingerprint is not None:
+                check_servable(version, self.store.weights_path(version), self.store.manifest(version),
+                               self.fingerprint, self.target_embedding)
+            else:
+                self.store.check_weights(version)
+        except VersionNotFound:
+            raise
+        except (SpecdError, OSError) as error:  # a bad digest, a file not for this target, non-finite values
+            raise StoreError(f"version {version} cannot go live: {error}") from None
 
 
 log = logging.getLogger(__name__)
@@ -85,10 +116,19 @@ def _answers_errors(handler: Handler) -> Handler:
 
 
 def _version(request: web.Request) -> int:
-    try:
-        return int(request.match_info["version"])
-    except ValueError:
-        raise web.HTTPBadRequest(reason="the version must be an integer") from None
+    text = request.match_info["version"]
+    if not (text.isascii() and text.isdigit()):  # int() would also take "1_0", "+1" and other scripts' digits
+        raise web.HTTPBadRequest(reason="the version must be a number in decimal digits")
+    return int(text) if len(text) <= len(str(MAX_VERSION)) else MAX_VERSION  # past any version: a 404
+
+
+def _fields(body: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, Any]:
+    """The body, refused if it carries a field the route does not take (a typo must not be ignored)."""
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(repr(f[:40]) for f in unknown[:5])}; "
+                         f"this route takes {', '.join(repr(f) for f in allowed)}")
+    return body
 
 
 async def _authorised_body(request: web.Request) -> dict[str, Any] | web.Response:
@@ -96,7 +136,12 @@ async def _authorised_body(request: web.Request) -> dict[str, Any] | web.Respons
     if plane.token and not bearer_matches(request.headers.get("Authorization", ""), plane.token):
         return _error(401, "this control operation needs `Authorization: Bearer <token>`",
                       kind="authentication_error", code="invalid_token")  # as the OpenAI routes' key
-    return json_object(await read_body(request)) if request.can_read_body else {}
+    try:
+        raw = await read_body(request) if request.can_read_body else b"{}"
+    except web.HTTPRequestEntityTooLarge:
+        return _error(413, f"the request body is over this server's limit of {request.client_max_size} bytes",
+                      code="request_too_large")
+    return await asyncio.to_thread(json_object, raw) if len(raw) > 1 << 16 else json_object(raw)
 
 
 def _optional_int(body: dict[str, Any], name: str, required: bool) -> int | None:
@@ -105,7 +150,7 @@ def _optional_int(body: dict[str, Any], name: str, required: bool) -> int | None
         return None
     if not isinstance(value, int) or isinstance(value, bool):
         raise BadRequest(f"'{name}' must be an integer version number")
-    return value
+    return min(value, MAX_VERSION)  # past any version: the store answers 404 (never a file name that long)
 
 
 async def versions(request: web.Request) -> web.Response:
@@ -135,7 +180,7 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response({"live": plane.store.live_version(), **plane.status()})
 
 
-async def _operate(request: web.Request, operation: Callable[[ControlPlane, dict[str, Any]], Any],
+async def _operate(request: web.Request, operation: Callable[[ControlPlane, dict[str, Any]], dict[str, Any]],
                    body: dict[str, Any] | None = None) -> web.Response:
     if body is None:
         authorised = await _authorised_body(request)
@@ -145,10 +190,10 @@ async def _operate(request: web.Request, operation: Callable[[ControlPlane, dict
     plane = request.app[PLANE]
     # off the event loop: the store hashes weights and waits for its lock, and in `specd serve` this
     # loop also streams answers. A malformed body, or an operation the store refuses, raises: see
-    # _answers_errors. The answer is the version the operation made live, not a later reading.
-    made_live = await asyncio.to_thread(operation, plane, body)
+    # _answers_errors. The answer says what the operation did (the version it made live), not a later reading.
+    answer = await asyncio.to_thread(operation, plane, body)
     plane.on_change()
-    return web.json_response({"live": made_live if isinstance(made_live, int) else plane.store.live_version()})
+    return web.json_response(answer)
 
 
 async def set_live(request: web.Request) -> web.Response:
@@ -156,18 +201,17 @@ async def set_live(request: web.Request) -> web.Response:
     if isinstance(body, web.Response):
         return body
     plane = request.app[PLANE]
-    version = _optional_int(body, "version", True) or 0
+    version = _optional_int(_fields(body, ("version",)), "version", True) or 0
     status = plane.store.manifest(version).get("status")
-    if plane.submit is None or status != "candidate":  # a version that has been live before is trusted
-        def make_live(plane: ControlPlane, body: dict[str, Any]) -> int:
+    if plane.submit is None or status != "candidate":  # a version that has been live before: no gate
+        def make_live(plane: ControlPlane, body: dict[str, Any]) -> dict[str, Any]:
+            plane.check(version)  # but what its manifest says is not evidence that servers can load it
             plane.store.set_live(version, "operator")
-            return version
+            return {"live": version}
 
         return await _operate(request, make_live, body)
-    try:  # a file that fails its checksum needs no evaluation (a replay of the held-out records)
-        await asyncio.to_thread(plane.store.check_weights, version)
-    except (StoreError, OSError) as error:
-        return _error(409, f"version {version} cannot go live: {error}")
+    # a file that servers would refuse needs no evaluation (a replay of the held-out records): a 409 now
+    await asyncio.to_thread(plane.check, version)
     try:  # evaluated on the learner's thread; this loop keeps serving meanwhile
         # shielded: a verdict already under way cannot be called off, so the timeout must not pretend to
         verdict = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(plane.submit(version))),
@@ -189,9 +233,22 @@ async def set_live(request: web.Request) -> web.Response:
     return web.json_response({"live": plane.store.live_version(), "evaluation": verdict})
 
 
+def _roll_back(plane: ControlPlane, body: dict[str, Any], live_when_asked: int | None) -> dict[str, Any]:
+    _fields(body, ("version", "if_live"))
+    to, if_live = _optional_int(body, "version", False), _optional_int(body, "if_live", False)
+    # against the version live when the request came (or the one the operator saw): a second
+    # request sent at once, or a second click, finds another version live and is refused (409)
+    # rather than going back another step
+    to = plane.store.rollback_choice() if to is None else to
+    if to is not None:
+        plane.check(to)
+    live = live_when_asked if if_live is None else if_live
+    return {"live": plane.store.rollback(to, {"by": "operator"}, if_live=live)}
+
+
 async def rollback(request: web.Request) -> web.Response:
-    return await _operate(request, lambda p, b: p.store.rollback(_optional_int(b, "version", False),
-                                                                 {"by": "operator"}))
+    live_when_asked = request.app[PLANE].store.live_version()  # before anything else awaits
+    return await _operate(request, lambda plane, body: _roll_back(plane, body, live_when_asked))
 
 
 def _pinned(body: dict[str, Any]) -> bool:
@@ -201,14 +258,36 @@ def _pinned(body: dict[str, Any]) -> bool:
     return value
 
 
+def _pin(plane: ControlPlane, body: dict[str, Any]) -> dict[str, Any]:
+    version, pinned = _optional_int(_fields(body, ("version", "pinned")), "version", True) or 0, _pinned(body)
+    plane.store.pin(version, pinned)
+    return {"live": plane.store.live_version(), "version": version, "pinned": pinned}
+
+
 async def pin(request: web.Request) -> web.Response:
-    return await _operate(request, lambda p, b: p.store.pin(_optional_int(b, "version", True) or 0, _pinned(b)))
+    return await _operate(request, _pin)
 
 
 async def dashboard(request: web.Request) -> web.Response:
     # one self-contained page (inline SVG charts, no CDN): see specd/control/dashboard.html
     page = resources.files("specd.control").joinpath("dashboard.html").read_text()
     return web.Response(text=page, content_type="text/html")
+
+
+@web.middleware
+async def _json_http_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own answers for routes and methods that do not exist, as JSON like every other."""
+    try:
+        return await handler(request)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        return _error(error.status, error.reason)
+
+
+def control_app() -> web.Application:
+    """An application for a process that serves the control plane (the learner sidecar)."""
+    return web.Application(middlewares=[_json_http_errors], client_max_size=MAX_CONTROL_BODY_BYTES)
 
 
 def add_control_routes(app: web.Application, plane: ControlPlane) -> None:

@@ -6,7 +6,8 @@ when a file's sha256 differs from its manifest's, as the caller's kind of error 
 version is refused). `load_verified` is what every swap runs, off the decoding thread: the
 digest, then `load_drafter` (safetensors metadata and format, the target's fingerprint, tensor
 names and shapes, finite values) in the serving model's dtype and device, then the serving side's
-own `check_compatible`. The store, the swapper, the remote source and vLLM's launcher all check
+own `check_compatible`; `check_servable` the same without a serving drafter (the control plane,
+before an operator's version goes live). The store, the swapper, the remote source and vLLM's launcher all check
 through here.
 """
 
@@ -44,6 +45,14 @@ def check_digest(version: int, digest: str, manifest: dict[str, Any],
 def check_file(version: int, path: Path, manifest: dict[str, Any],
                error: type[SpecdError] = CheckpointError) -> None:
     check_digest(version, sha256_file(path), manifest, error)
+
+
+def check_servable(version: int, path: Path, manifest: dict[str, Any], fingerprint: TargetFingerprint,
+                   target_embedding: torch.Tensor | None = None) -> None:
+    """Raise CheckpointError unless version `version` is what a server of this target would load:
+    the digest, then the whole file read and checked (without a serving drafter to offer it to)."""
+    check_file(version, path, manifest)
+    load_drafter(path, fingerprint, target_embedding=target_embedding)
 
 
 def load_verified(version: int, path: Path, manifest: dict[str, Any], fingerprint: TargetFingerprint,

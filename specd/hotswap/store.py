@@ -54,6 +54,7 @@ from specd.hotswap.integrity import check_file, sha256_file
 from specd.model.fingerprint import TargetFingerprint
 
 log = logging.getLogger(__name__)
+MAX_VERSION = 10**18   # version numbers are below this (a client's larger number names no version)
 
 STATUSES = ("candidate", "live", "retired", "rejected", "rolled-back")
 
@@ -131,6 +132,8 @@ class WeightStore:
 
     # ---- reading --------------------------------------------------------------------------
     def version_dir(self, version: int) -> Path:
+        if not 0 <= version < MAX_VERSION:  # a number no store holds, however a client spelt it
+            raise VersionNotFound(f"version {str(version)[:24]} does not exist in {self.root}")
         return self.root / "versions" / f"{version:06d}"
 
     def weights_path(self, version: int) -> Path:
@@ -281,14 +284,12 @@ class WeightStore:
             raise LiveVersionChanged(f"version {current} was pinned meanwhile: nothing is rolled back")
         if current is None:
             raise StoreError("nothing is live: there is nothing to roll back")
-        loadable = self._loadable()  # a version whose files are gone is never chosen
-        earlier = [v for v in state["history"] if v != current]
-        history = [v for v in earlier if v in loadable]
+        earlier, history = self._history_to_roll_back_to(state)
         if to is None:
             if not history:
                 raise StoreError(_nothing_to_roll_back_to(current, earlier, self.root))
             to = history[-1]
-        elif to not in loadable:
+        if to not in history and to not in self._loadable():
             raise VersionNotFound(self._missing_files(to))
         if to == current:
             raise StoreError(f"version {to} is already live")
@@ -307,6 +308,17 @@ class WeightStore:
         _write_json_atomic(self.root / "live.json", {"version": to, "history": remaining,
                                                      "rollbacks": int(state.get("rollbacks", 0)) + 1})
         return to
+
+    def rollback_choice(self) -> int | None:
+        """The version a rollback without `to` would make live now (None: there is none)."""
+        history = self._history_to_roll_back_to(self.live_state())[1]
+        return history[-1] if history else None
+
+    def _history_to_roll_back_to(self, state: dict[str, Any]) -> tuple[list[int], list[int]]:
+        """(earlier live versions, those of them whose files are present: never a version whose files are gone)."""
+        loadable = self._loadable()
+        earlier = [v for v in state["history"] if v != state["version"]]
+        return earlier, [v for v in earlier if v in loadable]
 
     def _missing_files(self, version: int) -> str:
         if version in self.versions():

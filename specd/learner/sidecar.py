@@ -48,7 +48,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from specd.control.acceptance import AcceptanceLog
-from specd.control.plane import ControlPlane, add_control_routes
+from specd.control.plane import ControlPlane, add_control_routes, control_app
 from specd.core.background_metrics import BackgroundCollector
 from specd.core.errors import BadRequest, RecordRefused, RefusalReason
 from specd.core.http_requests import json_object
@@ -118,7 +118,8 @@ class Sidecar:
         self._announced_at = -REANNOUNCE_S
         self._changed = asyncio.Event()
         self.plane = ControlPlane(self.store, self.acceptance, options.token, self.status, self._changed.set,
-                                  submit=self.learner.submit)
+                                  submit=self.learner.submit, fingerprint=loaded.fingerprint,
+                                  target_embedding=embedding)
         self.registry = CollectorRegistry()  # the learner's /metrics: its counters, lag and background failures
         gaps = self.gaps
         self.registry.register(LearnerCollector(self.learner, self.store, lambda: dict(self.refused_messages),
@@ -279,7 +280,7 @@ async def report_rank_status(sidecar: Sidecar, stop: asyncio.Event) -> None:
 
 def build_sidecar(options: SidecarOptions, loaded: LoadedTarget, group: RankGroup | None = None) -> web.Application:
     sidecar = Sidecar(options, loaded, group)
-    app = web.Application()
+    app = control_app()
     add_control_routes(app, sidecar.plane)
 
     async def health(request: web.Request) -> web.Response:

@@ -188,7 +188,9 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
     if wiring.store is not None:
         learner = wiring.learner
         add_control_routes(app, ControlPlane(wiring.store, acceptance, options.token, _learner_status(wiring),
-                                             submit=learner.submit if learner is not None else None))
+                                             submit=learner.submit if learner is not None else None,
+                                             fingerprint=loaded.fingerprint,
+                                             target_embedding=loaded.model.embed.weight))
         if learner is not None:  # embedded: the learner's metrics beside the serving ones, on one /metrics
             metrics.registry.register(LearnerCollector(learner, wiring.store))
     app.cleanup_ctx.append(_lifecycle(options, wiring, worker, swapper, metrics, acceptance))

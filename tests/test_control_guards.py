@@ -1,0 +1,204 @@
+"""What an operator's control request cannot do by mistake: make live a version servers would
+refuse, roll back two steps with one intent, pin when they meant to unpin, or get a 500 or a
+plain-text page for a request the plane refuses.
+
+Stores are built from tiny drafters (versions 1, 2, 3, each live in turn); no model is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from test_store_bad_files import FINGERPRINT, SHAPE
+
+from specd.control.acceptance import AcceptanceLog
+from specd.control.plane import MAX_CONTROL_BODY_BYTES, ControlPlane, add_control_routes, control_app
+from specd.drafter.token_drafter import new_drafter_model
+from specd.hotswap.integrity import sha256_file
+from specd.hotswap.store import WeightStore
+from specd.model.fingerprint import TargetFingerprint
+
+TOKEN = "secret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> WeightStore:
+    from test_store_bad_files import publish
+
+    store = WeightStore(tmp_path / "store")
+    for seed in range(3):
+        publish(store, seed)
+    return store
+
+
+def plane_app(store: WeightStore, **plane: Any) -> web.Application:
+    app = control_app()
+    add_control_routes(app, ControlPlane(store, AcceptanceLog(), TOKEN, fingerprint=FINGERPRINT, **plane))
+    return app
+
+
+async def _ask(app: web.Application, requests: list[tuple[str, str, Any]]) -> list[tuple[int, str, Any]]:
+    answers = []
+    async with TestClient(TestServer(app)) as client:
+        for method, path, body in requests:
+            data = body if isinstance(body, bytes) else json.dumps(body) if body is not None else None
+            response = await client.request(method, path, data=data, headers=AUTH)
+            content = await response.json() if response.content_type == "application/json" else await response.text()
+            answers.append((response.status, response.content_type, content))
+    return answers
+
+
+def ask(app: web.Application, *requests: tuple[str, str, Any]) -> list[tuple[int, str, Any]]:
+    return asyncio.run(_ask(app, list(requests)))
+
+
+def copy_in_by_hand(store: WeightStore, version: int, damage: str) -> None:
+    """Replace a version's weights as someone copying files by hand might, with the manifest's
+    digest updated to match: the sha256 alone cannot tell."""
+    path = store.weights_path(version)
+    with safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(str(path))
+    if damage == "nan":
+        first = sorted(tensors)[0]
+        tensors[first] = tensors[first].clone().fill_(float("nan"))
+        save_file(tensors, str(path), metadata=metadata)
+    else:
+        path.write_bytes(b"not a safetensors file at all")
+    manifest_path = store.version_dir(version) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "sha256": sha256_file(path)}))
+
+
+@pytest.mark.parametrize("damage", ["nan", "garbage"])
+def test_a_version_that_served_is_checked_as_servers_would_before_it_goes_live_again(store: WeightStore,
+                                                                                    damage: str) -> None:
+    copy_in_by_hand(store, 2, damage)
+    answers = ask(plane_app(store), ("POST", "/v1/live", {"version": 2}), ("POST", "/v1/rollback", {"version": 2}),
+                  ("POST", "/v1/rollback", None))  # the default choice is version 2 too
+    assert [status for status, _, _ in answers] == [409, 409, 409]
+    for _, _, body in answers:
+        assert body["error"]["message"].startswith("version 2 cannot go live:")
+    assert store.live_version() == 3 and store.manifest(3)["status"] == "live"
+
+
+def test_a_version_for_another_target_is_not_made_live(store: WeightStore) -> None:
+    other = TargetFingerprint(FINGERPRINT.vocab_size + 1, "none")
+    from conftest import tiny_target
+
+    version = store.publish(new_drafter_model(tiny_target(), SHAPE, seed=9), other, 3, {})
+    [(status, _, body)] = ask(plane_app(store), ("POST", "/v1/live", {"version": version}))
+    assert status == 409 and "cannot go live" in body["error"]["message"] and store.live_version() == 3
+
+
+def test_a_candidate_servers_would_refuse_is_refused_before_the_gate_asks_for_evidence(store: WeightStore) -> None:
+    from conftest import tiny_target
+
+    version = store.publish(new_drafter_model(tiny_target(), SHAPE, seed=9), FINGERPRINT, 3, {})
+    copy_in_by_hand(store, version, "nan")
+    submitted: list[int] = []
+
+    def submit(v: int) -> Any:
+        submitted.append(v)
+        raise AssertionError("the gate must not be asked")
+
+    [(status, _, body)] = ask(plane_app(store, submit=submit), ("POST", "/v1/live", {"version": version}))
+    assert status == 409 and "cannot go live" in body["error"]["message"] and not submitted
+
+
+def test_two_default_rollbacks_at_once_go_back_one_step(store: WeightStore) -> None:
+    plane = ControlPlane(store, AcceptanceLog(), TOKEN, fingerprint=FINGERPRINT)
+    both_checking = threading.Barrier(2, timeout=10)  # both requests are past reading the live version
+    check = plane.check
+
+    def check_together(version: int) -> None:
+        both_checking.wait()
+        check(version)
+
+    plane.check = check_together  # type: ignore[method-assign]
+    app = control_app()
+    add_control_routes(app, plane)
+
+    async def both() -> list[int]:
+        async with TestClient(TestServer(app)) as client:
+            sent = [client.post("/v1/rollback", headers=AUTH) for _ in range(2)]
+            return sorted([response.status for response in await asyncio.gather(*sent)])
+
+    assert asyncio.run(both()) == [200, 409]
+    assert store.live_version() == 2 and store.live_state()["history"] == [1]
+
+
+def test_a_rollback_against_the_version_the_operator_saw_is_taken_once(store: WeightStore) -> None:
+    answers = ask(plane_app(store), ("POST", "/v1/rollback", {"if_live": 3}), ("POST", "/v1/rollback", {"if_live": 3}))
+    assert [status for status, _, _ in answers] == [200, 409]
+    assert answers[0][2] == {"live": 2} and "version 2 is live now, not 3" in answers[1][2]["error"]["message"]
+    assert store.live_version() == 2
+
+
+def test_a_field_a_route_does_not_take_is_refused_and_a_pin_says_what_it_did(store: WeightStore) -> None:
+    answers = ask(plane_app(store), ("POST", "/v1/pin", {"version": 1, "unpinned": True}),
+                  ("POST", "/v1/rollback", {"versoin": 1}), ("POST", "/v1/pin", {"version": 1, "pinned": True}),
+                  ("POST", "/v1/pin", {"version": 1, "pinned": False}))
+    assert [status for status, _, _ in answers] == [400, 400, 200, 200]
+    assert "'unpinned'" in answers[0][2]["error"]["message"] and "'versoin'" in answers[1][2]["error"]["message"]
+    assert answers[2][2] == {"live": 3, "version": 1, "pinned": True}
+    assert answers[3][2] == {"live": 3, "version": 1, "pinned": False}
+    assert not store.manifest(1)["pinned"] and store.live_version() == 3
+
+
+def test_version_numbers_no_store_could_hold_are_a_404_and_odd_spellings_a_400(store: WeightStore) -> None:
+    huge = "9" * 300
+    answers = ask(plane_app(store), ("GET", f"/v1/versions/{huge}", None),
+                  ("GET", f"/v1/versions/{huge}/weights", None),
+                  ("POST", "/v1/live", f'{{"version": {huge}}}'.encode()),
+                  ("POST", "/v1/pin", f'{{"version": {huge}}}'.encode()), ("POST", "/v1/pin", {"version": -1}),
+                  ("GET", "/v1/versions/1_0", None), ("GET", "/v1/versions/+1", None),
+                  ("GET", "/v1/versions/%EF%BC%91", None))  # a full-width one
+    assert [(status, kind) for status, kind, _ in answers] == [(404, "application/json")] * 5 + \
+        [(400, "application/json")] * 3
+
+
+def test_a_plane_of_its_own_answers_unknown_routes_methods_and_large_bodies_in_json(store: WeightStore) -> None:
+    answers = ask(plane_app(store), ("GET", "/v1/live", None), ("GET", "/v1/nope", None),
+                  ("POST", "/v1/pin", b'{"version": 1, "note": "' + b"x" * MAX_CONTROL_BODY_BYTES + b'"}'))
+    assert [(status, kind) for status, kind, _ in answers] == [(405, "application/json"), (404, "application/json"),
+                                                               (413, "application/json")]
+    assert str(MAX_CONTROL_BODY_BYTES) in answers[2][2]["error"]["message"]
+
+
+def test_a_server_and_the_learner_sidecar_check_an_operators_version_for_their_own_target(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from conftest import tiny_target
+
+    from specd.drafter.factory import DrafterSpec
+    from specd.learner.sidecar import Sidecar, SidecarOptions
+    from specd.serving.serve import ServeOptions, build_server
+    from specd.testing import ByteTokenizer, tiny_loaded_target
+
+    loaded = replace(tiny_loaded_target(), tokenizer=ByteTokenizer())
+    foreign = TargetFingerprint(loaded.fingerprint.vocab_size + 1, "none")
+    server = build_server(ServeOptions(store=str(tmp_path / "serve"), model_name="tiny",
+                                       drafter=DrafterSpec(head_vocab=200)), loaded)
+    sidecar = Sidecar(SidecarOptions(store=str(tmp_path / "learner")), loaded)
+    try:
+        sidecar_app = control_app()
+        add_control_routes(sidecar_app, sidecar.plane)
+        for app, store in ((server, WeightStore(tmp_path / "serve")), (sidecar_app, sidecar.store)):
+            version = store.publish(new_drafter_model(tiny_target(), SHAPE, seed=9), foreign, None, {})
+            [(status, _, body)] = ask(app, ("POST", "/v1/live", {"version": version}))
+            assert status == 409 and "cannot go live" in body["error"]["message"]
+            assert store.live_version() != version
+    finally:
+        sidecar.spool.close()
+        sidecar.release()
