@@ -29,7 +29,8 @@ from specd.learner.spool import RecordSpool, SpoolConfig
 from specd.learner.takeover import SESSION_FILE, left_behind, mark_session
 from specd.testing import tiny_loaded_target
 from specd.testing.processes import Broker
-from specd.transport.mqtt import MqttSettings, retire_session
+from specd.transport.mqtt import MqttSettings
+from specd.transport.retirement import retire_session
 
 
 def record(i: int) -> dict:

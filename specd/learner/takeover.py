@@ -19,7 +19,7 @@ Contract:
   rank's status file removed; the spool's database is deleted once read (its records are in the
   successor's spool by then: `take` is called before anything else adds to it).
 - `LeftBehind.end_sessions(handle)` then, with the broker up, takes what each session still had
-  queued through `handle` and ends the session (`transport.mqtt.retire_session`), and only then
+  queued through `handle` and ends the session (`transport.retirement.retire_session`), and only then
   removes the folder's marker and lock; a broker that cannot be reached leaves the folder to the
   next start (its records were taken already, and the spool's duplicate filter drops them if seen
   again).
@@ -40,7 +40,8 @@ from specd.core.files import write_text_atomic
 from specd.learner.claim import LearnerClaim, claim
 from specd.learner.ranks import status_path
 from specd.learner.spool import DATABASE, SPOOL_INDEX, RecordSpool, SpoolConfig
-from specd.transport.mqtt import MqttSettings, retire_session
+from specd.transport.mqtt import MqttSettings
+from specd.transport.retirement import retire_session
 
 log = logging.getLogger(__name__)
 

@@ -26,14 +26,16 @@ Contract:
   between would lose a message the broker no longer holds. When `handle` raises, the message is
   not acknowledged: the failure is counted under `mqtt-subscriber`, the session reconnects and
   the broker delivers the message again, with a backoff that keeps growing until no failure came
-  for `BACKOFF_RESET_S`; the same failure again (a full spool) is counted, not logged again.
+  for `BACKOFF_RESET_S`; the same failure again (a full spool) is counted, not logged again. A
+  broker keeps one connection per client id and closes the older when another connects with the
+  same id: `TAKEN_OVER_DROPS` accepted connections closed within a minute are logged as a
+  second learner with this id (give each its own --client-id), not as a broker that is down.
   With `share_group` (data-parallel learner ranks) it speaks MQTT v5 with a session that never
   expires and takes records through the shared subscription `$share/<group>/specd/D/records/+`:
   the broker gives each record to one member of the group, and a member's unacknowledged records
   wait in its session for its return.
   `reports=False` leaves the acceptance reports to another subscriber (rank 0).
-- `retire_session` takes what a session of a learner that will not run again still holds and
-  ends the session, so the broker stops queuing records for it.
+- `retire_session` (`retirement.py`) ends the session of a learner that will not run again.
 - Username/password and TLS (a CA file, optional client certificate) pass straight through.
 """
 
@@ -118,6 +120,26 @@ class MqttSettings:
 
 backoff = backoff_delay  # jittered exponential backoff, shared with every supervised loop
 BACKOFF_RESET_S = 30.0   # the subscriber's backoff starts anew only after this long without a failure
+TAKEN_OVER_DROPS, TAKEN_OVER_WINDOW_S = 3, 60.0   # drops after connecting that point to a second client
+
+
+class _Drops:
+    """Connections the broker closed after it had accepted them (see the contract)."""
+
+    def __init__(self, client_id: str) -> None:
+        self.client_id, self.times, self.said_at = client_id, deque[float](maxlen=TAKEN_OVER_DROPS), -1e9
+
+    def dropped(self, error: Exception) -> None:
+        now = time.monotonic()
+        self.times.append(now)
+        if len(self.times) < TAKEN_OVER_DROPS or now - self.times[0] > TAKEN_OVER_WINDOW_S:
+            log.warning("MQTT connection to the broker lost (%s); reconnecting", error)
+        elif now - self.said_at > 10 * TAKEN_OVER_WINDOW_S:
+            self.said_at = now
+            log.warning("the broker closed this learner's connection %d times in %.0f s after accepting it: another "
+                        "client is connected with the same client id %r (a second learner on this broker?); the "
+                        "broker keeps one connection per id, so give each learner its own --client-id",
+                        len(self.times), now - self.times[0], self.client_id)
 
 
 @dataclass(eq=False)
@@ -298,9 +320,10 @@ async def subscribe_forever(settings: MqttSettings, client_id: str,
     that shared subscription (one member of the group gets each)."""
     health = health or BackgroundHealth()
     health.register(SUBSCRIBER_TASK)
-    attempt = 0
+    attempt, drops = 0, _Drops(client_id)
     failed_at, said = -BACKOFF_RESET_S, ""   # the last failure: when, and what was logged of it
     while not stop.is_set():
+        connected = False
         try:
             client = settings.client(identifier=client_id, clean_session=False,
                                      persistent_v5=share_group is not None)
@@ -308,6 +331,7 @@ async def subscribe_forever(settings: MqttSettings, client_id: str,
             client._client.manual_ack_set(True)
             records = settings.topic("records") + "/+"
             async with client:
+                connected = True
                 await client.subscribe(records if share_group is None else f"$share/{share_group}/{records}", qos=1)
                 if reports:
                     await client.subscribe(settings.topic("reports") + "/+", qos=1)
@@ -320,7 +344,10 @@ async def subscribe_forever(settings: MqttSettings, client_id: str,
                     if time.monotonic() - failed_at > BACKOFF_RESET_S:
                         attempt, said = 0, ""
         except aiomqtt.MqttError as error:
-            log.warning("MQTT broker unreachable (%s); retrying", error)
+            if connected:
+                drops.dropped(error)
+            else:
+                log.warning("MQTT broker unreachable (%s); retrying", error)
             health.failed(SUBSCRIBER_TASK, error)
         except Exception as error:  # `handle` failed: the message stays unacknowledged and comes again
             health.failed(SUBSCRIBER_TASK, error)
@@ -335,40 +362,6 @@ async def subscribe_forever(settings: MqttSettings, client_id: str,
         if not stop.is_set():
             await asyncio.sleep(backoff(attempt))
             attempt += 1
-
-
-async def retire_session(settings: MqttSettings, client_id: str, share_group: str | None,
-                         handle: Callable[[str, bytes], Awaitable[None]], quiet_s: float = 2.0) -> int:
-    """End the persistent session of a learner that will not run again (`learner/takeover.py`):
-    resume it, take what the broker still queued for it through `handle` (acknowledged after, as
-    `subscribe_forever` does) until `quiet_s` pass without a message, unsubscribe it so nothing more
-    is queued for it, and end it. Returns how many messages it took."""
-    records, reports = settings.topic("records") + "/+", settings.topic("reports") + "/+"
-    client = settings.client(identifier=client_id, clean_session=False, persistent_v5=share_group is not None)
-    client._client.manual_ack_set(True)
-    taken = 0
-
-    async def take_until_quiet() -> None:
-        nonlocal taken
-        messages = aiter(client.messages)
-        while True:
-            try:
-                async with asyncio.timeout(quiet_s):
-                    message = await anext(messages)
-            except TimeoutError:
-                return
-            await handle(str(message.topic), bytes(message.payload))
-            client._client.ack(message.mid, message.qos)
-            taken += 1
-
-    async with client:
-        await take_until_quiet()
-        await client.unsubscribe([records if share_group is None else f"$share/{share_group}/{records}", reports])
-        await take_until_quiet()  # what reached the session before the broker took the unsubscription
-    # a clean start discards the session; with no expiry (v5) or clean_session (3.1.1) none is kept after
-    async with settings.client(identifier=client_id, clean_session=True, end_v5=share_group is not None):
-        pass
-    return taken
 
 
 async def announce(settings: MqttSettings, payload: dict[str, Any]) -> None:
