@@ -119,7 +119,9 @@ def _version(request: web.Request) -> int:
     text = request.match_info["version"]
     if not (text.isascii() and text.isdigit()):  # int() would also take "1_0", "+1" and other scripts' digits
         raise web.HTTPBadRequest(reason="the version must be a number in decimal digits")
-    return int(text) if len(text) <= len(str(MAX_VERSION)) else MAX_VERSION  # past any version: a 404
+    if len(text) > len(str(MAX_VERSION)):  # never a file name that long: past any version a store holds
+        raise VersionNotFound(f"version {text[:24]}… does not exist")
+    return int(text)
 
 
 def _fields(body: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, Any]:
@@ -150,7 +152,9 @@ def _optional_int(body: dict[str, Any], name: str, required: bool) -> int | None
         return None
     if not isinstance(value, int) or isinstance(value, bool):
         raise BadRequest(f"'{name}' must be an integer version number")
-    return min(value, MAX_VERSION)  # past any version: the store answers 404 (never a file name that long)
+    if value >= MAX_VERSION:  # never a file name that long: past any version a store holds
+        raise VersionNotFound(f"version {str(value)[:24]}… does not exist")
+    return value
 
 
 async def versions(request: web.Request) -> web.Response:

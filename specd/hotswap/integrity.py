@@ -7,8 +7,8 @@ version is refused). `load_verified` is what every swap runs, off the decoding t
 digest, then `load_drafter` (safetensors metadata and format, the target's fingerprint, tensor
 names and shapes, finite values) in the serving model's dtype and device, then the serving side's
 own `check_compatible`; `check_servable` the same without a serving drafter (the control plane,
-before an operator's version goes live). The store, the swapper, the remote source and vLLM's launcher all check
-through here.
+before an operator's version goes live). The store, the swapper, the remote source and vLLM's
+launcher all check through here.
 """
 
 from __future__ import annotations

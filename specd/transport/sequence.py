@@ -16,8 +16,8 @@ every record numbered before it was acknowledged by the broker, so on a broker t
 session's order nothing is counted that is merely on its way; a number counted missing that still
 arrives is no longer counted. Records lost before the first message this learner process
 received from a run are not counted (a restarted learner cannot tell them from the ones its
-predecessor received). A record without a stamp (an older server, the in-process bus, which counts its own
-sheds) is not counted. With data-parallel ranks each rank receives only part of every run (the
+predecessor received). A record without a stamp (an older server, the in-process bus, which
+counts its own sheds) is not counted. With data-parallel ranks each rank receives only part of every run (the
 shared subscription), so a rank's gaps are not losses: the ranks do not keep the count. At most
 `MAX_RUNS` runs are kept, the most recently heard from.
 """
