@@ -542,6 +542,15 @@ def test_a_gate_that_could_pass_without_evidence_is_refused_at_configuration(fie
         LearnerConfig(**fields)
 
 
+@pytest.mark.parametrize("fields", [{"learning_rate": 0.0}, {"feature_learning_rate": float("nan")},
+                                    {"publish_every_seconds": 0}, {"publish_every_steps": 0}, {"unroll": 0},
+                                    {"buffer_capacity": 0}, {"recent_share": 1.5}, {"gate_margin": -0.1},
+                                    {"canary_z": float("inf")}])
+def test_step_sizes_counts_and_margins_that_cannot_work_are_refused_at_configuration(fields: dict) -> None:
+    with pytest.raises(ConfigurationError, match=next(iter(fields))):
+        LearnerConfig(**fields)
+
+
 def test_a_failing_learner_step_is_counted_and_the_loop_trains_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(learner_module, "FAILURE_BACKOFF_S", 0.01)  # the loop's pause after a failure

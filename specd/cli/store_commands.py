@@ -204,7 +204,8 @@ def run_rollback(args: argparse.Namespace) -> int:
         answer = _http(args, "/v1/rollback", {"version": args.version})
         restored = _field(answer, "live", int, args.url.rstrip("/") + "/v1/rollback")
     else:
-        restored = _open_store(args.store).rollback(args.version, {"by": "operator"})
+        store = _open_store(args.store)  # against the version live as it reads: a rollback at once elsewhere wins
+        restored = store.rollback(args.version, {"by": "operator"}, if_live=store.live_version())
     print(f"version {restored} is live")
     return 0
 

@@ -13,6 +13,8 @@ error shape) with the kind's `http_status`. Anything that is not a `SpecdError` 
     VersionNotFound     a version number the store does not hold
   TransportError      a peer (broker, learner, HTTP endpoint) that cannot be reached or answered badly (502)
   ConfigurationError  settings that cannot work: a bad broker URL, a missing optional dependency (400)
+  SpoolFull           the learner's spool has no disk left (507; `learner/spool.py`)
+  InternalError       what a bug answers a client in JSON (500), its traceback in the log
 The subclasses of ValueError keep working where callers catch ValueError.
 """
 

@@ -80,6 +80,7 @@ class LearnerConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        self._check_steps()
         if not 0 < self.duty_cycle <= 1:
             raise ConfigurationError(f"duty_cycle must be in (0, 1], got {self.duty_cycle}")
         if self.batch_size < 1 or self.window < 2:
@@ -106,6 +107,26 @@ class LearnerConfig:
         if self.holdout_capacity < self.gate_min_held_out:
             raise ConfigurationError(f"holdout_capacity ({self.holdout_capacity}) must be at least gate_min_held_out "
                                      f"({self.gate_min_held_out}), or no candidate could ever pass the gate")
+
+    def _check_steps(self) -> None:
+        """The step sizes, shares, counts and margins: in range, or a learner that cannot work."""
+        for name, rate in {"learning_rate": self.learning_rate,
+                           "feature_learning_rate": self.feature_learning_rate}.items():
+            if not 0 < rate < math.inf:
+                raise ConfigurationError(f"{name} must be a positive number, got {rate}")
+        if not self.publish_every_seconds > 0:  # math.inf: never by time
+            raise ConfigurationError(f"publish_every_seconds must be positive, got {self.publish_every_seconds}")
+        counts = {"buffer_capacity": self.buffer_capacity, "feature_buffer_capacity": self.feature_buffer_capacity,
+                  "publish_every_steps": self.publish_every_steps, "unroll": self.unroll}
+        for name, count in counts.items():
+            if count < 1:
+                raise ConfigurationError(f"{name} must be at least 1, got {count}")
+        if not 0 <= self.recent_share <= 1:
+            raise ConfigurationError(f"recent_share must be in [0, 1], got {self.recent_share}")
+        margins = {"gate_margin": self.gate_margin, "canary_margin": self.canary_margin, "canary_z": self.canary_z}
+        for name, value in margins.items():
+            if not 0 <= value < math.inf:
+                raise ConfigurationError(f"{name} must be 0 or a positive number, got {value}")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Contract:
 - One SQLite database, `spool.sqlite3` in `folder`, in WAL mode. Table `records` holds each stored
-  record (its id the primary key, its JSON, its size); table `seen` holds the newest
+  record (its number n the primary key, its id unique, its JSON, its size); table `seen` holds the newest
   `dedup_window` record ids with their number n, counting every new record ever received, which
   keeps the duplicate filter and `records_in` across restarts and across pruning.
 - `add(record)` stores a record that has a `record_id` unless that id is among the most recent
