@@ -223,6 +223,9 @@ async def test_malformed_json_and_unknown_route_are_json_errors(client) -> None:
                                  headers={"Content-Type": "application/json"})
     assert response.status == 400 and "not valid JSON" in (await response.json())["error"]["message"]
     assert (await client.get("/v1/nothing")).status == 404
+    wrong_method = await client.get("/v1/completions")
+    assert wrong_method.status == 405 and "POST" in wrong_method.headers.get("Allow", "")  # as HTTP asks
+    assert wrong_method.content_type == "application/json"
     bad_messages = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": 1}]})
     assert bad_messages.status == 400
     for body, needle in ((b"[" * 5000, "nested too deeply"), (b"[1, 2]", "must be a JSON object"),

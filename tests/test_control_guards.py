@@ -174,6 +174,15 @@ def test_a_plane_of_its_own_answers_unknown_routes_methods_and_large_bodies_in_j
     assert [(status, kind) for status, kind, _ in answers] == [(405, "application/json"), (404, "application/json"),
                                                                (413, "application/json")]
     assert str(MAX_CONTROL_BODY_BYTES) in answers[2][2]["error"]["message"]
+    allowed = asyncio.run(_allow_of(plane_app(store), "/v1/live"))
+    assert "POST" in allowed  # a 405 says which methods the route takes
+
+
+async def _allow_of(app: web.Application, path: str) -> str:
+    async with TestClient(TestServer(app)) as client:
+        response = await client.get(path)
+        assert response.status == 405
+        return response.headers.get("Allow", "")
 
 
 def test_a_server_and_the_learner_sidecar_check_an_operators_version_for_their_own_target(tmp_path: Path) -> None:

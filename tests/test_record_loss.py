@@ -126,6 +126,23 @@ def test_a_publishers_report_carries_the_last_number_sent_before_it() -> None:
     assert sent[-1]["versions"] == {} and publisher.counters.delivered == 3
 
 
+def test_a_record_being_sent_when_the_buffer_overflows_keeps_its_place_and_the_next_one_is_shed() -> None:
+    """The head took its number as it left and may have reached the broker: shedding it would count
+    it twice (shed here, missing at the learner)."""
+    from specd.transport.mqtt import MqttPublisher, MqttSettings
+
+    publisher = MqttPublisher(MqttSettings(port=1), "s", capacity=2)   # never started
+    publisher.publish({"record_id": "r0"})
+    head = publisher._pending[0]   # numbered as the sending loop numbers the head it sends
+    numbered = publisher.sequence.stamp_json(head.payload)
+    publisher.pending_bytes += len(numbered) - len(head.payload)
+    head.payload, head.numbered = numbered, True
+    publisher.publish({"record_id": "r1"})
+    publisher.publish({"record_id": "r2"})   # over the bound: r1 goes, not r0
+    assert [json.loads(w.payload)["record_id"] for w in publisher._pending] == ["r0", "r2"]
+    assert publisher.counters.shed == 1 and publisher.pending_bytes == sum(len(w.payload) for w in publisher._pending)
+
+
 def test_gaps_of_runs_dropped_from_the_bounded_table_still_count() -> None:
     gaps = SequenceGaps(max_runs=2)
     gaps.note(stamped("a", "old", 1))

@@ -120,7 +120,7 @@ def _version(request: web.Request) -> int:
     if not (text.isascii() and text.isdigit()):  # int() would also take "1_0", "+1" and other scripts' digits
         raise web.HTTPBadRequest(reason="the version must be a number in decimal digits")
     if len(text) > len(str(MAX_VERSION)):  # never a file name that long: past any version a store holds
-        raise VersionNotFound(f"version {text[:24]}… does not exist")
+        raise VersionNotFound(f"version {text[:24]}… does not exist (no store numbers a version that high)")
     return int(text)
 
 
@@ -153,7 +153,7 @@ def _optional_int(body: dict[str, Any], name: str, required: bool) -> int | None
     if not isinstance(value, int) or isinstance(value, bool):
         raise BadRequest(f"'{name}' must be an integer version number")
     if value >= MAX_VERSION:  # never a file name that long: past any version a store holds
-        raise VersionNotFound(f"version {str(value)[:24]}… does not exist")
+        raise VersionNotFound(f"version {str(value)[:24]}… does not exist (no store numbers a version that high)")
     return value
 
 
@@ -286,7 +286,10 @@ async def _json_http_errors(request: web.Request, handler: Handler) -> web.Strea
     except web.HTTPException as error:
         if error.status < 400:
             raise
-        return _error(error.status, error.reason)
+        response = _error(error.status, error.reason)
+        if "Allow" in error.headers:  # a 405 names the methods the route takes, as HTTP asks
+            response.headers["Allow"] = error.headers["Allow"]
+        return response
 
 
 def control_app() -> web.Application:

@@ -198,8 +198,12 @@ class MqttPublisher:
         self._wake_loop()
 
     def _shed_head(self) -> None:
-        """Drop the oldest waiting message and count it (the caller holds the lock)."""
-        shed = self._pending.popleft()
+        """Drop the oldest waiting message and count it (the caller holds the lock). Not a head that
+        already took its number (it was being sent when the broker went away, and may have reached
+        it): shed there and missing at the learner, it would be counted twice; the next one goes."""
+        at = 1 if len(self._pending) > 1 and self._pending[0].numbered else 0
+        shed = self._pending[at]
+        del self._pending[at]
         self.pending_bytes -= len(shed.payload)
         if shed.is_record:
             self.counters.shed += 1

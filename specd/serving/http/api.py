@@ -89,7 +89,8 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
                                  headers=getattr(error, "headers", None))
     except web.HTTPException as error:  # aiohttp's own 404 / 405, in OpenAI's shape
         body = {"error": {"message": error.reason, "type": "invalid_request_error", "param": None, "code": None}}
-        return web.json_response(body, status=error.status)
+        allow = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None  # a 405's methods
+        return web.json_response(body, status=error.status, headers=allow)
     except Exception:  # a bug: its traceback in the log, a JSON 500 to the client (never aiohttp's text page)
         log.exception("%s %s failed", request.method, request.path)
         return web.json_response(InternalError().as_json(), status=InternalError.http_status)
