@@ -92,6 +92,13 @@ def test_a_version_that_served_is_checked_as_servers_would_before_it_goes_live_a
     assert store.live_version() == 3 and store.manifest(3)["status"] == "live"
 
 
+def test_a_version_whose_files_are_gone_is_still_a_404_naming_them(store: WeightStore) -> None:
+    store.weights_path(2).unlink()
+    answers = ask(plane_app(store), ("POST", "/v1/rollback", {"version": 2}), ("POST", "/v1/live", {"version": 2}))
+    assert [status for status, _, _ in answers] == [404, 404]
+    assert "weights are missing" in answers[0][2]["error"]["message"] and store.live_version() == 3
+
+
 def test_a_version_for_another_target_is_not_made_live(store: WeightStore) -> None:
     other = TargetFingerprint(FINGERPRINT.vocab_size + 1, "none")
     from conftest import tiny_target
@@ -211,3 +218,57 @@ def test_a_server_and_the_learner_sidecar_check_an_operators_version_for_their_o
     finally:
         sidecar.spool.close()
         sidecar.release()
+
+
+def test_a_rollback_by_cli_on_a_store_folder_refuses_a_file_no_server_could_read(
+        store: WeightStore, capsys: pytest.CaptureFixture[str]) -> None:
+    from test_store_bad_files import one_error_line
+
+    copy_in_by_hand(store, 2, "garbage")
+    err = one_error_line(capsys, ["rollback", "2", "--store", str(store.root)])
+    assert "version 2 cannot go live" in err and store.live_version() == 3
+    copy_in_by_hand(store, 1, "nan")
+    assert "non-finite" in one_error_line(capsys, ["rollback", "1", "--store", str(store.root)])
+    assert store.live_version() == 3
+
+
+def test_a_wrong_token_is_told_apart_from_a_missing_one(store: WeightStore) -> None:
+    async def both() -> list[str]:
+        async with TestClient(TestServer(plane_app(store))) as client:
+            wrong = await client.post("/v1/pin", json={"version": 1}, headers={"Authorization": "Bearer nope"})
+            missing = await client.post("/v1/pin", json={"version": 1})
+            return [(await r.json())["error"]["message"] for r in (wrong, missing) if r.status == 401]
+
+    wrong, missing = asyncio.run(both())
+    assert "not this server's --token" in wrong and "not this server's" not in missing
+
+
+def test_the_cli_says_what_the_server_pinned(store: WeightStore, capsys: pytest.CaptureFixture[str]) -> None:
+    from specd.cli.main import main
+    from specd.testing.processes import free_port
+
+    port, started, stop = free_port(), threading.Event(), threading.Event()
+
+    def serve() -> None:
+        async def run() -> None:
+            runner = web.AppRunner(plane_app(store))
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            started.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            await runner.cleanup()
+        asyncio.run(run())
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        assert started.wait(10)
+        url = f"http://127.0.0.1:{port}"
+        assert main(["pin", "2", "--url", url, "--token", TOKEN]) == 0
+        assert main(["pin", "2", "--unpin", "--url", url, "--token", TOKEN]) == 0
+        assert capsys.readouterr().out.splitlines() == ["version 2 pinned", "version 2 unpinned"]
+        assert not store.manifest(2)["pinned"]
+    finally:
+        stop.set()
+        server.join(10)

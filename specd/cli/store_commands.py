@@ -16,7 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specd.core.errors import ConfigurationError, SpecdError, StoreError, TransportError, VersionNotFound
+from specd.core.errors import (
+    CheckpointError,
+    ConfigurationError,
+    SpecdError,
+    StoreError,
+    TransportError,
+    VersionNotFound,
+)
+from specd.hotswap.integrity import check_contents_of
 from specd.hotswap.store import WeightStore
 
 
@@ -205,15 +213,25 @@ def run_rollback(args: argparse.Namespace) -> int:
         restored = _field(answer, "live", int, args.url.rstrip("/") + "/v1/rollback")
     else:
         store = _open_store(args.store)  # against the version live as it reads: a rollback at once elsewhere wins
-        restored = store.rollback(args.version, {"by": "operator"}, if_live=store.live_version())
+        live = store.live_version()
+        to = store.rollback_choice() if args.version is None else args.version
+        if to is not None and store.weights_path(to).is_file():  # what needs no target; the plane (--url) checks it all
+            try:
+                check_contents_of(to, store.weights_path(to), store.manifest(to))
+            except CheckpointError as error:
+                raise StoreError(f"version {to} cannot go live: {error}") from None
+        restored = store.rollback(to, {"by": "operator"}, if_live=live)
     print(f"version {restored} is live")
     return 0
 
 
 def run_pin(args: argparse.Namespace) -> int:
+    version, pinned = args.version, not args.unpin
     if args.url:
-        _http(args, "/v1/pin", {"version": args.version, "pinned": not args.unpin})
+        answer = _http(args, "/v1/pin", {"version": args.version, "pinned": not args.unpin})
+        where = args.url.rstrip("/") + "/v1/pin"  # what the server did, not what was asked
+        version, pinned = _field(answer, "version", int, where), _field(answer, "pinned", bool, where)
     else:
         _open_store(args.store).pin(args.version, not args.unpin)
-    print(f"version {args.version} {'unpinned' if args.unpin else 'pinned'}")
+    print(f"version {version} {'pinned' if pinned else 'unpinned'}")
     return 0

@@ -69,7 +69,10 @@ class ControlPlane:
     target_embedding: torch.Tensor | None = None
 
     def check(self, version: int) -> None:
-        """Refuse (409, StoreError) a version that every server would refuse."""
+        """Refuse (409, StoreError) a version that every server would refuse. One whose files are gone
+        is left to the store's own operation, which names what is missing (404)."""
+        if not self.store.weights_path(version).is_file():
+            return
         try:
             if self.fingerprint is not None:
                 check_servable(version, self.store.weights_path(version), self.store.manifest(version),
@@ -135,8 +138,10 @@ def _fields(body: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, Any]:
 
 async def _authorised_body(request: web.Request) -> dict[str, Any] | web.Response:
     plane = request.app[PLANE]
-    if plane.token and not bearer_matches(request.headers.get("Authorization", ""), plane.token):
-        return _error(401, "this control operation needs `Authorization: Bearer <token>`",
+    given = request.headers.get("Authorization", "")
+    if plane.token and not bearer_matches(given, plane.token):
+        said = "; the token given is not this server's --token" if given else ""
+        return _error(401, f"this control operation needs `Authorization: Bearer <token>`{said}",
                       kind="authentication_error", code="invalid_token")  # as the OpenAI routes' key
     try:
         raw = await read_body(request) if request.can_read_body else b"{}"

@@ -178,6 +178,15 @@ def _header_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
         raise CheckpointError(f"{path}: unreadable tensors ({error})") from None
 
 
+def check_contents(path: str | Path) -> None:
+    """What can be checked of a drafter file without its target: a specd format, every tensor
+    readable, every value finite (CheckpointError otherwise). `load_drafter` checks the rest."""
+    format_name = read_metadata(path).get("specd_format")
+    if format_name not in (FEATURE_FORMAT, "drafter/1"):
+        raise CheckpointError(f"{path}: not a specd drafter checkpoint (format {format_name!r})")
+    _check_finite(_read_state(path), path)
+
+
 def _read_state(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as handle:

@@ -7,8 +7,9 @@ version is refused). `load_verified` is what every swap runs, off the decoding t
 digest, then `load_drafter` (safetensors metadata and format, the target's fingerprint, tensor
 names and shapes, finite values) in the serving model's dtype and device, then the serving side's
 own `check_compatible`; `check_servable` the same without a serving drafter (the control plane,
-before an operator's version goes live). The store, the swapper, the remote source and vLLM's
-launcher all check through here.
+before an operator's version goes live); `check_contents_of` the digest and what needs no target
+(format, readable tensors, finite values: the CLI's `--store` path). The store, the swapper, the
+remote source and vLLM's launcher all check through here.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from specd.core.errors import CheckpointError, SpecdError
-from specd.drafter.checkpoint import DrafterModel, load_drafter
+from specd.drafter.checkpoint import DrafterModel, check_contents, load_drafter
 from specd.drafter.swap import Swappable
 from specd.model.fingerprint import TargetFingerprint
 
@@ -53,6 +54,13 @@ def check_servable(version: int, path: Path, manifest: dict[str, Any], fingerpri
     the digest, then the whole file read and checked (without a serving drafter to offer it to)."""
     check_file(version, path, manifest)
     load_drafter(path, fingerprint, target_embedding=target_embedding)
+
+
+def check_contents_of(version: int, path: Path, manifest: dict[str, Any]) -> None:
+    """The digest, then what can be checked without the target (`checkpoint.check_contents`): for
+    tools that load no target, such as `specd rollback --store`."""
+    check_file(version, path, manifest)
+    check_contents(path)
 
 
 def load_verified(version: int, path: Path, manifest: dict[str, Any], fingerprint: TargetFingerprint,

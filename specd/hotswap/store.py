@@ -133,7 +133,8 @@ class WeightStore:
     # ---- reading --------------------------------------------------------------------------
     def version_dir(self, version: int) -> Path:
         if not 0 <= version < MAX_VERSION:  # a number no store holds, however a client spelt it
-            raise VersionNotFound(f"version {str(version)[:24]} does not exist in {self.root}")
+            shown = str(version)[:24] + ("… (no store numbers a version that high)" if len(str(version)) > 24 else "")
+            raise VersionNotFound(f"version {shown} does not exist in {self.root}")
         return self.root / "versions" / f"{version:06d}"
 
     def weights_path(self, version: int) -> Path:
@@ -379,7 +380,8 @@ class WeightStore:
 def _nothing_to_roll_back_to(current: int, earlier: list[int], root: Path) -> str:
     """Why a rollback without a version has no choice: no earlier live version, or none with its files."""
     if not earlier:
-        return f"version {current} has no earlier live version to roll back to"
+        return (f"version {current} has no earlier live version to roll back to (versions rolled back from are "
+                f"not returned to by default): name the version to make live")
     named = ", ".join(str(v) for v in reversed(earlier[-5:]))
     return (f"version {current}'s earlier live versions ({named}) have their files missing from {root}/versions: "
             f"nothing to roll back to; name a version that is there")
