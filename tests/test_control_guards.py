@@ -33,12 +33,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture
 def store(tmp_path: Path) -> WeightStore:
-    from test_store_bad_files import publish
+    from test_store_bad_files import three_live_versions
 
-    store = WeightStore(tmp_path / "store")
-    for seed in range(3):
-        publish(store, seed)
-    return store
+    return three_live_versions(tmp_path / "store")
 
 
 def plane_app(store: WeightStore, **plane: Any) -> web.Application:

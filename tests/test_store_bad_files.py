@@ -38,13 +38,17 @@ def publish(store: WeightStore, seed: int, live: bool = True) -> int:
     return version
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> WeightStore:
+def three_live_versions(root: Path) -> WeightStore:
     """Versions 1, 2, 3, each live in turn: 3 is live, 1 and 2 are its history."""
-    store = WeightStore(tmp_path / "store")
+    store = WeightStore(root)
     for seed in range(3):
         publish(store, seed)
     return store
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> WeightStore:
+    return three_live_versions(tmp_path / "store")
 
 
 def manifest_path(store: WeightStore, version: int) -> Path:

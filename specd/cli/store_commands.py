@@ -212,15 +212,16 @@ def run_rollback(args: argparse.Namespace) -> int:
         answer = _http(args, "/v1/rollback", {"version": args.version})
         restored = _field(answer, "live", int, args.url.rstrip("/") + "/v1/rollback")
     else:
-        store = _open_store(args.store)  # against the version live as it reads: a rollback at once elsewhere wins
-        live = store.live_version()
-        to = store.rollback_choice() if args.version is None else args.version
-        if to is not None and store.weights_path(to).is_file():  # what needs no target; the plane (--url) checks it all
+        store = _open_store(args.store)
+
+        def check(version: int) -> None:  # what needs no target; the plane (--url) checks it all
             try:
-                check_contents_of(to, store.weights_path(to), store.manifest(to))
+                check_contents_of(version, store.weights_path(version), store.manifest(version))
             except CheckpointError as error:
-                raise StoreError(f"version {to} cannot go live: {error}") from None
-        restored = store.rollback(to, {"by": "operator"}, if_live=live)
+                raise StoreError(f"version {version} cannot go live: {error}") from None
+
+        # against the version live as it reads: a rollback at once elsewhere wins
+        restored = store.operator_rollback(args.version, store.live_version(), check)
     print(f"version {restored} is live")
     return 0
 

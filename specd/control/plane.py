@@ -45,7 +45,7 @@ from aiohttp import web
 
 from specd.control.acceptance import AcceptanceLog
 from specd.core.errors import BadRequest, InternalError, SpecdError, StoreError, VersionNotFound
-from specd.core.http_requests import bearer_matches, json_object, read_body
+from specd.core.http_requests import bearer_matches, json_object_off_loop, read_body
 from specd.hotswap.integrity import check_servable
 from specd.hotswap.store import MAX_VERSION, WeightStore
 from specd.model.fingerprint import TargetFingerprint
@@ -148,7 +148,7 @@ async def _authorised_body(request: web.Request) -> dict[str, Any] | web.Respons
     except web.HTTPRequestEntityTooLarge:
         return _error(413, f"the request body is over this server's limit of {request.client_max_size} bytes",
                       code="request_too_large")
-    return await asyncio.to_thread(json_object, raw) if len(raw) > 1 << 16 else json_object(raw)
+    return await json_object_off_loop(raw)
 
 
 def _optional_int(body: dict[str, Any], name: str, required: bool) -> int | None:
@@ -248,11 +248,8 @@ def _roll_back(plane: ControlPlane, body: dict[str, Any], live_when_asked: int |
     # against the version live when the request came (or the one the operator saw): a second
     # request sent at once, or a second click, finds another version live and is refused (409)
     # rather than going back another step
-    to = plane.store.rollback_choice() if to is None else to
-    if to is not None:
-        plane.check(to)
     live = live_when_asked if if_live is None else if_live
-    return {"live": plane.store.rollback(to, {"by": "operator"}, if_live=live)}
+    return {"live": plane.store.operator_rollback(to, live, plane.check)}
 
 
 async def rollback(request: web.Request) -> web.Response:

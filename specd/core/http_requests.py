@@ -7,6 +7,7 @@ JSON, nested too deeply, not an object), never another exception whatever the by
 `read_body(request)` awaits the body for at most `BODY_TIMEOUT_S` (`BodyIncomplete`, a 408, after:
 a client that stops sending mid-body must not hold a connection forever) and turns a client that
 hung up mid-body into `BodyIncomplete` too (the answer goes nowhere, and nothing logs a traceback).
+`json_object_off_loop(raw)` is `json_object`, parsed on a thread when the body is over `INLINE_JSON_BYTES`.
 `bearer_matches(header, secret)` compares in constant time, the scheme name in any case (RFC 7235).
 Imports nothing of aiohttp: a request is anything with an awaitable `read()`.
 """
@@ -21,6 +22,7 @@ from typing import Any
 from specd.core.errors import BadRequest
 
 BODY_TIMEOUT_S = 30.0
+INLINE_JSON_BYTES = 64 * 1024   # bodies up to this are parsed on the loop: a thread hop would cost more
 
 
 class BodyIncomplete(BadRequest):
@@ -49,6 +51,14 @@ async def read_body(request: Any, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
         raise BodyIncomplete(f"the request body did not arrive within {timeout_s:.0f} s") from None
     except ConnectionResetError:
         raise BodyIncomplete("the client closed the connection before its request body was complete") from None
+
+
+async def json_object_off_loop(raw: bytes) -> dict[str, Any]:
+    """`json_object`, on a thread when the body is large: parsing megabytes on the event loop would
+    stall every other request it serves (streams included)."""
+    if len(raw) <= INLINE_JSON_BYTES:
+        return json_object(raw)
+    return await asyncio.to_thread(json_object, raw)
 
 
 def bearer_matches(header: str, secret: str) -> bool:

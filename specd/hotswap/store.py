@@ -41,7 +41,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +309,15 @@ class WeightStore:
         _write_json_atomic(self.root / "live.json", {"version": to, "history": remaining,
                                                      "rollbacks": int(state.get("rollbacks", 0)) + 1})
         return to
+
+    def operator_rollback(self, to: int | None, if_live: int | None, check: Callable[[int], None]) -> int:
+        """An operator's rollback to `to` (default: `rollback_choice`) while `if_live` is live, after
+        `check(to)` (what the caller can check of the file beyond its digest); a version whose files
+        are gone is left to `rollback`, which names what is missing."""
+        to = self.rollback_choice() if to is None else to
+        if to is not None and self.weights_path(to).is_file():
+            check(to)
+        return self.rollback(to, {"by": "operator"}, if_live=if_live)
 
     def rollback_choice(self) -> int | None:
         """The version a rollback without `to` would make live now (None: there is none)."""

@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 
 from specd.core.errors import InternalError, SpecdError
-from specd.core.http_requests import bearer_matches, json_object, read_body
+from specd.core.http_requests import bearer_matches, json_object_off_loop, read_body
 from specd.engine.request import SamplingParams, Sequence
 from specd.engine.worker import EngineWorker, Failure, Submission
 from specd.model.target import LoadedTarget
@@ -42,7 +42,6 @@ from specd.serving.http.metrics import ServingMetrics
 __all__ = ["MAX_TOKENS_CAP", "STATE", "ApiError", "ApiState", "create_app"]
 
 MAX_BODY_BYTES = 8 * 1024 * 1024   # a 4096-token context needs far less; larger bodies get a 413
-INLINE_JSON_BYTES = 64 * 1024      # bodies up to this are parsed on the loop: a thread hop would cost more
 CONNECTION_CHECK_S = 0.05          # how often a request waiting for tokens checks that its client is there
 SHUTTING_DOWN = "the server is shutting down; send the request again (to another replica)"
 
@@ -102,9 +101,7 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"the request body is over this server's limit of {request.client_max_size} bytes",
                        code="request_too_large") from None
-    if len(raw) <= INLINE_JSON_BYTES:
-        return json_object(raw)
-    return await asyncio.to_thread(json_object, raw)  # a large body would stall every other stream
+    return await json_object_off_loop(raw)
 
 
 # ---- decoding ---------------------------------------------------------------------------------
