@@ -229,6 +229,42 @@ def test_a_rollback_by_cli_on_a_store_folder_refuses_a_file_no_server_could_read
     assert store.live_version() == 3
 
 
+def _replace_weights(store: WeightStore, version: int, model: Any, fingerprint: TargetFingerprint) -> None:
+    """Version `version`'s file swapped for `model` saved for `fingerprint`, its digest updated to match."""
+    from specd.drafter.checkpoint import save_drafter
+
+    save_drafter(model, store.weights_path(version), fingerprint)
+    manifest_path = store.version_dir(version) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "sha256": sha256_file(store.weights_path(version))}))
+
+
+def test_a_rollback_by_cli_on_a_store_folder_refuses_a_file_made_for_another_target_or_shape(
+        store: WeightStore, capsys: pytest.CaptureFixture[str]) -> None:
+    from dataclasses import replace
+
+    from conftest import tiny_target
+    from test_store_bad_files import one_error_line
+
+    foreign = TargetFingerprint(FINGERPRINT.vocab_size + 1, "none")
+    _replace_weights(store, 2, new_drafter_model(tiny_target(), SHAPE, seed=9), foreign)
+    err = one_error_line(capsys, ["rollback", "2", "--store", str(store.root)])
+    assert "version 2 cannot go live" in err and "another target" in err and "--url" in err
+    wider = replace(SHAPE, intermediate_size=2 * SHAPE.intermediate_size)
+    _replace_weights(store, 1, new_drafter_model(tiny_target(), wider, seed=9), FINGERPRINT)
+    assert "other shapes" in one_error_line(capsys, ["rollback", "1", "--store", str(store.root)])
+    assert store.live_version() == 3
+
+
+def test_a_rollback_by_cli_away_from_a_live_file_that_cannot_be_read_still_checks_the_rest(
+        store: WeightStore, capsys: pytest.CaptureFixture[str]) -> None:
+    from specd.cli.main import main
+
+    copy_in_by_hand(store, 3, "garbage")  # nothing to compare with: the live file is the broken one
+    assert main(["rollback", "--store", str(store.root)]) == 0
+    assert "version 2 is live" in capsys.readouterr().out and store.live_version() == 2
+
+
 def test_a_wrong_token_is_told_apart_from_a_missing_one(store: WeightStore) -> None:
     async def both() -> list[str]:
         async with TestClient(TestServer(plane_app(store))) as client:

@@ -214,14 +214,20 @@ def run_rollback(args: argparse.Namespace) -> int:
     else:
         store = _open_store(args.store)
 
+        live = store.live_version()
+        # the live version's file is what servers load now (unless they refuse it: then --url)
+        like = store.weights_path(live) if live is not None and store.weights_path(live).is_file() else None
+
         def check(version: int) -> None:  # what needs no target; the plane (--url) checks it all
             try:
-                check_contents_of(version, store.weights_path(version), store.manifest(version))
+                check_contents_of(version, store.weights_path(version), store.manifest(version), like)
             except CheckpointError as error:
-                raise StoreError(f"version {version} cannot go live: {error}") from None
+                hint = (f" (if servers refuse version {live}, `specd rollback --url` checks version {version} "
+                        f"against their own target)" if like is not None else "")
+                raise StoreError(f"version {version} cannot go live: {error}{hint}") from None
 
         # against the version live as it reads: a rollback at once elsewhere wins
-        restored = store.operator_rollback(args.version, store.live_version(), check)
+        restored = store.operator_rollback(args.version, live, check)
     print(f"version {restored} is live")
     return 0
 

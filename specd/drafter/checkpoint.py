@@ -178,13 +178,46 @@ def _header_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
         raise CheckpointError(f"{path}: unreadable tensors ({error})") from None
 
 
-def check_contents(path: str | Path) -> None:
+def check_contents(path: str | Path, like: str | Path | None = None) -> None:
     """What can be checked of a drafter file without its target: a specd format, every tensor
-    readable, every value finite (CheckpointError otherwise). `load_drafter` checks the rest."""
-    format_name = read_metadata(path).get("specd_format")
+    readable, every value finite (CheckpointError otherwise). `load_drafter` checks the rest.
+    With `like` (a file servers load now, such as the live version's), also the same target
+    fingerprint, format and tensor shapes as that file where it can be read: a drafter made for
+    another target, or of another shape, is refused without loading the target."""
+    metadata = read_metadata(path)
+    format_name = metadata.get("specd_format")
     if format_name not in (FEATURE_FORMAT, "drafter/1"):
         raise CheckpointError(f"{path}: not a specd drafter checkpoint (format {format_name!r})")
+    if like is not None:
+        _check_like(path, metadata, like)
     _check_finite(_read_state(path), path)
+
+
+def _check_like(path: str | Path, metadata: dict[str, str], like: str | Path) -> None:
+    try:
+        reference, expected = read_metadata(like), _header_shapes(like)
+    except CheckpointError:  # nothing to compare with: the other checks stand alone
+        return
+    if _fingerprint_fields(metadata) != _fingerprint_fields(reference):
+        raise CheckpointError(f"{path}: made for another target than {like} ({metadata.get('target_fingerprint')} "
+                              f"against {reference.get('target_fingerprint')})")
+    if metadata.get("specd_format") != reference.get("specd_format"):
+        raise CheckpointError(f"{path}: format {metadata.get('specd_format')!r}, {like} is "
+                              f"{reference.get('specd_format')!r}")
+    shapes = _header_shapes(path)
+    if shapes != expected:
+        differ = sorted(name for name in set(shapes) | set(expected) if shapes.get(name) != expected.get(name))
+        raise CheckpointError(f"{path}: tensors of other shapes than {like}'s "
+                              f"({', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''})")
+
+
+def _fingerprint_fields(metadata: dict[str, str]) -> object:
+    """The target fingerprint a file names, as parsed JSON (its text when it is not JSON)."""
+    text = metadata.get("target_fingerprint")
+    try:
+        return json.loads(text) if text is not None else None
+    except ValueError:
+        return text
 
 
 def _read_state(path: str | Path) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@ digest, then `load_drafter` (safetensors metadata and format, the target's finge
 names and shapes, finite values) in the serving model's dtype and device, then the serving side's
 own `check_compatible`; `check_servable` the same without a serving drafter (the control plane,
 before an operator's version goes live); `check_contents_of` the digest and what needs no target
-(format, readable tensors, finite values: the CLI's `--store` path). The store, the swapper, the
+(format, readable tensors, finite values, and the fingerprint and shapes of a file servers load
+now: the CLI's `--store` path). The store, the swapper, the
 remote source and vLLM's launcher all check through here.
 """
 
@@ -56,11 +57,12 @@ def check_servable(version: int, path: Path, manifest: dict[str, Any], fingerpri
     load_drafter(path, fingerprint, target_embedding=target_embedding)
 
 
-def check_contents_of(version: int, path: Path, manifest: dict[str, Any]) -> None:
-    """The digest, then what can be checked without the target (`checkpoint.check_contents`): for
-    tools that load no target, such as `specd rollback --store`."""
+def check_contents_of(version: int, path: Path, manifest: dict[str, Any], like: Path | None = None) -> None:
+    """The digest, then what can be checked without the target (`checkpoint.check_contents`,
+    against `like`, a file servers load now, where given): for tools that load no target, such as
+    `specd rollback --store`."""
     check_file(version, path, manifest)
-    check_contents(path)
+    check_contents(path, like)
 
 
 def load_verified(version: int, path: Path, manifest: dict[str, Any], fingerprint: TargetFingerprint,
