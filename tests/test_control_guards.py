@@ -120,16 +120,24 @@ def test_a_candidate_servers_would_refuse_is_refused_before_the_gate_asks_for_ev
     assert status == 409 and "cannot go live" in body["error"]["message"] and not submitted
 
 
-def test_two_default_rollbacks_at_once_go_back_one_step(store: WeightStore) -> None:
+def test_two_default_rollbacks_at_once_go_back_one_step(store: WeightStore,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     plane = ControlPlane(store, AcceptanceLog(), TOKEN, fingerprint=FINGERPRINT)
-    both_checking = threading.Barrier(2, timeout=10)  # both requests are past reading the live version
-    check = plane.check
+    both_asked = threading.Event()  # both requests have read the version live when they came
+    reads, live_version, check = [], store.live_version, plane.check
 
-    def check_together(version: int) -> None:
-        both_checking.wait()
+    def counted_live_version() -> int | None:
+        reads.append(1)
+        if len(reads) >= 2:
+            both_asked.set()
+        return live_version()
+
+    def check_once_both_asked(version: int) -> None:
+        assert both_asked.wait(10)
         check(version)
 
-    plane.check = check_together  # type: ignore[method-assign]
+    monkeypatch.setattr(store, "live_version", counted_live_version)
+    plane.check = check_once_both_asked  # type: ignore[method-assign]
     app = control_app()
     add_control_routes(app, plane)
 
@@ -305,3 +313,37 @@ def test_the_cli_says_what_the_server_pinned(store: WeightStore, capsys: pytest.
     finally:
         stop.set()
         server.join(10)
+
+
+def test_an_operators_check_runs_under_the_live_lock_so_no_one_acts_between_it_and_the_change(
+        store: WeightStore) -> None:
+    checking, release = threading.Event(), threading.Event()
+
+    def slow_check(version: int) -> None:
+        checking.set()
+        assert release.wait(10)
+
+    rollback = threading.Thread(target=store.operator_rollback, args=(2, 3, slow_check))
+    rollback.start()
+    assert checking.wait(10)
+    promotion = threading.Thread(target=store.set_live, args=(1,))
+    promotion.start()
+    promotion.join(0.5)
+    assert promotion.is_alive() and store.live_version() == 3  # waiting for the check to end
+    release.set()
+    rollback.join(10)
+    promotion.join(10)
+    assert store.live_version() == 1 and store.live_state()["history"][-1] == 2
+
+
+def test_a_failed_check_changes_nothing_in_the_store(store: WeightStore) -> None:
+    from specd.core.errors import StoreError
+
+    def refuse(version: int) -> None:
+        raise StoreError(f"version {version} cannot go live: planted")
+
+    before = (store.live_state(), store.manifest(2), store.manifest(3))
+    for act in (lambda: store.set_live(2, "operator", check=refuse), lambda: store.operator_rollback(2, 3, refuse)):
+        with pytest.raises(StoreError, match="planted"):
+            act()
+        assert (store.live_state(), store.manifest(2), store.manifest(3)) == before

@@ -214,8 +214,8 @@ async def set_live(request: web.Request) -> web.Response:
     status = plane.store.manifest(version).get("status")
     if plane.submit is None or status != "candidate":  # a version that has been live before: no gate
         def make_live(plane: ControlPlane, body: dict[str, Any]) -> dict[str, Any]:
-            plane.check(version)  # but what its manifest says is not evidence that servers can load it
-            plane.store.set_live(version, "operator")
+            # but what its manifest says is not evidence that servers can load it
+            plane.store.set_live(version, "operator", check=plane.check)
             return {"live": version}
 
         return await _operate(request, make_live, body)

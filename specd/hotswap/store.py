@@ -227,12 +227,16 @@ class WeightStore:
     def _live_lock(self) -> contextlib.AbstractContextManager[None]:
         return self._lock("live.lock")
 
-    def set_live(self, version: int, reason: str = "promoted", if_live: int | _AnyLive | None = ANY_LIVE) -> None:
-        """Make `version` live; with `if_live`, only while that version is still the live one."""
+    def set_live(self, version: int, reason: str = "promoted", if_live: int | _AnyLive | None = ANY_LIVE,
+                 check: Callable[[int], None] | None = None) -> None:
+        """Make `version` live; with `if_live`, only while that version is still the live one; with
+        `check`, only if `check(version)` raises nothing, run under the live lock (what the caller can
+        check of the file beyond its digest: between a check and the change no one else acts)."""
         with self._live_lock():
-            self._set_live_locked(version, reason, if_live)
+            self._set_live_locked(version, reason, if_live, check)
 
-    def _set_live_locked(self, version: int, reason: str, if_live: int | _AnyLive | None) -> None:
+    def _set_live_locked(self, version: int, reason: str, if_live: int | _AnyLive | None,
+                         check: Callable[[int], None] | None) -> None:
         state = self.live_state()
         previous = state["version"]
         if not isinstance(if_live, _AnyLive) and previous != if_live:
@@ -245,6 +249,8 @@ class WeightStore:
         if previous == version:
             return
         self.check_weights(version, manifest)
+        if check is not None:
+            check(version)
         now = time.time()
         if previous is not None:
             self._leave_live(previous, now, status="retired")
@@ -268,15 +274,17 @@ class WeightStore:
             log.warning("version %s leaves live unmarked: %s", version, error)
 
     def rollback(self, to: int | None = None, evidence: dict[str, Any] | None = None,
-                 if_live: int | _AnyLive | None = ANY_LIVE, unless_pinned: bool = False) -> int:
+                 if_live: int | _AnyLive | None = ANY_LIVE, unless_pinned: bool = False,
+                 check: Callable[[int], None] | None = None) -> int:
         """Make `to` (default: the previous live version) live again; the current one is rolled back.
         With `if_live`, only while that version is still the live one (LiveVersionChanged otherwise);
-        with `unless_pinned`, only while it is not pinned (read under the lock: the canary's rule)."""
+        with `unless_pinned`, only while it is not pinned (read under the lock: the canary's rule);
+        with `check`, as `set_live`."""
         with self._live_lock():
-            return self._rollback_locked(to, evidence, if_live, unless_pinned)
+            return self._rollback_locked(to, evidence, if_live, unless_pinned, check)
 
-    def _rollback_locked(self, to: int | None, evidence: dict[str, Any] | None,
-                         if_live: int | _AnyLive | None, unless_pinned: bool) -> int:
+    def _rollback_locked(self, to: int | None, evidence: dict[str, Any] | None, if_live: int | _AnyLive | None,
+                         unless_pinned: bool, check: Callable[[int], None] | None) -> int:
         state = self.live_state()
         current = state["version"]
         if not isinstance(if_live, _AnyLive) and current != if_live:
@@ -300,6 +308,8 @@ class WeightStore:
                              f"returns to a version that served; a candidate goes live through the gate "
                              f"(POST /v1/live)")
         self.check_weights(to, manifest)
+        if check is not None:
+            check(to)
         now = time.time()
         # timed, so that the dashboard marks an operator's rollback as it marks the canary's
         self._leave_live(current, now, status="rolled-back",
@@ -311,18 +321,9 @@ class WeightStore:
         return to
 
     def operator_rollback(self, to: int | None, if_live: int | None, check: Callable[[int], None]) -> int:
-        """An operator's rollback to `to` (default: `rollback_choice`) while `if_live` is live, after
-        `check(to)` (what the caller can check of the file beyond its digest); a version whose files
-        are gone is left to `rollback`, which names what is missing."""
-        to = self.rollback_choice() if to is None else to
-        if to is not None and self.weights_path(to).is_file():
-            check(to)
-        return self.rollback(to, {"by": "operator"}, if_live=if_live)
-
-    def rollback_choice(self) -> int | None:
-        """The version a rollback without `to` would make live now (None: there is none)."""
-        history = self._history_to_roll_back_to(self.live_state())[1]
-        return history[-1] if history else None
+        """An operator's rollback to `to` (default: the previous live version) while `if_live` is
+        live, if `check(to)` (what the caller can check of the file beyond its digest) passes."""
+        return self.rollback(to, {"by": "operator"}, if_live=if_live, check=check)
 
     def _history_to_roll_back_to(self, state: dict[str, Any]) -> tuple[list[int], list[int]]:
         """(earlier live versions, those of them whose files are present: never a version whose files are gone)."""
