@@ -22,7 +22,8 @@ fields of one manifest never lose one another; the lock order is live.lock, then
 most recently by their manifests (a rollback cuts the history short), or one that was live within
 the last `keep_live_within_s` seconds (servers may still be loading or serving it); a collected version
 disappears in one rename, and rollback chooses only versions whose weights are present.
-A version goes live (promotion or rollback) only if its weights still match the manifest's sha256.
+A version goes live (promotion or rollback) only if its weights still match the manifest's sha256
+and pass the caller's own `check` of the file, where given (run under the lock).
 A store file that cannot be read as what it must be (live.json, a manifest: not JSON, not an
 object, live.json's fields of the wrong type) raises `StoreCorrupt` naming the file; nothing
 rewrites or deletes such a file (it is the evidence): gc keeps a version whose manifest is corrupt,
