@@ -177,6 +177,35 @@ def test_concurrent_updates_of_one_manifest_lose_no_field(tmp_path: Path, monkey
     assert {f"{name}{i}" for name in stores for i in range(rounds)} <= manifest.keys()
 
 
+def test_two_publishers_at_once_never_choose_the_same_version_number(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stores = {"a": WeightStore(tmp_path), "b": WeightStore(tmp_path)}  # as a learner and a script by hand would
+    writing = threading.Event()
+    real_save = store_module.save_drafter
+
+    def save_while_the_other_chooses(*args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name == "a":  # its number chosen: let the other choose one now
+            writing.set()
+            time.sleep(STEP_IN_S)
+        real_save(*args, **kwargs)
+
+    monkeypatch.setattr(store_module, "save_drafter", save_while_the_other_chooses)
+    versions: dict[str, int] = {}
+
+    def publish(name: str) -> None:
+        if name == "b":
+            assert writing.wait(10)
+        versions[name] = stores[name].publish(new_drafter_model(tiny_target(), SHAPE), FINGERPRINT, None, {})
+
+    threads = [threading.Thread(target=publish, args=(name,), name=name) for name in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(versions.values()) == [1, 2]
+    assert {stores["a"].manifest(v)["version"] for v in (1, 2)} == {1, 2}
+
+
 def test_gc_during_a_rollback_keeps_the_version_the_rollback_chose(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = WeightStore(tmp_path, keep_last=1, keep_live_within_s=0)  # only the lock protects version 2 here

@@ -17,6 +17,7 @@ interleave them; `set_live(..., if_live=n)` and `rollback(..., if_live=n)` act o
 live (a compare-and-set): a decision taken before someone else's change cannot overwrite it.
 Manifest updates (read, change, write) hold `manifest.lock`, so concurrent updates of different
 fields of one manifest never lose one another; the lock order is live.lock, then manifest.lock.
+`publish` holds `publish.lock`, so publishers in other threads or processes never take one number.
 `gc` never collects the live version, a pinned one, one of the newest `keep_last`, one of the last
 `keep_last` in the live history (rollback's default choices), one of the `keep_last` versions live
 most recently by their manifests (a rollback cuts the history short), or one that was live within
@@ -186,25 +187,26 @@ class WeightStore:
     # ---- writing --------------------------------------------------------------------------
     def publish(self, model: DrafterModel, fingerprint: TargetFingerprint, parent: int | None,
                 info: dict[str, Any], target_embedding: torch.Tensor | None = None) -> int:
-        """Write a new candidate version; returns its number."""
-        version = max(self.versions(), default=0) + 1
-        staging = Path(tempfile.mkdtemp(dir=self.root / "versions", prefix=".staging."))
-        try:
-            weights = staging / "drafter.safetensors"
-            save_drafter(model, weights, fingerprint, {"version": str(version)}, target_embedding)
-            manifest = {"version": version, "parent": parent, "sha256": sha256_file(weights),
-                        "created": time.time(), "drafter_config": json.loads(json.dumps(model.config.__dict__)),
-                        "target_fingerprint": fingerprint.__dict__, "status": "candidate", "pinned": False,
-                        "history": [], **info}
-            _write_json_atomic(staging / "manifest.json", manifest)
-            os.rename(staging, self.version_dir(version))
-        except Exception as error:
-            if out_of_space(error):  # say which store is full (safetensors' own error names no file)
-                raise StoreError(f"cannot write version {version} to the store {self.root}: no space left on "
-                                 f"its device") from error
-            raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        """Write a new candidate version; returns its number (chosen under `publish.lock`)."""
+        with self._lock("publish.lock"):
+            version = max(self.versions(), default=0) + 1
+            staging = Path(tempfile.mkdtemp(dir=self.root / "versions", prefix=".staging."))
+            try:
+                weights = staging / "drafter.safetensors"
+                save_drafter(model, weights, fingerprint, {"version": str(version)}, target_embedding)
+                manifest = {"version": version, "parent": parent, "sha256": sha256_file(weights),
+                            "created": time.time(), "drafter_config": json.loads(json.dumps(model.config.__dict__)),
+                            "target_fingerprint": fingerprint.__dict__, "status": "candidate", "pinned": False,
+                            "history": [], **info}
+                _write_json_atomic(staging / "manifest.json", manifest)
+                os.rename(staging, self.version_dir(version))
+            except Exception as error:
+                if out_of_space(error):  # say which store is full (safetensors' own error names no file)
+                    raise StoreError(f"cannot write version {version} to the store {self.root}: no space left on "
+                                     f"its device") from error
+                raise
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         return version
 
     def update(self, version: int, **fields: Any) -> dict[str, Any]:
