@@ -7,7 +7,7 @@ Contract:
   core count, thread settings (torch's pools and the OMP/MKL/vLLM/specd environment), the
   command line and every setting of the run (the argparse namespace); `specd.core.provenance`
   computes it, as for `specd demo`'s JSON.
-- `parser(doc, out, repeats)`: an ArgumentParser with `--repeats` and `--out` already on it.
+- `parser(doc, out, repeats)`: an ArgumentParser with `--out` and `--repeats` (None: without it) on it.
 - `interleaved(configs, repeats)`: runs configurations in rounds, each once per round (A B C,
   B C A, C A B, ...: the starting one rotates so that no configuration always runs first), and
   returns every run, tagged with its round. Drift on a shared machine then hits all alike.
@@ -42,11 +42,13 @@ def provenance(args: argparse.Namespace | Mapping[str, Any] | None = None) -> di
     return run_provenance(AT_START, STARTED, settings)
 
 
-def parser(doc: str | None, out: str, repeats: int) -> argparse.ArgumentParser:
-    """A benchmark's parser, with the two options every benchmark has."""
+def parser(doc: str | None, out: str, repeats: int | None) -> argparse.ArgumentParser:
+    """A benchmark's parser, with `--out` and (unless `repeats` is None: one run, no rounds) `--repeats`."""
     p = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
-    p.add_argument("--repeats", type=int, default=repeats,
-                   help=f"rounds of interleaved configurations; medians and spread are reported (default {repeats})")
+    if repeats is not None:
+        p.add_argument("--repeats", type=int, default=repeats,
+                       help=f"rounds of interleaved configurations; medians and spread are reported "
+                            f"(default {repeats})")
     p.add_argument("--out", default=out, help=f"JSON result (default {out})")
     return p
 

@@ -46,6 +46,9 @@ SCHEDULE = [(0.15, "restart the broker"), (0.30, "kill and restart the learner")
             (0.65, "roll back by hand"), (0.75, "flood server 2")]
 
 
+NOTE_CHARS = 240
+
+
 def post(url: str, body: dict[str, Any], token: str) -> tuple[int, dict[str, Any]]:
     request = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
@@ -63,6 +66,7 @@ class Faults:
         self.target = target
         self.log: list[dict[str, Any]] = []
         self.planted: dict[str, int] = {}
+        self.first_answers: dict[str, int] = {}  # kind -> the status an operator got for the first of it
         self.served: set[int] = set()
         self.live_seen: set[int] = set()
         self._begin = time.monotonic()
@@ -75,7 +79,8 @@ class Faults:
         self.parts_every_s = 15.0
 
     def note(self, event: str) -> None:
-        print(f"[soak {time.monotonic() - self._begin:6.1f} s] {event}", flush=True)
+        shown = event if len(event) <= NOTE_CHARS else event[:NOTE_CHARS] + " ..."  # the log keeps it whole
+        print(f"[soak {time.monotonic() - self._begin:6.1f} s] {shown}", flush=True)
         self.log.append({"at": time.monotonic() - self._begin, "event": event})
 
     # ---- the schedule ---------------------------------------------------------------------
@@ -145,6 +150,7 @@ class Faults:
         else:
             self.planted[kind] = version
         status, answer = self.operator_post(f"verdict on a {kind} version", "/v1/live", {"version": version})
+        self.first_answers.setdefault(kind, status)
         self.note(f"{kind} version {version}: POST /v1/live answered {status}: {answer}")
         if kind == "worse" and len(self.probes) == 0:  # the first: probes follow until the run ends
             while not self._stop.wait(self.probe_every_s):
@@ -226,7 +232,18 @@ class Faults:
                 outcome["worse_live"] += int(version in self.live_seen or "live_since" in store.manifest(version))
             outcome["worse_served"] += int(version in self.served)
         outcome["probes"] = list(self.probes)
+        outcome["first_answers"] = dict(self.first_answers)
+        planted = [v for v in (*self.planted.values(), *self.probes)]
+        outcome["went_live_or_served"] = sorted(v for v in planted if v in self.live_seen or v in self.served
+                                                or self._ever_live(store, v))
         return outcome
+
+    @staticmethod
+    def _ever_live(store: WeightStore, version: int) -> bool:
+        try:
+            return "live_since" in store.manifest(version)
+        except VersionNotFound:
+            return False
 
 
 class MemoryWatch:

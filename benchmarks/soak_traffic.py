@@ -66,6 +66,14 @@ class Tally:
     def now(self) -> float:
         return time.monotonic() - self.started
 
+    def progress(self) -> str:
+        """So far: requests sent, answered 200, refused 429, and answered 5xx or not at all (a client's
+        own early disconnects aside); the flood's 429s are judged at the end."""
+        answered = [o.status for o in self.outcomes]
+        lost = sum(1 for o in self.outcomes if o.status is None and o.error != "disconnected")
+        return (f"{len(answered)} requests: {answered.count(200)} answered 200, {answered.count(429)} refused 429, "
+                f"{sum(1 for status in answered if status is not None and status >= 500) + lost} 5xx or unanswered")
+
     def add(self, kind: str, server: int, at: float, status: int | None, error: str | None = None,
             greedy_equal: bool | None = None) -> None:
         self.outcomes.append(Outcome(kind, server, at, status, error, False, greedy_equal))
@@ -93,14 +101,17 @@ class Tally:
             if outcome.greedy_equal is not None:
                 counts["greedy_checked"] += 1
                 counts["greedy_equal"] += int(outcome.greedy_equal)
-            if outcome.status == 429:
-                counts["refused_429_flood" if outcome.in_flood else "refused_429_outside_flood"] += 1
+            # each request in one class (succeeded, 429 in the flood, malformed 4xx, disconnected,
+            # failed): they add up to `sent`; a 429 outside the flood is a failure, also counted apart
             if self.failed(outcome):
                 counts["failed"] += 1
+                counts["refused_429_outside_flood"] += int(outcome.status == 429)
                 label = f"{outcome.kind}: {outcome.status or outcome.error}"
                 failures[label] = failures.get(label, 0) + 1
                 failed_at.append({"kind": outcome.kind, "server": outcome.server + 1, "at": round(outcome.at, 1),
                                   "status": outcome.status, "error": outcome.error})
+            elif outcome.status == 429:
+                counts["refused_429_flood"] += 1
             elif outcome.kind == "malformed":
                 counts["malformed_answered_4xx"] += 1
             elif outcome.status is None:

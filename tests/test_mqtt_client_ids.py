@@ -52,3 +52,49 @@ def test_a_second_client_with_the_learners_id_is_named_in_the_log(tmp_path, capl
     said = [r.getMessage() for r in caplog.records]
     assert any("another client is connected with the same client id 'learner-x'" in m for m in said), said
     assert not any("unreachable" in m for m in said), said
+
+
+@pytest.mark.mqtt
+def test_the_learner_and_a_server_say_when_the_broker_is_reachable_again(tmp_path, caplog) -> None:
+    """A log that says "unreachable" and never says otherwise leaves an operator guessing."""
+    import time
+
+    from specd.transport.mqtt import MqttPublisher
+
+    broker = Broker(tmp_path / "broker").start()
+    settings = MqttSettings.from_url(broker.url, deployment="again")
+
+    async def handle(topic: str, payload: bytes) -> None:
+        pass
+
+    async def learner_through_a_restart(publisher: MqttPublisher) -> None:
+        stop = asyncio.Event()
+        learner = asyncio.create_task(subscribe_forever(settings, "learner-y", handle, stop, BackgroundHealth()))
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(broker.stop)
+        await asyncio.sleep(1.5)  # both find it gone and retry
+        await asyncio.to_thread(broker.start)
+        for _ in range(100):  # both back within the backoff
+            if publisher.connected.is_set() and any("reachable again; subscribing" in m for m in said()):
+                break
+            await asyncio.sleep(0.2)
+        stop.set()
+        learner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await learner
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records]
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="specd.transport.mqtt"):
+            publisher = MqttPublisher(settings, "server-y").start()
+            deadline = time.monotonic() + 20
+            while not publisher.connected.is_set() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            asyncio.run(learner_through_a_restart(publisher))
+            publisher.stop()
+    finally:
+        broker.stop()
+    assert any("MQTT broker reachable again; subscribing" in m for m in said()), said()
+    assert any("MQTT broker reachable again; 0 records waiting" in m for m in said()), said()

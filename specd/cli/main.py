@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         args = build_parser().parse_args(argv)
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        # timed: a service's log is read against what happened when (a broker restart, a swap)
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return int(args.run(args))
     except SpecdError as error:  # every failure a person can fix; anything else is a bug and shows as one
         print(f"specd: error: {error}", file=sys.stderr)

@@ -188,8 +188,8 @@ class Promoter:
         live = self.store.live_version()
         if live is None or live == self.live_version:
             return time.monotonic() < self._hold_until
-        log.warning("live version changed to %s outside the learner; holding publications for %.0f s",
-                    live, self.config.hold_after_rollback_s)
+        log.warning("live version changed to %s by a rollback or an operator, not by the gate; holding "
+                    "publications for %.0f s", live, self.config.hold_after_rollback_s)
         self.adopt(live)
         self._hold_until = time.monotonic() + self.config.hold_after_rollback_s
         return True

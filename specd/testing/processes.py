@@ -105,8 +105,9 @@ class Broker:
         binary = mosquitto_binary()
         if binary is None:
             raise FileNotFoundError("mosquitto is not installed; install it with `bash scripts/system-deps`")
-        self.process = subprocess.Popen([binary, "-c", str(self.folder / "mosquitto.conf")],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with (self.folder / "mosquitto.log").open("ab") as log:  # kept across restarts, beside its config
+            self.process = subprocess.Popen([binary, "-c", str(self.folder / "mosquitto.conf")],
+                                            stdout=log, stderr=subprocess.STDOUT)
 
         def listening() -> bool:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1):

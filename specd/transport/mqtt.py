@@ -253,6 +253,8 @@ class MqttPublisher:
         while not self._stop.is_set():
             try:
                 async with self.settings.client() as client:
+                    if attempt:  # said, as the loss was
+                        log.warning("MQTT broker reachable again; %d records waiting", len(self._pending))
                     attempt = 0
                     self.connected.set()
                     await client.subscribe(self.settings.topic("live"), qos=1)
@@ -324,7 +326,7 @@ async def subscribe_forever(settings: MqttSettings, client_id: str,
     that shared subscription (one member of the group gets each)."""
     health = health or BackgroundHealth()
     health.register(SUBSCRIBER_TASK)
-    attempt, drops = 0, _Drops(client_id)
+    attempt, drops, unreachable = 0, _Drops(client_id), False
     failed_at, said = -BACKOFF_RESET_S, ""   # the last failure: when, and what was logged of it
     while not stop.is_set():
         connected = False
@@ -336,6 +338,9 @@ async def subscribe_forever(settings: MqttSettings, client_id: str,
             records = settings.topic("records") + "/+"
             async with client:
                 connected = True
+                if unreachable:  # said, as the loss was
+                    log.warning("MQTT broker reachable again; subscribing")
+                    unreachable = False
                 await client.subscribe(records if share_group is None else f"$share/{share_group}/{records}", qos=1)
                 if reports:
                     await client.subscribe(settings.topic("reports") + "/+", qos=1)
@@ -352,6 +357,7 @@ async def subscribe_forever(settings: MqttSettings, client_id: str,
                 drops.dropped(error)
             else:
                 log.warning("MQTT broker unreachable (%s); retrying", error)
+            unreachable = True
             health.failed(SUBSCRIBER_TASK, error)
         except Exception as error:  # `handle` failed: the message stays unacknowledged and comes again
             health.failed(SUBSCRIBER_TASK, error)
