@@ -115,3 +115,24 @@ def test_the_learner_config_refuses_a_negative_or_endless_confidence() -> None:
     for z in (-1.0, math.inf, math.nan):
         with pytest.raises(ConfigurationError, match="gate_confidence_z"):
             LearnerConfig(gate_confidence_z=z)
+
+
+@pytest.mark.parametrize("z", [0.0, 1.0])
+def test_near_one_the_margin_shrinks_so_a_drafter_whose_drafts_all_fail_is_refused(z: float) -> None:
+    """On a random target drafters accept about 1.04 tokens a pass; a version drowned in noise, 1.00.
+    The fixed margin (0.05) passed it; a tenth of what live drafts beyond 1 (0.004) does not."""
+    live, candidate = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    records = [record(i) for i in range(8)]
+    replays = Replays({id(live): {r.record_id: 1.044 for r in records},
+                       id(candidate): {r.record_id: 1.001 for r in records}})
+    verdict = gate_with(records, z=z).verdict(candidate, live, replays.accept_length)
+    assert not verdict["passed"]
+    level = Replays({id(live): {r.record_id: 1.044 for r in records},
+                     id(candidate): {r.record_id: 1.042 for r in records}})
+    assert gate_with(records, z=z).verdict(candidate, live, level.accept_length)["passed"]
+
+
+def test_at_the_accept_lengths_real_targets_give_the_margin_is_unchanged() -> None:
+    gate = gate_with([], z=0)
+    assert gate.margin_below(1.5) == gate.margin_below(2.4) == 0.05
+    assert math.isclose(gate.margin_below(1.2), 0.02) and gate.margin_below(1.0) == 0.0

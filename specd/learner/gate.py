@@ -3,10 +3,11 @@
 Contract: every `every`-th record the learner takes is held out (kept from training; the newest
 `capacity` are kept), whatever its temperature. A candidate passes when its weights are finite and
 its simulated accept length on the held-out records is not worse than the bar by more than
-`margin`: the bar is the better of the live version and, where given, the `bar` version (the last
-one that went live without needing the margin, `Promoter.bar_version`), both replayed on the same
-records. So regressions cannot chain: versions each within the margin of the one before would
-otherwise walk the drafter down a margin at a time.
+`margin` (capped at `MARGIN_SHARE` of the bar's accept length beyond 1: `margin_below`): the bar
+is the better of the live version and, where given, the `bar` version (the last one that went
+live without needing the margin, `Promoter.bar_version`), both replayed on the same records. So
+regressions cannot chain: versions each within the margin of the one before would otherwise walk
+the drafter down a margin at a time.
 With fewer than `min_held_out` held-out records there is no evidence and no pass:
 `has_evidence` is False (the learner then waits and trains on) and `verdict` fails. The learner's
 thread holds records out while an operator's candidate may be judged on another thread: the
@@ -66,6 +67,9 @@ from specd.drafter.checkpoint import DrafterModel
 from specd.learner.simulation import record_replayable
 
 AcceptLength = Callable[[DrafterModel, list[TrajectoryRecord]], float]
+# the margin's cap, as a share of what the reference drafts: at accept lengths of 1.5 and above
+# the default margin (0.05) stands; at 1.04 (a random target's drafters) it is 0.004
+MARGIN_SHARE = 0.1
 
 
 class Gate:
@@ -111,6 +115,13 @@ class Gate:
             self.held_out.extend(records)
             self.kept_from_ranks += len(records)  # rank 0's sign of the traffic other ranks take
 
+    def margin_below(self, reference: float) -> float:
+        """How far a candidate may trail `reference` (an accept length): `margin`, but never more than
+        `MARGIN_SHARE` of what the reference drafts beyond the token every pass gives. Near 1 (a
+        drafter that barely pays, as on a random target) a fixed margin would pass a version whose
+        drafts are all refused."""
+        return min(self.margin, MARGIN_SHARE * max(0.0, reference - 1.0))
+
     @property
     def has_evidence(self) -> bool:
         return len(self.held_out) >= self.min_held_out
@@ -134,7 +145,7 @@ class Gate:
         floor = (_weighted(shares, lambda domain, group: self._replayed(f"bar {domain}", bar, group, accept_length))
                  if bar is not None else theirs)
         reference = max(theirs, floor)
-        passed = ours >= reference - self.margin
+        passed = ours >= reference - self.margin_below(reference)
         if passed:
             reason = "ok"
         elif theirs >= floor:
@@ -163,11 +174,12 @@ class Gate:
             difference += weight * statistics.fmean(pairs)
             variance += weight ** 2 * (statistics.variance(pairs) / len(pairs) if len(pairs) > 1 else math.inf)
         bound = difference - self.confidence_z * math.sqrt(variance)
-        passed = bound >= -self.margin
+        margin = self.margin_below(max(means["live"], means["bar"]))
+        passed = bound >= -margin
         side = "live" if reference is theirs else "the bar"
         reason = "ok" if passed else (f"accept length {means['candidate']:.3f} against {side} "
                                       f"{max(means['live'], means['bar']):.3f}: the difference's lower bound "
-                                      f"{bound:+.3f} is below -{self.margin:g}")
+                                      f"{bound:+.3f} is below -{margin:.3g}")
         weights = {"domain_weights": _named(shares)} if self.traffic_window > 0 else {}
         return {"passed": passed, "reason": reason, **means, "difference": difference, "lower_bound": bound,
                 "improved": bound >= 0, "held_out_records": held_out,
