@@ -21,7 +21,7 @@ the exit status is 0 only when every goal is met.
     python benchmarks/soak.py --minutes 45     # the long soak (docs/measurements.md)
 The target defaults to the bundled SmolLM2-135M (`--target bundled`), what CI and every run on
 record soaked. `--target tiny` (a small random Llama with SmolLM2's tokenizer) starts faster; its
-drafters accept about 1.05 tokens a pass, so the gate judges there on a margin of about 0.005
+drafters accept about 1.05 tokens a pass, so the gate judges there on a margin of about 0.004
 (`Gate.margin_below`), and the soak's traffic says little about drafting.
 """
 

@@ -49,7 +49,7 @@ class LearnerConfig:
     publish_every_steps: int = 10
     publish_every_seconds: float = 15.0
     gate_margin: float = 0.05       # a candidate may trail the live version by this much accept length
-                                    # (at most a tenth of what live drafts beyond 1: `Gate.margin_below`)
+                                    # (in proportion below accept length 1.5: `Gate.margin_below`)
     gate_min_held_out: int = 4      # below this many held-out records the gate waits: no evidence, no pass
     # > 0: the gate weighs each domain's held-out records by its share of the newest this many records
     # (`specd.learner.gate`), so that after a shift a candidate is judged on the traffic it will serve;

@@ -3,7 +3,7 @@
 Contract: every `every`-th record the learner takes is held out (kept from training; the newest
 `capacity` are kept), whatever its temperature. A candidate passes when its weights are finite and
 its simulated accept length on the held-out records is not worse than the bar by more than
-`margin` (capped at `MARGIN_SHARE` of the bar's accept length beyond 1: `margin_below`): the bar
+`margin` (less where the bar drafts under `FULL_MARGIN_FROM` beyond 1: `margin_below`): the bar
 is the better of the live version and, where given, the `bar` version (the last one that went
 live without needing the margin, `Promoter.bar_version`), both replayed on the same records. So
 regressions cannot chain: versions each within the margin of the one before would otherwise walk
@@ -67,9 +67,9 @@ from specd.drafter.checkpoint import DrafterModel
 from specd.learner.simulation import record_replayable
 
 AcceptLength = Callable[[DrafterModel, list[TrajectoryRecord]], float]
-# the margin's cap, as a share of what the reference drafts: at accept lengths of 1.5 and above
-# the default margin (0.05) stands; at 1.04 (a random target's drafters) it is 0.004
-MARGIN_SHARE = 0.1
+# what the reference must draft beyond the one token every pass gives for the whole margin to stand;
+# below, the margin shrinks in proportion (at 1.04, a random target's drafters: 0.08 of it)
+FULL_MARGIN_FROM = 0.5
 
 
 class Gate:
@@ -116,11 +116,11 @@ class Gate:
             self.kept_from_ranks += len(records)  # rank 0's sign of the traffic other ranks take
 
     def margin_below(self, reference: float) -> float:
-        """How far a candidate may trail `reference` (an accept length): `margin`, but never more than
-        `MARGIN_SHARE` of what the reference drafts beyond the token every pass gives. Near 1 (a
-        drafter that barely pays, as on a random target) a fixed margin would pass a version whose
-        drafts are all refused."""
-        return min(self.margin, MARGIN_SHARE * max(0.0, reference - 1.0))
+        """How far a candidate may trail `reference` (an accept length): `margin` from 1 +
+        `FULL_MARGIN_FROM` on, in proportion to what the reference drafts beyond 1 below that. Near 1
+        (a drafter that barely pays, as on a random target) a fixed margin would pass a version whose
+        drafts all fail."""
+        return self.margin * min(1.0, max(0.0, reference - 1.0) / FULL_MARGIN_FROM)
 
     @property
     def has_evidence(self) -> bool:
