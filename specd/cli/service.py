@@ -74,7 +74,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-grace", type=non_negative_number, default=10.0, metavar="SECONDS",
                    help="how long a stopping server (SIGTERM, Ctrl+C) lets requests in flight finish before "
                         "ending them with a 503 (default 10)")
-    p.add_argument("--no-learner", action="store_true", help="serve the store's live version without training")
+    p.add_argument("--no-learner", action="store_true",
+                   help="serve the store's live version without training (and without records, unless --broker)")
     p.add_argument("--learner-mode", choices=("auto", "process", "thread"), default="auto",
                    help="where the embedded learner runs: a process pinned to cores of its own (the server keeps "
                         "the others), a thread of the server with --duty-cycle, or auto: a process on 2+ cores")

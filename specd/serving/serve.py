@@ -172,13 +172,16 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
     metrics.sources.update({"specd_records_shed": lambda: wiring.counters.shed,
                             "specd_drafter_swaps": lambda: drafter.num_swaps,
                             "specd_drafter_refused": lambda: len(swapper.refused)})
+    # records need a reader, a learner here or a sidecar's over MQTT: with neither none are made (a
+    # bundled record with its features is about 6 KB a token, and the bus would keep 4096 of them)
+    records = options.publish_records and (options.mqtt is not None or options.learner)
     with _serving_threads(wiring.serving_cores):  # the engine makes its layouts for the cores it will decode on
         engine = Engine(loaded.model, drafter, EngineConfig(
             max_batch=options.max_batch, num_draft_tokens=options.k, max_context=options.max_context,
             prefill_chunk=options.prefill_chunk, eos_token_ids=loaded.eos_token_ids,
-            record_features=options.drafter.arch == "feature"))
+            record_features=records and options.drafter.arch == "feature"))
     metrics.serving = lambda: (options.server_id, engine.drafter_version)
-    worker = EngineWorker(engine, wiring.bus if options.publish_records else None, options.server_id, metrics, table,
+    worker = EngineWorker(engine, wiring.bus if records else None, options.server_id, metrics, table,
                           health=wiring.health)
     status = _status(options, wiring, worker)
     app = create_app(ApiState(loaded, worker, metrics, options.model_name or Path(loaded.folder).name, status,
