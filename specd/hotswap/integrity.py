@@ -9,8 +9,8 @@ names and shapes, finite values) in the serving model's dtype and device, then t
 own `check_compatible`; `check_servable` the same without a serving drafter (the control plane,
 before an operator's version goes live); `check_contents_of` the digest and what needs no target
 (format, readable tensors, finite values, and the fingerprint and shapes of a file servers load
-now: the CLI's `--store` path). The store, the swapper, the
-remote source and vLLM's launcher all check through here.
+now: the CLI's `--store` path). The store, the swapper, the remote source and vLLM's launcher all
+check through here.
 """
 
 from __future__ import annotations
