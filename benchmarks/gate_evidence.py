@@ -8,7 +8,8 @@ anchor; `--learner demo`: the demo's `DEMO_LEARNER`) from the shipped pretrained
 instead (the newest 16 kept, as the service's gate keeps them). After each round the trained
 drafter is a candidate, and every arm (`--arms`: comma-separated `z:margin[:window]`,
 `Gate.confidence_z`, `Gate.margin` and `Gate.traffic_window`, which then sees the domain of every
-record served) judges it against its own live version and bar with `specd.learner.gate.Gate`,
+record served; a fourth field of 1 judges only on records held out after the arm's last pass)
+judges it against its own live version and bar with `specd.learner.gate.Gate`,
 exactly as the learner does (a pass makes it that arm's live version; one that passes without the
 margin, its bar), once it holds `--min-held-out` records (default: the learner's own). The truth
 is each version's accept length on `--truth` further records of each domain (greedy, k = 4, exact
@@ -44,10 +45,13 @@ NOTICEABLE = 0.02  # a difference in truth smaller than this is not counted as a
 
 class Arm:
     def __init__(self, spec: str, start: DrafterModel, min_held_out: int) -> None:
-        z, margin, *window = (float(part) for part in spec.split(":"))
+        z, margin, *rest = (float(part) for part in spec.split(":"))
         self.spec = spec
         self.gate = Gate(1, LearnerConfig.holdout_capacity, min_held_out, margin,
-                         traffic_window=int(window[0]) if window else 0, confidence_z=z)
+                         traffic_window=int(rest[0]) if rest else 0, confidence_z=z)
+        # fresh: after a pass, judge on held-out records that arrive afterwards only (the records a
+        # version was chosen on flatter it: the best of several candidates on them is biased high)
+        self.fresh = len(rest) > 1 and rest[1] > 0
         self.live, self.bar = start, start
         self.log: list[dict[str, Any]] = []
 
@@ -62,6 +66,8 @@ class Arm:
             self.live = candidate
             if verdict.get("improved", True):
                 self.bar = candidate
+            if self.fresh:
+                self.gate.held_out.clear()
 
 
 def _rounded(verdict: dict[str, Any]) -> dict[str, Any]:
