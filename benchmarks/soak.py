@@ -51,6 +51,8 @@ from specd.testing.processes import Broker, SpecdProcess, free_port, get_json, t
 
 TOKEN = "soak-token"
 DEPLOYMENT = "soak"
+MIN_MINUTES = 1.0         # the shortest run whose fault schedule has room for every fault
+PROGRESS_EVERY_S = 30.0   # a line of traffic figures this often: a long soak is not silent between faults
 
 
 def expected_answers(loaded: LoadedTarget, prompts: list[Prompt], max_tokens: int) -> list[Prompt]:
@@ -98,9 +100,6 @@ async def drive(args: Any, urls: list[str], greedy: list[Prompt], sampled: list[
             print(f"[soak {tally.now():6.1f} s] {tally.progress()}; live version {live}", flush=True)
 
     await asyncio.gather(faults.run(seconds, tally, flood_server_2, args.flood_seconds), progress(), *clients)
-
-
-PROGRESS_EVERY_S = 30.0
 
 
 def drain(learner: SpecdProcess, servers: list[SpecdProcess], timeout: float) -> dict[str, Any]:
@@ -227,9 +226,6 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> lis
     except OSError as error:
         p.error(f"--out {args.out}: cannot write there ({error.strerror or error})")
     return judged
-
-
-MIN_MINUTES = 1.0
 
 
 def main() -> int:

@@ -219,31 +219,29 @@ class Faults:
             thread.join(timeout=360)
         store = WeightStore(self.work / "learner-store")
         outcome: dict[str, Any] = {"planted": self.planted, "served": sorted(self.served)}
+        def went_live(version: int | None) -> bool:
+            return version is not None and (version in self.live_seen or _ever_live(store, version))
+
         for kind in ("corrupt", "worse"):
             version = self.planted.get(kind)
-            try:
-                ever_live = version is not None and "live_since" in store.manifest(version)
-            except VersionNotFound:  # collected since: it was not live lately (gc keeps those); the watch decides
-                ever_live = False
-            outcome[f"{kind}_live"] = int(version in self.live_seen or ever_live)
+            outcome[f"{kind}_live"] = int(went_live(version))
             outcome[f"{kind}_served"] = int(version in self.served)
         for version in self.probes:  # later worse versions: each must have been refused too
-            with contextlib.suppress(VersionNotFound):
-                outcome["worse_live"] += int(version in self.live_seen or "live_since" in store.manifest(version))
+            outcome["worse_live"] += int(went_live(version))
             outcome["worse_served"] += int(version in self.served)
         outcome["probes"] = list(self.probes)
         outcome["first_answers"] = dict(self.first_answers)
-        planted = [v for v in (*self.planted.values(), *self.probes)]
-        outcome["went_live_or_served"] = sorted(v for v in planted if v in self.live_seen or v in self.served
-                                                or self._ever_live(store, v))
+        outcome["went_live_or_served"] = sorted(v for v in (*self.planted.values(), *self.probes)
+                                                if went_live(v) or v in self.served)
         return outcome
 
-    @staticmethod
-    def _ever_live(store: WeightStore, version: int) -> bool:
-        try:
-            return "live_since" in store.manifest(version)
-        except VersionNotFound:
-            return False
+
+def _ever_live(store: WeightStore, version: int) -> bool:
+    """Its manifest says it was live once (collected since: it was not live lately, gc keeps those)."""
+    try:
+        return "live_since" in store.manifest(version)
+    except VersionNotFound:
+        return False
 
 
 class MemoryWatch:

@@ -72,9 +72,14 @@ def copy_in_by_hand(store: WeightStore, version: int, damage: str) -> None:
         save_file(tensors, str(path), metadata=metadata)
     else:
         path.write_bytes(b"not a safetensors file at all")
+    match_digest(store, version)
+
+
+def match_digest(store: WeightStore, version: int) -> None:
+    """The manifest's sha256 updated to the file's, as a careful copy by hand would leave it."""
     manifest_path = store.version_dir(version) / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest_path.write_text(json.dumps({**manifest, "sha256": sha256_file(path)}))
+    manifest_path.write_text(json.dumps({**manifest, "sha256": sha256_file(store.weights_path(version))}))
 
 
 @pytest.mark.parametrize("damage", ["nan", "garbage"])
@@ -242,9 +247,7 @@ def _replace_weights(store: WeightStore, version: int, model: Any, fingerprint: 
     from specd.drafter.checkpoint import save_drafter
 
     save_drafter(model, store.weights_path(version), fingerprint)
-    manifest_path = store.version_dir(version) / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    manifest_path.write_text(json.dumps({**manifest, "sha256": sha256_file(store.weights_path(version))}))
+    match_digest(store, version)
 
 
 def test_a_rollback_by_cli_on_a_store_folder_refuses_a_file_made_for_another_target_or_shape(

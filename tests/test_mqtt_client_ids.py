@@ -17,13 +17,21 @@ from specd.testing.processes import Broker
 from specd.transport.mqtt import SUBSCRIBER_TASK, TAKEN_OVER_DROPS, MqttSettings, subscribe_forever
 
 
+async def handle(topic: str, payload: bytes) -> None:
+    """A learner that takes every message and does nothing with it."""
+
+
+async def stop_learner(stop: asyncio.Event, learner: asyncio.Task[None]) -> None:
+    stop.set()
+    learner.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await learner
+
+
 @pytest.mark.mqtt
 def test_a_second_client_with_the_learners_id_is_named_in_the_log(tmp_path, caplog) -> None:
     broker = Broker(tmp_path / "broker").start()
     settings = MqttSettings.from_url(broker.url, deployment="ids")
-
-    async def handle(topic: str, payload: bytes) -> None:
-        pass
 
     async def intrude_until_thrown_off() -> None:
         """Connect as the learner's id and stay until the learner's reconnection throws this off."""
@@ -38,10 +46,7 @@ def test_a_second_client_with_the_learners_id_is_named_in_the_log(tmp_path, capl
         await asyncio.sleep(1.0)  # connected and subscribed
         for _ in range(TAKEN_OVER_DROPS):
             await asyncio.wait_for(intrude_until_thrown_off(), 30)
-        stop.set()
-        learner.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await learner
+        await stop_learner(stop, learner)
         assert health.snapshot()[SUBSCRIBER_TASK]["failures"] >= TAKEN_OVER_DROPS
 
     try:
@@ -64,9 +69,6 @@ def test_the_learner_and_a_server_say_when_the_broker_is_reachable_again(tmp_pat
     broker = Broker(tmp_path / "broker").start()
     settings = MqttSettings.from_url(broker.url, deployment="again")
 
-    async def handle(topic: str, payload: bytes) -> None:
-        pass
-
     async def learner_through_a_restart(publisher: MqttPublisher) -> None:
         stop = asyncio.Event()
         learner = asyncio.create_task(subscribe_forever(settings, "learner-y", handle, stop, BackgroundHealth()))
@@ -78,10 +80,7 @@ def test_the_learner_and_a_server_say_when_the_broker_is_reachable_again(tmp_pat
             if publisher.connected.is_set() and any("reachable again; subscribing" in m for m in said()):
                 break
             await asyncio.sleep(0.2)
-        stop.set()
-        learner.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await learner
+        await stop_learner(stop, learner)
 
     def said() -> list[str]:
         return [r.getMessage() for r in caplog.records]

@@ -160,11 +160,15 @@ def _check_target_embedding(path: str | Path, embedding: torch.Tensor | None, vo
                               f"expected {(vocab, hidden)}")
 
 
-def _check_fingerprint(metadata: dict[str, str], path: str | Path, expect: TargetFingerprint | None) -> None:
+def _read_fingerprint(metadata: dict[str, str], path: str | Path) -> TargetFingerprint:
     try:
-        fingerprint = TargetFingerprint(**json.loads(metadata["target_fingerprint"]))
+        return TargetFingerprint(**json.loads(metadata["target_fingerprint"]))
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{path}: unreadable target fingerprint ({error})") from None
+
+
+def _check_fingerprint(metadata: dict[str, str], path: str | Path, expect: TargetFingerprint | None) -> None:
+    fingerprint = _read_fingerprint(metadata, path)
     if expect is not None and fingerprint != expect:
         raise CheckpointError(f"{path}: made for target {fingerprint}, this target is {expect}")
 
@@ -196,11 +200,12 @@ def check_contents(path: str | Path, like: str | Path | None = None) -> None:
 def _check_like(path: str | Path, metadata: dict[str, str], like: str | Path) -> None:
     try:
         reference, expected = read_metadata(like), _header_shapes(like)
+        theirs = _read_fingerprint(reference, like)
     except CheckpointError:  # nothing to compare with: the other checks stand alone
         return
-    if _fingerprint_fields(metadata) != _fingerprint_fields(reference):
-        raise CheckpointError(f"{path}: made for another target than {like} ({metadata.get('target_fingerprint')} "
-                              f"against {reference.get('target_fingerprint')})")
+    ours = _read_fingerprint(metadata, path)
+    if ours != theirs:
+        raise CheckpointError(f"{path}: made for another target than {like} ({ours} against {theirs})")
     if metadata.get("specd_format") != reference.get("specd_format"):
         raise CheckpointError(f"{path}: format {metadata.get('specd_format')!r}, {like} is "
                               f"{reference.get('specd_format')!r}")
@@ -209,15 +214,6 @@ def _check_like(path: str | Path, metadata: dict[str, str], like: str | Path) ->
         differ = sorted(name for name in set(shapes) | set(expected) if shapes.get(name) != expected.get(name))
         raise CheckpointError(f"{path}: tensors of other shapes than {like}'s "
                               f"({', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''})")
-
-
-def _fingerprint_fields(metadata: dict[str, str]) -> object:
-    """The target fingerprint a file names, as parsed JSON (its text when it is not JSON)."""
-    text = metadata.get("target_fingerprint")
-    try:
-        return json.loads(text) if text is not None else None
-    except ValueError:
-        return text
 
 
 def _read_state(path: str | Path) -> dict[str, torch.Tensor]:
