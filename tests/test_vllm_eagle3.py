@@ -2,12 +2,13 @@
 specd's feature drafter, exported by specd, and specd's plugin follows the learner's versions into
 it in place while requests are in flight.
 
-SmolLM2-135M-Instruct served by two vLLM processes, plain and with the eagle3 route (started with
-the exact command `specd vllm` builds), float32 and eager so that both compute the same greedy
-tokens. The learner sidecar's store holds version 1 (the shipped pretrained drafter), 2 (the same
-with a perturbed output layer), 3 (a file that no longer matches its manifest's sha256, so only a
-hand-edited live.json can make it live) and 4 (a NaN weight); 1 is live, 2-4 count as once live
-(no gate). The learner never publishes here (it only receives records).
+SmolLM2-135M-Instruct served by two vLLM processes, plain (conftest's `plain_vllm`, shared with the
+other vLLM modules) and with the eagle3 route (started with the exact command `specd vllm` builds),
+float32 and eager so that both compute the same greedy tokens. The learner sidecar's store holds
+version 1 (the shipped pretrained drafter), 2 (the same with a perturbed output layer), 3 (a file
+that no longer matches its manifest's sha256, so only a hand-edited live.json can make it live) and
+4 (a NaN weight); 1 is live, 2-4 count as once live (no gate). The learner never publishes here (it
+only receives records).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_reference import MAX_TOKENS, PROMPTS, VLLM_ARGS
 
 from specd.drafter.pretrained import SHIPPED_DRAFTER, load_pretrained
 from specd.hotswap.store import WeightStore
@@ -42,12 +44,6 @@ from specd.testing.processes import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mqtt, pytest.mark.slow]
 
-PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.", "What is the capital of France?",
-           "List three uses of a hash map.", "Explain what a drafter does in speculative decoding.",
-           "Write a haiku about the sea.", "def add(a, b):\n    # add two numbers and return the sum"]
-MAX_TOKENS = 48
-VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "1024",
-             "--kv-cache-memory-bytes", str(2**30)]
 TOKEN = "secret"
 # a near tie, as a fraction of a logit row's standard deviation, per chain position: rounding grows along a
 # chain (measured with the stage-3 drafter: 0.36 at position 3, 0.06-0.12 at position 1)
@@ -109,14 +105,6 @@ def learner(store: WeightStore, broker: Broker, smollm2: LoadedTarget) -> Iterat
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory, smollm2: LoadedTarget) -> Iterator[VllmServer]:
-    server = VllmServer(str(smollm2.folder), free_port(), tmp_path_factory.mktemp("plain") / "vllm.log",
-                        extra=VLLM_ARGS).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def eagle3(tmp_path_factory, smollm2: LoadedTarget, store: WeightStore, broker: Broker,
            learner: SpecdProcess) -> Iterator[VllmServer]:
     folder = tmp_path_factory.mktemp("eagle3")
@@ -131,11 +119,6 @@ def eagle3(tmp_path_factory, smollm2: LoadedTarget, store: WeightStore, broker: 
     server = VllmServer(str(smollm2.folder), port, folder / "vllm.log", argv=argv, env=env).start()
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def expected(plain: VllmServer) -> dict[str, list[int]]:
-    return {prompt: token_ids(a) for prompt, a in zip(PROMPTS, ask_all(plain, PROMPTS, MAX_TOKENS), strict=True)}
 
 
 def status(server: VllmServer) -> dict[str, Any]:
@@ -164,10 +147,10 @@ def eagle3_alone(server: VllmServer) -> Iterator[None]:
 
 
 def test_greedy_outputs_with_vllms_eagle3_serving_specds_drafter_equal_plain_vllms(eagle3: VllmServer,
-                                                                                    expected) -> None:
+                                                                                    plain_vllm_tokens) -> None:
     answers = ask_all(eagle3, PROMPTS, MAX_TOKENS)
     for prompt, answer in zip(PROMPTS, answers, strict=True):
-        assert token_ids(answer) == expected[prompt], prompt
+        assert token_ids(answer) == plain_vllm_tokens[prompt], prompt
     accepted = sum(a["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] for a in answers)
     assert accepted > 0, "no draft accepted: vLLM is not drafting with the exported drafter"
     assert status(eagle3)["version"] == 1 and status(eagle3)["route"] == "eagle3"
@@ -214,12 +197,12 @@ def test_vllms_drafts_are_what_specds_own_drafter_computes(eagle3: VllmServer, s
 
 
 def test_hybrid_drafting_mixes_context_and_eagle3_rows_in_one_step_and_outputs_stay_vllms(eagle3: VllmServer,
-                                                                                          expected) -> None:
+                                                                                          plain_vllm_tokens) -> None:
     before = status(eagle3)
     assert before["hybrid"], "hybrid drafting is the eagle3 route's default"
     answers = ask_all(eagle3, PROMPTS, MAX_TOKENS)  # 4 at a time: rows of both kinds share steps
     for prompt, answer in zip(PROMPTS, answers, strict=True):
-        assert token_ids(answer) == expected[prompt], prompt
+        assert token_ids(answer) == plain_vllm_tokens[prompt], prompt
     after = status(eagle3)
     assert after["mixed_steps"] > before["mixed_steps"], "no step had context rows beside EAGLE-3 rows"
     sources = {s["source"] for r in eagle3.rpc("specd_recent_records", str(len(PROMPTS))) for s in r["steps"]}
@@ -230,11 +213,11 @@ def test_hybrid_drafting_mixes_context_and_eagle3_rows_in_one_step_and_outputs_s
 
 
 def test_where_context_serves_every_row_eagle3_stands_down_and_outputs_stay_vllms(eagle3: VllmServer,
-                                                                                   plain: VllmServer) -> None:
+                                                                                   plain_vllm: VllmServer) -> None:
     # alone (batch 1) and copying from its prompt: at many steps the context serves the only row
     prompt = "Repeat this line three times: the quick brown fox jumps over the lazy dog."
     before = status(eagle3)["eagle_stood_down"]
-    [answer], [reference] = ask_all(eagle3, [prompt], MAX_TOKENS), ask_all(plain, [prompt], MAX_TOKENS)
+    [answer], [reference] = ask_all(eagle3, [prompt], MAX_TOKENS), ask_all(plain_vllm, [prompt], MAX_TOKENS)
     assert token_ids(answer) == token_ids(reference)
     after = status(eagle3)
     assert after["eagle_k"] == "adaptive" and after["eagle_stood_down"] > before, "EAGLE-3 drafted at every step"
@@ -258,7 +241,7 @@ def test_records_carry_vllms_own_accepted_counts_and_reach_the_learner(eagle3: V
 
 
 def test_versions_swap_and_roll_back_in_flight_without_failed_requests(eagle3: VllmServer, learner,
-                                                                       expected) -> None:
+                                                                       plain_vllm_tokens) -> None:
     swaps_before = status(eagle3)["swaps"]
     with KeepAsking(eagle3, PROMPTS, MAX_TOKENS) as traffic:  # requests in flight until both swaps happened
         wait_for(lambda: status(eagle3)["live_requests"] > 0, 60, interval=0.05, what="requests in flight")
@@ -276,7 +259,7 @@ def test_versions_swap_and_roll_back_in_flight_without_failed_requests(eagle3: V
     failed = [(prompt, answer) for prompt, answer in answers if isinstance(answer, Exception)]
     assert not failed, f"requests failed during swaps: {failed}"
     for prompt, answer in answers:
-        assert token_ids(answer) == expected[prompt], prompt
+        assert token_ids(answer) == plain_vllm_tokens[prompt], prompt
     after = status(eagle3)
     assert after["swaps"] >= swaps_before + 2 and all(ms < 1000 for ms in after["install_ms"])
 
@@ -301,8 +284,9 @@ def test_a_swapped_version_is_the_one_drafting(eagle3: VllmServer) -> None:
 
 
 @pytest.mark.parametrize(("version", "reason"), [(3, "sha256"), (4, "non-finite")])
-def test_a_corrupt_version_is_refused_and_the_old_one_keeps_serving(eagle3: VllmServer, learner, store, expected,
-                                                                    version: int, reason: str) -> None:
+def test_a_corrupt_version_is_refused_and_the_old_one_keeps_serving(eagle3: VllmServer, learner, store,
+                                                                    plain_vllm_tokens, version: int,
+                                                                    reason: str) -> None:
     if reason == "non-finite":  # the control plane checks the file as servers will, and refuses it
         with pytest.raises(urllib.error.HTTPError) as refused:
             post_json(learner.url + "/v1/live", {"version": version}, token=TOKEN)
@@ -314,14 +298,14 @@ def test_a_corrupt_version_is_refused_and_the_old_one_keeps_serving(eagle3: Vllm
                  what=f"version {version} refused")
         assert reason in str(status(eagle3)["refused_versions"])
         answers = ask_all(eagle3, PROMPTS[:2], MAX_TOKENS)
-        assert [token_ids(a) for a in answers] == [expected[p] for p in PROMPTS[:2]]
+        assert [token_ids(a) for a in answers] == [plain_vllm_tokens[p] for p in PROMPTS[:2]]
         assert status(eagle3)["version"] == 1
     finally:
         post_json(learner.url + "/v1/live", {"version": 1}, token=TOKEN)
 
 
 def test_context_rows_past_eagle3s_k_and_eagle3_stopping_early_keep_outputs_vllms(
-        tmp_path, smollm2: LoadedTarget, store: WeightStore, plain: VllmServer, expected) -> None:
+        tmp_path, smollm2: LoadedTarget, store: WeightStore, plain_vllm: VllmServer, plain_vllm_tokens) -> None:
     # `specd vllm -k 4 --context-k 8`: vLLM verifies up to 8 drafts a row, EAGLE-3 drafts at most 4; and with
     # SPECD_CONFIDENCE=1 EAGLE-3's rows are trimmed by its calibrated confidence and its drafting stops (out of
     # vLLM's loop, between two passes) wherever no row's next draft is sure; the drafter's layers compute in
@@ -335,9 +319,9 @@ def test_context_rows_past_eagle3s_k_and_eagle3_stopping_early_keep_outputs_vllm
     try:
         answers = ask_all(server, PROMPTS, MAX_TOKENS)   # 4 at a time: context and EAGLE-3 rows share steps
         for prompt, answer in zip(PROMPTS, answers, strict=True):
-            assert token_ids(answer) == expected[prompt], prompt
+            assert token_ids(answer) == plain_vllm_tokens[prompt], prompt
         repeat = "Repeat this line three times: the quick brown fox jumps over the lazy dog."  # long context matches
-        [answer], [reference] = ask_all(server, [repeat], MAX_TOKENS), ask_all(plain, [repeat], MAX_TOKENS)
+        [answer], [reference] = ask_all(server, [repeat], MAX_TOKENS), ask_all(plain_vllm, [repeat], MAX_TOKENS)
         assert token_ids(answer) == token_ids(reference)
         steps = [s for r in server.rpc("specd_recent_records", str(len(PROMPTS) + 1)) for s in r["steps"]]
         learned = [len(s["drafts"]) for s in steps if s["source"] == "learned"]
