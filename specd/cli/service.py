@@ -9,6 +9,7 @@ import os
 import socket
 from typing import Any
 
+from specd.core.allocator import cap_malloc_arenas
 from specd.core.arguments import at_least, fraction, non_negative_number, port_number, positive_number, pull_share
 from specd.core.errors import ConfigurationError
 from specd.core.listening import cannot_listen, check_address
@@ -188,6 +189,7 @@ def run_learner(args: argparse.Namespace) -> int:
     settings = _mqtt_settings(args)
     if settings is None:
         raise ConfigurationError("specd learner needs --broker mqtt://host:port")
+    cap_malloc_arenas()  # before its threads and its ranks start (core/allocator.py says why)
     info = RankInfo.from_env()
     if info is None and args.ranks > 1:
         _check_before_ranks(args)  # a rank that fails on these would be restarted by torchrun, to no end
@@ -254,6 +256,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigurationError("--token guards the embedded control plane; with --broker the control plane is "
                                  "the learner's (specd learner --token)")
     check_address(args.host, args.port)
+    cap_malloc_arenas()  # before its threads and its learner process start (core/allocator.py says why)
     options = ServeOptions(target=args.target, store=args.store, k=args.k, max_batch=args.batch,
                            max_context=args.max_context, max_queued=args.max_queued or None,
                            api_key=args.api_key or None, shutdown_grace_s=args.shutdown_grace,

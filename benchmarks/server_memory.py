@@ -1,0 +1,124 @@
+"""A server's resident memory over time, with specd's malloc arena cap and with glibc's default.
+
+Two `specd serve` processes (bundled SmolLM2, MQTT sidecar mode, so each builds and publishes
+records with their features as in production; no learner subscribes) run side by side, one
+torch thread each, under the same traffic: `--clients` clients per server, each sending sampled
+chat and code requests (half streamed) of `--max-tokens` tokens from the soak's prompts, with
+the same random streams for both servers. One server runs as `specd serve` does by default
+(`specd.core.allocator`: at most 2 malloc arenas), the other with `MALLOC_ARENA_MAX` at glibc's
+own default (8 per core), which the cap leaves alone. `--swap` gives the first server's port and
+log to the other arm, to show that the position does not decide.
+
+Written (`--out`): every sample (seconds, each arm's RSS in MB and requests answered), and per
+arm the RSS at start, after warm-up (the first sample past a quarter of the run), at the end,
+its growth after warm-up and the requests answered.
+
+    python benchmarks/server_memory.py --minutes 10
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from common import parser, write_result
+from soak import traffic
+from soak_traffic import Prompt, one_request
+
+from specd.model.bundled import bundled_target_dir
+from specd.testing.processes import Broker, SpecdProcess, free_port
+
+ARMS = {"specd (2 arenas)": {}, "glibc default": {"MALLOC_ARENA_MAX": str(8 * (os.cpu_count() or 1))}}
+SAMPLE_EVERY_S = 20.0
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+async def client(url: str, prompts: list[Prompt], seed: int, deadline: float, max_tokens: int,
+                 answered: dict[str, int]) -> None:
+    rng = random.Random(seed)
+    async with aiohttp.ClientSession() as session:
+        while time.time() < deadline:
+            kind = rng.choice(["sampled", "sampled_stream"])
+            status, _, _ = await one_request(session, url, kind, rng.choice(prompts), max_tokens, rng)
+            answered[url] = answered.get(url, 0) + (status == 200)
+
+
+async def watch(servers: dict[str, SpecdProcess], deadline: float, answered: dict[str, int],
+                series: list[list[float]]) -> None:
+    start = time.time()
+    while time.time() < deadline:
+        rss = [rss_mb(s.process.pid) for s in servers.values() if s.process is not None]
+        series.append([round(time.time() - start, 1), *rss, *[answered.get(s.url, 0) for s in servers.values()]])
+        print(f"[{series[-1][0]:6.1f} s] " + ", ".join(f"{name} {mb:.0f} MB" for name, mb in zip(servers, rss,
+                                                                                               strict=True)),
+              flush=True)
+        await asyncio.sleep(SAMPLE_EVERY_S)
+
+
+def summary(names: list[str], series: list[list[float]]) -> dict[str, dict[str, float]]:
+    warm = next(row for row in series if row[0] >= 0.25 * series[-1][0])
+    out = {}
+    for i, name in enumerate(names):
+        out[name] = {"start_mb": series[0][1 + i], "warm_mb": warm[1 + i], "end_mb": series[-1][1 + i],
+                     "growth_after_warm_mb": series[-1][1 + i] - warm[1 + i],
+                     "requests_answered": series[-1][1 + len(names) + i]}
+    return out
+
+
+async def run(args: Any, work: Path) -> dict[str, Any]:
+    broker = Broker(work / "broker").start()
+    names = list(ARMS)[::-1] if args.swap else list(ARMS)
+    servers: dict[str, SpecdProcess] = {}
+    try:
+        for i, name in enumerate(names):
+            env = {"OMP_NUM_THREADS": "1", **ARMS[name]}
+            servers[name] = SpecdProcess(
+                ["serve", "--target", str(bundled_target_dir()), "--broker", broker.url, "--deployment", "memory",
+                 "--server-id", f"memory-{i}", "--model-name", "soak", "--store", str(work / f"store-{i}"),
+                 "--batch", "4"], free_port(), work / f"server-{i}.log", env=env).start()
+        _, prompts = traffic(400, args.seed)
+        deadline = time.time() + args.minutes * 60
+        answered: dict[str, int] = {}
+        series: list[list[float]] = []
+        await asyncio.gather(watch(servers, deadline, answered, series),
+                             *[client(s.url, prompts, args.seed * 100 + c, deadline, args.max_tokens, answered)
+                               for s in servers.values() for c in range(args.clients)])
+    finally:
+        for server in servers.values():
+            server.stop()
+        broker.stop()
+    return {"arms": {name: ARMS[name] for name in names}, "series_columns": ["seconds", *names,
+            *[f"{name} answered" for name in names]], "series": series, "summary": summary(names, series)}
+
+
+def main() -> None:
+    p = parser(__doc__, "benchmarks/results/server_memory.json", repeats=None)
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--clients", type=int, default=3, help="clients per server")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--swap", action="store_true", help="the glibc arm takes the first server's place")
+    p.add_argument("--work", default="out/server-memory")
+    args = p.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    result = asyncio.run(run(args, work))
+    for name, s in result["summary"].items():
+        print(f"{name}: {s['start_mb']:.0f} -> {s['warm_mb']:.0f} (warm) -> {s['end_mb']:.0f} MB, "
+              f"{s['growth_after_warm_mb']:+.0f} MB after warm-up, {s['requests_answered']} requests")
+    write_result(args.out, args, result)
+
+
+if __name__ == "__main__":
+    main()
