@@ -9,11 +9,12 @@ service starts its threads: the cap holds for arenas made after it.
 
 Why: glibc gives each thread that allocates while another holds an arena an arena of its own,
 up to 8 per core, and memory freed into one arena goes back to the system only from that
-arena's top. A server's engine thread, event loop and MQTT threads all allocate, so its
-resident memory crept up over hours. Two servers under the same sampled traffic for 14
-minutes (benchmarks/server_memory.py, docs/measurements.md): with glibc's default one grew
-2948 to 3586 MB, with 2 arenas the other 2950 to 3443 MB, and after the first four minutes
-+143 against +73 MB, at the same requests served.
+arena's top. A server's engine thread, event loop and MQTT threads all allocate, and its
+resident memory crept up over long soaks. Two servers under the same traffic, one capped and one
+at glibc's default (benchmarks/server_memory.py, four paired runs of 10-14 minutes,
+docs/measurements.md): the capped one ended 8 to 143 MB lower and grew less after warm-up in each
+run (+78 to +86 MB against +90 to +147 MB), answering as many requests (-2.5% to +0.6%). Both
+still grow: the cap trims the creep, it does not end it.
 """
 
 from __future__ import annotations
