@@ -1,5 +1,7 @@
-"""Shared stand-ins (tiny random Llama-family models that honour the real interfaces) and the check
-that fails a marked test whose dependency is missing (`dependencies`), instead of skipping it."""
+"""Shared stand-ins (tiny random Llama-family models that honour the real interfaces), the check
+that fails a marked test whose dependency is missing (`dependencies`), instead of skipping it, and
+the plain vLLM server every vLLM test module checks its greedy outputs against, started once a run
+(`plain_vllm`, `plain_vllm_tokens`; tests/vllm_reference.py)."""
 
 from __future__ import annotations
 
