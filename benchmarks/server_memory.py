@@ -111,6 +111,8 @@ def main() -> None:
     p.add_argument("--swap", action="store_true", help="the glibc arm takes the first server's place")
     p.add_argument("--work", default="out/server-memory")
     args = p.parse_args()
+    if not (args.minutes > 0 and args.clients >= 1 and args.max_tokens >= 1):
+        p.error("--minutes must be above 0, --clients and --max-tokens at least 1")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run(args, work))
