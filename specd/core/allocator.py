@@ -11,9 +11,9 @@ Why: glibc gives each thread that allocates while another holds an arena an aren
 up to 8 per core, and memory freed into one arena goes back to the system only from that
 arena's top. A server's engine thread, event loop and MQTT threads all allocate, and its
 resident memory crept up over long soaks. Two servers under the same traffic, one capped and one
-at glibc's default (benchmarks/server_memory.py, four paired runs of 10-14 minutes,
+at glibc's default (benchmarks/server_memory.py, five paired runs of 10-25 minutes,
 docs/measurements.md): the capped one ended 8 to 143 MB lower and grew less after warm-up in each
-run (+78 to +86 MB against +90 to +147 MB), answering as many requests (-2.5% to +0.6%). Both
+run (+78 to +103 MB against +90 to +197 MB), answering as many requests (-2.5% to +0.6%). Both
 still grow: the cap trims the creep, it does not end it.
 """
 
