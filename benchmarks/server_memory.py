@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 from common import parser, write_result
 from soak import traffic
+from soak_faults import rss_mb
 from soak_traffic import Prompt, one_request
 
 from specd.model.bundled import bundled_target_dir
@@ -35,13 +36,6 @@ from specd.testing.processes import Broker, SpecdProcess, free_port
 
 ARMS = {"specd (2 arenas)": {}, "glibc default": {"MALLOC_ARENA_MAX": str(8 * (os.cpu_count() or 1))}}
 SAMPLE_EVERY_S = 20.0
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 async def client(url: str, prompts: list[Prompt], seed: int, deadline: float, max_tokens: int,
@@ -58,7 +52,7 @@ async def watch(servers: dict[str, SpecdProcess], deadline: float, answered: dic
                 series: list[list[float]]) -> None:
     start = time.time()
     while time.time() < deadline:
-        rss = [rss_mb(s.process.pid) for s in servers.values() if s.process is not None]
+        rss = [rss_mb(s.process.pid) or 0.0 for s in servers.values() if s.process is not None]
         series.append([round(time.time() - start, 1), *rss, *[answered.get(s.url, 0) for s in servers.values()]])
         print(f"[{series[-1][0]:6.1f} s] " + ", ".join(f"{name} {mb:.0f} MB" for name, mb in zip(servers, rss,
                                                                                                strict=True)),

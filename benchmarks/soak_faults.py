@@ -244,6 +244,15 @@ def _ever_live(store: WeightStore, version: int) -> bool:
         return False
 
 
+def rss_mb(pid: int) -> float | None:
+    """A process's resident memory in MB (0 without a VmRSS line); None once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0) / 1024
+
+
 class MemoryWatch:
     """Resident memory of each named process (by whatever process object its getter returns now)."""
 
@@ -268,12 +277,9 @@ class MemoryWatch:
                 process = getter()
                 if process is None:
                     continue
-                try:
-                    status = Path(f"/proc/{process.pid}/status").read_text()
-                except OSError:
-                    continue
-                kilobytes = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-                self.samples[name].append((time.monotonic() - self._begin, process.pid, kilobytes / 1024))
+                mb = rss_mb(process.pid)
+                if mb is not None:
+                    self.samples[name].append((time.monotonic() - self._begin, process.pid, mb))
 
     def summary(self, warmup_share: float) -> dict[str, dict[str, Any]]:
         out = {}
