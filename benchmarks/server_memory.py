@@ -9,9 +9,15 @@ the same random streams for both servers. One server runs as `specd serve` does 
 own default (8 per core), which the cap leaves alone. `--swap` gives the first server's port and
 log to the other arm, to show that the position does not decide.
 
-Written (`--out`): every sample (seconds, each arm's RSS in MB and requests answered), and per
-arm the RSS at start, after warm-up (the first sample past a quarter of the run), at the end,
-its growth after warm-up and the requests answered.
+Each sample also reads how many contexts each server's traffic table holds (`/health`), and
+before the servers start the benchmark measures what a context costs (tracemalloc over a table
+filled to its bound from ShareGPT training conversations), so that the growth the table explains
+can be told from the rest.
+
+Written (`--out`): every sample (seconds, each arm's RSS in MB, requests answered and table
+contexts), the measured bytes per context, and per arm the RSS at start, after warm-up (the first
+sample past a quarter of the run), at the end, its growth after warm-up, the table's contexts at
+those points and the MB its growth after warm-up accounts for, and the requests answered.
 
     python benchmarks/server_memory.py --minutes 10
 """
@@ -19,9 +25,11 @@ its growth after warm-up and the requests answered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +39,11 @@ from soak import traffic
 from soak_faults import rss_mb
 from soak_traffic import Prompt, one_request
 
+from specd.core.traffic import iter_training_conversations
+from specd.drafter.traffic_table import TrafficTable
 from specd.model.bundled import bundled_target_dir
-from specd.testing.processes import Broker, SpecdProcess, free_port
+from specd.model.target import LoadedTarget
+from specd.testing.processes import Broker, SpecdProcess, free_port, get_json
 
 ARMS = {"specd (2 arenas)": {}, "glibc default": {"MALLOC_ARENA_MAX": str(8 * (os.cpu_count() or 1))}}
 SAMPLE_EVERY_S = 20.0
@@ -48,29 +59,63 @@ async def client(url: str, prompts: list[Prompt], seed: int, deadline: float, ma
             answered[url] = answered.get(url, 0) + (status == 200)
 
 
+def table_bytes_per_context() -> float:
+    """What one traffic-table context costs in Python allocations, with the table at its bound."""
+    tokenizer = LoadedTarget.load(bundled_target_dir()).tokenizer
+    tracemalloc.start()
+    try:
+        table = TrafficTable()
+        before = tracemalloc.get_traced_memory()[0]
+        for messages in iter_training_conversations():
+            table.add(tokenizer.encode(" ".join(m["content"] for m in messages[:4])[:4000]))
+            if table.sequences_added >= 50 and len(table) >= table.max_contexts:  # full, and evicting
+                break
+        return (tracemalloc.get_traced_memory()[0] - before) / len(table)
+    finally:
+        tracemalloc.stop()
+
+
+def table_contexts(server: SpecdProcess) -> float:
+    """The server's traffic-table contexts now (-1 where a busy server did not answer in time)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return float(get_json(server.url + "/health", timeout=5.0)["traffic_table"]["contexts"])
+    return -1.0
+
+
 async def watch(servers: dict[str, SpecdProcess], deadline: float, answered: dict[str, int],
                 series: list[list[float]]) -> None:
     start = time.time()
     while time.time() < deadline:
         rss = [rss_mb(s.process.pid) or 0.0 for s in servers.values() if s.process is not None]
-        series.append([round(time.time() - start, 1), *rss, *[answered.get(s.url, 0) for s in servers.values()]])
+        contexts = [await asyncio.to_thread(table_contexts, s) for s in servers.values()]
+        series.append([round(time.time() - start, 1), *rss, *[answered.get(s.url, 0) for s in servers.values()],
+                       *contexts])
         print(f"[{series[-1][0]:6.1f} s] " + ", ".join(f"{name} {mb:.0f} MB" for name, mb in zip(servers, rss,
                                                                                                strict=True)),
               flush=True)
         await asyncio.sleep(SAMPLE_EVERY_S)
 
 
-def summary(names: list[str], series: list[list[float]]) -> dict[str, dict[str, float]]:
+def summary(names: list[str], series: list[list[float]], bytes_per_context: float) -> dict[str, dict[str, float]]:
     warm = next(row for row in series if row[0] >= 0.25 * series[-1][0])
     out = {}
+    n = len(names)
     for i, name in enumerate(names):
+        # the last answered count at or before each point (a server that did not answer a sample reads -1)
+        def contexts_at(row: list[float], column: int = 1 + 2 * n + i) -> float:
+            return next((r[column] for r in reversed(series) if r[0] <= row[0] and r[column] >= 0), 0.0)
+        contexts_warm, contexts_end = contexts_at(warm), contexts_at(series[-1])
         out[name] = {"start_mb": series[0][1 + i], "warm_mb": warm[1 + i], "end_mb": series[-1][1 + i],
                      "growth_after_warm_mb": series[-1][1 + i] - warm[1 + i],
-                     "requests_answered": series[-1][1 + len(names) + i]}
+                     "table_contexts_warm": contexts_warm, "table_contexts_end": contexts_end,
+                     "table_growth_after_warm_mb": (contexts_end - contexts_warm) * bytes_per_context / 1e6,
+                     "requests_answered": series[-1][1 + n + i]}
     return out
 
 
 async def run(args: Any, work: Path) -> dict[str, Any]:
+    bytes_per_context = table_bytes_per_context()
+    print(f"a traffic-table context: {bytes_per_context:.0f} bytes", flush=True)
     broker = Broker(work / "broker").start()
     names = list(ARMS)[::-1] if args.swap else list(ARMS)
     servers: dict[str, SpecdProcess] = {}
@@ -93,7 +138,9 @@ async def run(args: Any, work: Path) -> dict[str, Any]:
             server.stop()
         broker.stop()
     return {"arms": {name: ARMS[name] for name in names}, "series_columns": ["seconds", *names,
-            *[f"{name} answered" for name in names]], "series": series, "summary": summary(names, series)}
+            *[f"{name} answered" for name in names], *[f"{name} table contexts" for name in names]],
+            "series": series, "table_bytes_per_context": bytes_per_context,
+            "summary": summary(names, series, bytes_per_context)}
 
 
 def main() -> None:
@@ -112,7 +159,9 @@ def main() -> None:
     result = asyncio.run(run(args, work))
     for name, s in result["summary"].items():
         print(f"{name}: {s['start_mb']:.0f} -> {s['warm_mb']:.0f} (warm) -> {s['end_mb']:.0f} MB, "
-              f"{s['growth_after_warm_mb']:+.0f} MB after warm-up, {s['requests_answered']} requests")
+              f"{s['growth_after_warm_mb']:+.0f} MB after warm-up (the table's contexts "
+              f"{s['table_contexts_warm']:.0f} -> {s['table_contexts_end']:.0f}: "
+              f"{s['table_growth_after_warm_mb']:+.0f} MB), {s['requests_answered']} requests")
     write_result(args.out, args, result)
 
 

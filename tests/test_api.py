@@ -582,3 +582,18 @@ async def test_acceptance_series_is_labelled_by_domain(client) -> None:
         return {"code", "chat"} <= {point["domain"] for point in series}
 
     await eventually(both_domains_reported)
+
+
+async def test_operators_see_how_full_the_traffic_table_is_in_health_and_metrics(client) -> None:
+    before = (await (await client.get("/health")).json())["traffic_table"]
+    assert before["contexts"] == 0 and before["sequences_added"] == 0 and before["max_contexts"] > 0
+    body = {"model": "tiny", "prompt": "the table learns from every finished request", "max_tokens": 6}
+    assert (await client.post("/v1/completions", json=body)).status == 200
+
+    async def tabled() -> bool:
+        return (await (await client.get("/health")).json())["traffic_table"]["sequences_added"] == 1
+    await eventually(tabled)
+    contexts = (await (await client.get("/health")).json())["traffic_table"]["contexts"]
+    assert contexts > 0
+    metrics = await (await client.get("/metrics")).text()
+    assert f"specd_traffic_table_contexts {float(contexts)}" in metrics

@@ -61,3 +61,10 @@ def test_hybrid_drafter_asks_the_table_where_its_own_context_has_no_match() -> N
     assert proposal.limits.tolist() == [3, 0] and hybrid.num_table_rows == 1
     assert hybrid.row_sources == ["table2", "none"]   # sources name the context length that matched
     hybrid.commit(torch.tensor([3, 0]))               # the learned part did not run: nothing to settle
+
+
+def test_its_stats_count_contexts_against_the_bound_and_the_sequences_added() -> None:
+    table = TrafficTable(min_n=2, max_n=3, max_contexts=1000)
+    table.add([1, 2, 3, 4])
+    # positions 2 and 3: contexts (1,2), then (2,3) and (1,2,3)
+    assert table.stats() == {"contexts": 3, "max_contexts": 1000, "sequences_added": 1}

@@ -172,6 +172,9 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
     metrics.sources.update({"specd_records_shed": lambda: wiring.counters.shed,
                             "specd_drafter_swaps": lambda: drafter.num_swaps,
                             "specd_drafter_refused": lambda: len(swapper.refused)})
+    if table is not None:
+        metrics.gauges["specd_traffic_table_contexts"] = (
+            f"contexts the traffic table holds (at most {table.max_contexts}; about 400 bytes each)", table.__len__)
     # records need a reader, a learner here or a sidecar's over MQTT: with neither none are made (a
     # bundled record with its features is about 6 KB a token, and the bus would keep 4096 of them)
     records = options.publish_records and (options.mqtt is not None or options.learner)
@@ -211,6 +214,7 @@ def _status(options: ServeOptions, wiring: Wiring, worker: EngineWorker) -> Call
                 "broker_connected": publisher.connected.is_set() if publisher else None,
                 "learner_steps": steps, "background": wiring.health.snapshot(),
                 "failing": wiring.health.failing(),  # background tasks that failed in the last minute
+                "traffic_table": worker.table.stats() if worker.table is not None else None,
                 **({"learner": learner.health()} if learner is not None else {})}
     return status
 

@@ -31,6 +31,7 @@ Names (the `specd_` twins of vLLM's `vllm:spec_decode_*`):
   (histograms; inter-token: streamed requests, per token after the first)
   specd_spec_decode_domain_{draft_tokens,accepted_tokens,verification_passes,emitted_tokens}_total{version,source,domain}
   specd_background_failures_total{task}   failures of supervised background loops (threads.py)
+  specd_traffic_table_contexts   (gauge) contexts the hybrid's traffic table holds (absent without one)
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class _DerivedRates(Collector):
             if source is not None:
                 yield CounterMetricFamily(name, help_text, value=source())
         yield from _domain_counters(self.metrics.labelled_snapshot())
+        for name, (help_text, read) in self.metrics.gauges.items():
+            yield GaugeMetricFamily(name, help_text, value=read())
         serving = self.metrics.serving
         if serving is not None:
             server_id, version = serving()
@@ -131,6 +134,8 @@ class ServingMetrics:
         self.records_published = Counter("specd_records_published", "trajectory records published", registry=r)
         # counts owned by other objects (drafter, swapper, bus), read at scrape time
         self.sources: dict[str, Callable[[], float]] = {}
+        # gauges owned by other objects, read at scrape time: name -> (help, reader)
+        self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
         # (server id, drafter version now drafting) read at scrape time: which version each server runs
         self.serving: Callable[[], tuple[str, int | None]] | None = None
         self.request_latency = Histogram("specd_request_latency_seconds", "request latency", registry=r,
