@@ -6,12 +6,13 @@ version every server serves (twice a second) and which version is live at the le
 The corrupt version is a copy of the live one whose weights no longer match their sha256; the
 worse version is a copy with its weights drowned in noise; an operator tries to make each live
 (`POST /v1/live`), which must refuse both (the corrupt one by its checksum, the worse one by
-the gate). After the first worse version, another worse one is planted and submitted every
-`probe_every_s` (each must be refused), so that the operator's verdict latency is sampled all
-through the run. Every operator action (each POST, its answer and its seconds) is in `operator`;
-`operator_latency()` summarises them. The learner's memory breakdown (`/v1/status`) is sampled
-every `parts_every_s` into `learner_parts`. `version_outcomes()` says whether a planted version went
-live or was served anyway.
+the gate; while the gate lacks evidence it answers 503, and the operator tries again every
+`RETRY_AFTER_503_S` until it answers otherwise). After the first worse version, another worse
+one is planted and submitted every `probe_every_s` (each must be refused), so that the
+operator's verdict latency is sampled all through the run. Every operator action (each POST,
+its answer and its seconds) is in `operator`; `operator_latency()` summarises them. The learner's
+memory breakdown (`/v1/status`) is sampled every `parts_every_s` into `learner_parts`.
+`version_outcomes()` says whether a planted version went live or was served anyway.
 `MemoryWatch` samples each process's resident memory every two seconds; its summary compares
 the last instance of each process, once it has run for the warm-up share of the soak since its
 own start (a learner restarted mid-run is judged after its ramp), with its end; `instances` says
@@ -47,6 +48,8 @@ SCHEDULE = [(0.15, "restart the broker"), (0.30, "kill and restart the learner")
 
 
 NOTE_CHARS = 240
+RETRY_AFTER_503_S = 2.0  # an operator's wait before asking again for a verdict the gate could not give yet
+
 
 
 def post(url: str, body: dict[str, Any], token: str) -> tuple[int, dict[str, Any]]:
@@ -150,6 +153,11 @@ class Faults:
         else:
             self.planted[kind] = version
         status, answer = self.operator_post(f"verdict on a {kind} version", "/v1/live", {"version": version})
+        # 503: the gate has too few held-out records yet (a learner just restarted has few); an operator
+        # tries again, as the answer says, and the goal reads the first verdict
+        while status == 503 and not self._stop.wait(RETRY_AFTER_503_S):
+            self.note(f"{kind} version {version}: POST /v1/live answered 503 ({answer}); trying again")
+            status, answer = self.operator_post(f"verdict on a {kind} version", "/v1/live", {"version": version})
         self.first_answers.setdefault(kind, status)
         self.note(f"{kind} version {version}: POST /v1/live answered {status}: {answer}")
         if kind == "worse" and len(self.probes) == 0:  # the first: probes follow until the run ends

@@ -1,16 +1,19 @@
-"""The short soak in CI: benchmarks/soak.py for one minute on SmolLM2, every correctness goal met.
+"""The short soak in CI: benchmarks/soak.py for two minutes on SmolLM2, every correctness goal met.
 
 Two `specd serve` processes, the learner sidecar and Mosquitto under mixed traffic while the fault
 schedule restarts the broker, kills the learner, plants a corrupt and a worse version, rolls back
-by hand and floods a server. Resident memory is judged by the long soak (`--minutes 45`), whose
-tables docs/measurements.md quotes; one minute only catches a leak in the servers gross enough to
-pass the loose bound here. The broker and the learner are reported, not judged here. The broker
-holds 10-30 MB that swing with the messages it queues through the flood (its samples in one
-1-minute run: 8.5 to 28 MB), more than the bound in percent. A learner restarted mid-run ramps for
-a minute or more as it loads and trains its first batches (the 45-minute soaks: from about 0.9 GB
-to 3.0 GB over 70 s after its restart, flat after that), so in a short run its "after warm-up"
-sample falls inside that ramp and its growth (23% to 55% in 2-minute runs of the same code) says
-nothing about a leak.
+by hand and floods a server. Two minutes, not one: the learner killed at 30% of the run takes about
+16 s to come back on a 2-core AVX2 machine and then ramps, so in a one-minute run its gate still
+had 3 of the 4 held-out records it needs when the run ended, and the worse version was never judged
+(two runs of 2026-12-07; the 2-minute run judged it 6 s after it was planted). Resident memory is
+judged by the long soak (`--minutes 45`), whose tables docs/measurements.md quotes; a short run
+only catches a leak in the servers gross enough to pass the loose bound here. The broker and the
+learner are reported, not judged here. The broker holds 10-30 MB that swing with the messages it
+queues through the flood (its samples in one 1-minute run: 8.5 to 28 MB), more than the bound in
+percent. A learner restarted mid-run ramps for a minute or more as it loads and trains its first
+batches (the 45-minute soaks: from about 0.9 GB to 3.0 GB over 70 s after its restart, flat after
+that), so in a short run its "after warm-up" sample falls inside that ramp and its growth (23% to
+55% in 2-minute runs of the same code) says nothing about a leak.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ pytestmark = [pytest.mark.mqtt, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_a_minute_of_faults_lose_no_record_fail_no_request_and_serve_no_bad_version(tmp_path: Path) -> None:
+def test_two_minutes_of_faults_lose_no_record_fail_no_request_and_serve_no_bad_version(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), "--minutes", "1", "--target",
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), "--minutes", "2", "--target",
                           "bundled", "--work", str(tmp_path / "work"), "--out", str(out),
                           "--memory-growth-limit", "40", "--memory-judged", "server-1,server-2"],
                          capture_output=True, text=True, timeout=900, cwd=REPO)
