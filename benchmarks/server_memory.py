@@ -6,8 +6,11 @@ torch thread each, under the same traffic: `--clients` clients per server, each 
 chat and code requests (half streamed) of `--max-tokens` tokens from the soak's prompts, with
 the same random streams for both servers. One server runs as `specd serve` does by default
 (`specd.core.allocator`: at most 2 malloc arenas), the other with `MALLOC_ARENA_MAX` at glibc's
-own default (8 per core), which the cap leaves alone. `--swap` gives the first server's port and
-log to the other arm, to show that the position does not decide.
+own default (8 per core), which the cap leaves alone; `--against KEY=VALUE,...` gives the other
+arm another environment instead (`MALLOC_MMAP_THRESHOLD_=131072`: capped arenas, and glibc's
+threshold for serving a block from mmap fixed, which also stops glibc from raising it as blocks
+are freed). `--swap` gives the first server's port and log to the other arm, to show that the
+position does not decide.
 
 Each sample also reads how many contexts each server's traffic table holds (`/health`), and
 before the servers start the benchmark measures what a context costs (tracemalloc over a table
@@ -45,7 +48,17 @@ from specd.model.bundled import bundled_target_dir
 from specd.model.target import LoadedTarget
 from specd.testing.processes import Broker, SpecdProcess, free_port, get_json
 
-ARMS = {"specd (2 arenas)": {}, "glibc default": {"MALLOC_ARENA_MAX": str(8 * (os.cpu_count() or 1))}}
+SPECD_ARM = "specd (2 arenas)"
+GLIBC_DEFAULT = f"MALLOC_ARENA_MAX={8 * (os.cpu_count() or 1)}"
+
+
+def arms_against(against: str) -> dict[str, dict[str, str]]:
+    """The two arms: specd's default, and `against` (KEY=VALUE,...) as the other's environment."""
+    pairs = [item.split("=", 1) for item in against.split(",") if item]
+    if not pairs or any(len(pair) != 2 or not pair[0] for pair in pairs):
+        raise ValueError(f"--against takes KEY=VALUE[,KEY=VALUE...], got {against!r}")
+    name = "glibc default" if against == GLIBC_DEFAULT else against
+    return {SPECD_ARM: {}, name: dict(pairs)}
 SAMPLE_EVERY_S = 20.0
 
 
@@ -117,11 +130,12 @@ async def run(args: Any, work: Path) -> dict[str, Any]:
     bytes_per_context = table_bytes_per_context()
     print(f"a traffic-table context: {bytes_per_context:.0f} bytes", flush=True)
     broker = Broker(work / "broker").start()
-    names = list(ARMS)[::-1] if args.swap else list(ARMS)
+    arms = arms_against(args.against)
+    names = list(arms)[::-1] if args.swap else list(arms)
     servers: dict[str, SpecdProcess] = {}
     try:
         for i, name in enumerate(names):
-            env = {"OMP_NUM_THREADS": "1", **ARMS[name]}
+            env = {"OMP_NUM_THREADS": "1", **arms[name]}
             servers[name] = SpecdProcess(
                 ["serve", "--target", str(bundled_target_dir()), "--broker", broker.url, "--deployment", "memory",
                  "--server-id", f"memory-{i}", "--model-name", "soak", "--store", str(work / f"store-{i}"),
@@ -137,7 +151,7 @@ async def run(args: Any, work: Path) -> dict[str, Any]:
         for server in servers.values():
             server.stop()
         broker.stop()
-    return {"arms": {name: ARMS[name] for name in names}, "series_columns": ["seconds", *names,
+    return {"arms": {name: arms[name] for name in names}, "series_columns": ["seconds", *names,
             *[f"{name} answered" for name in names], *[f"{name} table contexts" for name in names]],
             "series": series, "table_bytes_per_context": bytes_per_context,
             "summary": summary(names, series, bytes_per_context)}
@@ -149,11 +163,18 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=3, help="clients per server")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--swap", action="store_true", help="the glibc arm takes the first server's place")
+    p.add_argument("--swap", action="store_true", help="the other arm takes the first server's place")
+    p.add_argument("--against", default=GLIBC_DEFAULT,
+                   help=f"the other arm's environment, KEY=VALUE[,KEY=VALUE...] (default {GLIBC_DEFAULT}: "
+                        "glibc's own arena count)")
     p.add_argument("--work", default="out/server-memory")
     args = p.parse_args()
     if not (args.minutes > 0 and args.clients >= 1 and args.max_tokens >= 1):
         p.error("--minutes must be above 0, --clients and --max-tokens at least 1")
+    try:
+        arms_against(args.against)
+    except ValueError as error:
+        p.error(str(error))
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run(args, work))
