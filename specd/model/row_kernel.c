@@ -8,39 +8,63 @@
  * Why: a verification pass multiplies a few rows (k + 1 a request) by every weight of the target,
  * which on a CPU is bound by reading the weights from memory. Libraries either run one matrix-
  * vector product per row (MKL below 4 rows: the weights are read once a row) or switch to blocked
- * kernels tuned for many rows. Here a block of rows (up to MAX_ROWS) and a few panels are held in
- * vector registers while the panel streams through once, so 2-12 rows cost about what one does.
+ * kernels tuned for many rows. Here a block of rows and a few panels are held in vector registers
+ * while the panel streams through once, so 2-12 rows cost about what one does.
  * Every output is summed over k in order, in its own accumulator, one row at a time: the result
  * of a row never depends on the other rows, so a one-token decoding step and a verification pass
  * agree to the bit on the rows they share.
  */
 #include <stddef.h>
 
-typedef float lanes16 __attribute__((vector_size(64), aligned(4)));
+/* the CPU's own vector: one register each, so the compiler keeps a block's sums in registers (a
+ * 64-byte vector on an AVX2 CPU is two registers' worth, and GCC 12 kept such sums on the stack) */
+#ifdef __AVX512F__
+#define WIDTH 16
+#else
+#define WIDTH 8
+#endif
+typedef float lanes __attribute__((vector_size(WIDTH * 4), aligned(4)));
+#define VECTORS (16 / WIDTH)   /* vectors a panel of 16 outputs spans */
 
-#define MAX_ROWS 12
-#define MAX_PANELS 4
-/* panels in flight per block: more for few rows (independent sums to hide the add latency), fewer
- * when the rows' accumulators fill the registers (rows x panels + panels <= 32) */
+/* Register blocking, by the vector registers the CPU has: a block's sums (rows x panels x VECTORS)
+ * and its panels' weights (panels x VECTORS) must stay in registers, or every multiply-add goes
+ * through memory. With AVX-512 (32 registers, a panel in one): up to 12 rows share a panel's
+ * pass. With AVX2 (16 registers, a panel in two): blocks of up to 6 rows, (rows x panels +
+ * panels) x 2 + 1 <= 16; more rows run in several blocks over a slab of panels small enough to
+ * stay in cache, so the weights still come from memory once. */
+#ifdef __AVX512F__
+#define BLOCK_ROWS 12
 #define FEW_ROWS 6
 #define PANELS_FEW_ROWS 4
 #define PANELS_MANY_ROWS 2
+#else
+#define BLOCK_ROWS 6
+#define FEW_ROWS 2
+#define PANELS_FEW_ROWS 2
+#define PANELS_MANY_ROWS 1
+#endif
+#define MAX_ROWS 12
+#define MAX_VECTORS 4
+#define SLAB_PANELS PANELS_FEW_ROWS   /* panels every row block reads before the next slab */
 
 static inline __attribute__((always_inline)) void block(const float *x, size_t k_size, const float *w,
                                                         float *out, size_t n_size, const int rows, const int panels) {
-    lanes16 sums[MAX_PANELS][MAX_ROWS];
-    for (int p = 0; p < panels; p++)
-        for (int m = 0; m < rows; m++) sums[p][m] = (lanes16){0};
+    const int vectors = panels * VECTORS;   /* vector v: panel v / VECTORS, its lanes WIDTH * (v % VECTORS) .. */
+    lanes sums[MAX_VECTORS][MAX_ROWS];
+    for (int v = 0; v < vectors; v++)
+        for (int m = 0; m < rows; m++) sums[v][m] = (lanes){0};
     for (size_t k = 0; k < k_size; k++) {
-        lanes16 weights[MAX_PANELS];
-        for (int p = 0; p < panels; p++) weights[p] = *(const lanes16 *)(w + (p * k_size + k) * 16);
+        lanes weights[MAX_VECTORS];
+        for (int v = 0; v < vectors; v++)
+            weights[v] = *(const lanes *)(w + ((v / VECTORS) * k_size + k) * 16 + (v % VECTORS) * WIDTH);
         for (int m = 0; m < rows; m++) {
             float value = x[m * k_size + k];
-            for (int p = 0; p < panels; p++) sums[p][m] += value * weights[p];
+            for (int v = 0; v < vectors; v++) sums[v][m] += value * weights[v];
         }
     }
     for (int m = 0; m < rows; m++)
-        for (int p = 0; p < panels; p++) *(lanes16 *)(out + m * n_size + p * 16) = sums[p][m];
+        for (int v = 0; v < vectors; v++)
+            *(lanes *)(out + m * n_size + (v / VECTORS) * 16 + (v % VECTORS) * WIDTH) = sums[v][m];
 }
 
 static inline __attribute__((always_inline)) void rows_through(const float *x, size_t k_size, const float *w,
@@ -64,9 +88,13 @@ static void some_rows(const float *x, size_t rows, size_t k_size, const float *w
 }
 
 void specd_rows_linear(const float *x, long m_size, long k_size, const float *panels, long n16, float *out) {
-    for (long m0 = 0; m0 < m_size; m0 += MAX_ROWS) {
-        long rows = m_size - m0 < MAX_ROWS ? m_size - m0 : MAX_ROWS;
-        some_rows(x + m0 * k_size, (size_t)rows, (size_t)k_size, panels, (size_t)(n16 / 16), out + m0 * n16,
-                  (size_t)n16);
+    const size_t n_panels = (size_t)(n16 / 16);
+    for (size_t p0 = 0; p0 < n_panels; p0 += SLAB_PANELS) {
+        const size_t slab = n_panels - p0 < SLAB_PANELS ? n_panels - p0 : SLAB_PANELS;
+        for (long m0 = 0; m0 < m_size; m0 += BLOCK_ROWS) {
+            long rows = m_size - m0 < BLOCK_ROWS ? m_size - m0 : BLOCK_ROWS;
+            some_rows(x + m0 * k_size, (size_t)rows, (size_t)k_size, panels + p0 * (size_t)k_size * 16, slab,
+                      out + m0 * n16 + p0 * 16, (size_t)n16);
+        }
     }
 }
