@@ -140,3 +140,15 @@ def test_a_version_trained_after_the_shift_goes_live_within_the_records_the_gate
     assert min(p["records_after_shift"] for p in trained_on_code) <= promise
     day0 = result["adaptation"][0]["accept_length"]
     assert max(p["accept_length"] for p in trained_on_code) > day0
+
+
+def test_the_demo_learner_trains_in_bfloat16_only_on_a_cpu_with_bfloat16_arithmetic(monkeypatch) -> None:
+    import torch
+
+    from specd.demo import deployment
+    assert deployment.DEMO_LEARNER.precision == deployment.training_precision()
+    cpus = ((True, False, "bfloat16"), (False, True, "bfloat16"), (False, False, "float32"))
+    for avx512_bf16, amx, precision in cpus:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert deployment.training_precision() == precision

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from specd.core.cpu import native_bfloat16
 from specd.core.errors import ConfigurationError
 from specd.core.traffic import TrafficItem
 from specd.demo.report import MODES, adaptation_curve, round_figures, summarise, swap_timing, versions_served
@@ -58,10 +59,17 @@ log = logging.getLogger(__name__)
 __all__ = ["DEMO_LEARNER", "MODES", "DemoConfig", "encode", "run_demo"]
 
 
+def training_precision() -> str:
+    """bf16 autocast where the CPU computes bf16 itself, float32 where it would be emulated."""
+    return "bfloat16" if native_bfloat16() else "float32"
+
+
 # The demo's learner sees 20 requests of the new domain, not thousands: the gate needs 3 held-out
 # records (one in 4 is held out, so evidence exists after 12 records) and a candidate is due every 4
 # steps or 10 s, so a version trained after the shift can go live within a few rounds of it.
-# It trains under bf16 autocast: twice the steps on this machine's AMX cores. Its learning rate,
+# It trains under bf16 autocast where the CPU has bf16 arithmetic (twice the steps on the Xeon's AMX
+# cores) and in float32 elsewhere (emulated bf16 made a learner step about 15 times slower on an AVX2
+# EPYC: 17 steps in a whole demo, no version passed; `specd.core.cpu`). Its learning rate,
 # 1.5e-4 (the service's default is 5e-5), was chosen on validation code traffic that the demo never
 # serves (benchmarks/demo_learner_sweep.py, benchmarks/results/demo_learner_sweep.json): after 20
 # records and 50 steps it reached 1.764 / 1.742 (two seeds) against 1.706 / 1.711 at 5e-5, and
@@ -77,7 +85,8 @@ __all__ = ["DEMO_LEARNER", "MODES", "DemoConfig", "encode", "run_demo"]
 # demo that did not bring the first version forward (still after 8 code records: judged on 1-2
 # held-out code records the verdict is noise of about 0.1; docs/measurements.md).
 DEMO_LEARNER = LearnerConfig(holdout_every=4, gate_min_held_out=3, publish_every_steps=4,
-                             publish_every_seconds=10.0, recent_records=16, precision="bfloat16",
+                             publish_every_seconds=10.0, recent_records=16,
+                             precision=training_precision(),
                              feature_learning_rate=1.5e-4, anchor_pull=0.03, anchor="start", gate_traffic_window=8)
 
 

@@ -10,8 +10,8 @@ context or its best continuation is uncertain (seen fewer than `min_count` times
 carries what earlier requests taught (templates, code idioms, stock phrases) to new ones; it
 learns the moment a request finishes, with no training step. One writer thread and one reader
 thread may share it: both take its lock, the writer per chunk of positions, so a read never
-waits long. `stats()` says how full it is; a context costs about 400 bytes (measured with
-tracemalloc on ShareGPT text: about 126 MB at the default bound; `benchmarks/server_memory.py`).
+waits long. `stats()` says how full it is; a context costs about 400 bytes (384-421 measured with
+tracemalloc on ShareGPT text: 115-126 MB at the default bound; `benchmarks/server_memory.py`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specd.core.cpu import native_bfloat16
 from specd.core.errors import CheckpointError
 
 CpuLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # vLLM's `cpu_linear`
@@ -197,8 +198,7 @@ def drafter_gemm_dtype(choice: str, served: torch.dtype) -> torch.dtype | None:
         return None
     if choice == "bfloat16":
         return torch.bfloat16 if served != torch.bfloat16 else None
-    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if served == torch.float32 and native_bf16 else None
+    return torch.bfloat16 if served == torch.float32 and native_bfloat16() else None
 
 
 def vllm_cpu_in_place_kernel() -> InPlaceKernel | None:
