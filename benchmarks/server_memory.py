@@ -50,6 +50,7 @@ from specd.testing.processes import Broker, SpecdProcess, free_port, get_json
 
 SPECD_ARM = "specd (2 arenas)"
 GLIBC_DEFAULT = f"MALLOC_ARENA_MAX={8 * (os.cpu_count() or 1)}"
+SAMPLE_EVERY_S = 20.0
 
 
 def arms_against(against: str) -> dict[str, dict[str, str]]:
@@ -59,7 +60,6 @@ def arms_against(against: str) -> dict[str, dict[str, str]]:
         raise ValueError(f"--against takes KEY=VALUE[,KEY=VALUE...], got {against!r}")
     name = "glibc default" if against == GLIBC_DEFAULT else against
     return {SPECD_ARM: {}, name: dict(pairs)}
-SAMPLE_EVERY_S = 20.0
 
 
 async def client(url: str, prompts: list[Prompt], seed: int, deadline: float, max_tokens: int,

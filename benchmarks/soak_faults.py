@@ -51,7 +51,6 @@ NOTE_CHARS = 240
 RETRY_AFTER_503_S = 2.0  # an operator's wait before asking again for a verdict the gate could not give yet
 
 
-
 def post(url: str, body: dict[str, Any], token: str) -> tuple[int, dict[str, Any]]:
     request = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
