@@ -45,7 +45,7 @@ from soak_traffic import Prompt, one_request
 from specd.core.traffic import iter_training_conversations
 from specd.drafter.traffic_table import TrafficTable
 from specd.model.bundled import bundled_target_dir
-from specd.model.target import LoadedTarget
+from specd.model.target import load_tokenizer
 from specd.testing.processes import Broker, SpecdProcess, free_port, get_json
 
 SPECD_ARM = "specd (2 arenas)"
@@ -74,7 +74,7 @@ async def client(url: str, prompts: list[Prompt], seed: int, deadline: float, ma
 
 def table_bytes_per_context() -> float:
     """What one traffic-table context costs in Python allocations, with the table at its bound."""
-    tokenizer = LoadedTarget.load(bundled_target_dir()).tokenizer
+    tokenizer = load_tokenizer(bundled_target_dir())  # the tokenizer alone: the weights are not needed here
     tracemalloc.start()
     try:
         table = TrafficTable()

@@ -174,7 +174,7 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
                             "specd_drafter_refused": lambda: len(swapper.refused)})
     if table is not None:
         metrics.gauges["specd_traffic_table_contexts"] = (
-            f"contexts the traffic table holds (at most {table.max_contexts}; about 400 bytes each)", table.__len__)
+            f"contexts the traffic table holds (at most {table.max_contexts})", table.__len__)
     # records need a reader, a learner here or a sidecar's over MQTT: with neither none are made (a
     # bundled record with its features is about 6 KB a token, and the bus would keep 4096 of them)
     records = options.publish_records and (options.mqtt is not None or options.learner)
