@@ -5,7 +5,9 @@ The bundled SmolLM2-135M in float32, one thread (the demo's serving thread), aft
 prefill of every cache slot: a pass over B rows of T new tokens each (B = 1, 2, 4, 8; T = 1..5,
 a verification pass at k = T − 1), in three settings of `PackedLinear`: `kernel` (specd's few-row
 kernel up to `--kernel-rows` rows a call, as served), `packed` (the kernel off: MKL's product for one
-row, oneDNN's packed one for more) and `plain` (packing off: `F.linear`), in `--repeats` interleaved
+row, oneDNN's packed one for more) and `plain` (packing off: `F.linear`), and with `--kernel-source
+FILE` a fourth, `source` (the kernel built from FILE, say an earlier `row_kernel.c` taken with `git
+show`, so that two kernels are timed in the same rounds), in `--repeats` interleaved
 rounds (each round times every cell in every setting, 3 passes a timing). Per cell: the median and
 spread of the milliseconds a pass, the per-round ratios packed / kernel and plain / packed, and the
 cost of each T relative to T = 1 in the same setting (what drafting must beat). Also checks that
@@ -15,15 +17,17 @@ out/target_pass_cost.json) and prints a table.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from common import cell, markdown_table, parser, spread, write_result
 
 from specd.model import packed_linear
-from specd.model.row_kernel import row_kernel
+from specd.model.row_kernel import RowKernel, kernel_from, row_kernel
 from specd.model.target import LoadedTarget
 
 BATCHES = (1, 2, 4, 8)
@@ -31,10 +35,16 @@ TOKENS = (1, 2, 3, 4, 5)
 CACHED = 300
 # name -> (packing on, rows up to which the few-row kernel serves)
 SETTINGS = {"kernel": (True, packed_linear.KERNEL_MAX_ROWS), "packed": (True, 0), "plain": (False, 0)}
+RATIOS = (("packed", "kernel"), ("plain", "packed"), ("source", "kernel"))   # per-round ratios reported
+OWN_KERNEL = packed_linear.row_kernel
+SOURCE_KERNEL: dict[str, RowKernel] = {}   # --kernel-source's build, served in the `source` setting
 
 
-def _use(setting: tuple[bool, int]) -> None:
+def _use(setting: tuple[bool, int], name: str = "") -> None:
     packed_linear._PACKING, packed_linear.KERNEL_MAX_ROWS = setting
+    # both kernels read the same panel layout, so the layers' cached copies serve either
+    source = functools.partial(SOURCE_KERNEL.get, "source")
+    packed_linear.row_kernel = source if name == "source" else OWN_KERNEL  # type: ignore[assignment]
 
 
 def time_pass(model: torch.nn.Module, cache: Any, batch: int, tokens: int, passes: int = 3,
@@ -54,8 +64,8 @@ def _same_argmax(model: torch.nn.Module, cache: Any) -> bool:
     probe = torch.randint(0, 40000, (4, 5), generator=torch.Generator().manual_seed(0))
     start = torch.full((4,), CACHED, dtype=torch.long)
     picks = []
-    for setting in SETTINGS.values():
-        _use(setting)
+    for name, setting in SETTINGS.items():
+        _use(setting, name)
         logits, _ = model(probe, start, cache, logits_for="all")
         picks.append(logits.argmax(-1))
     return all(torch.equal(picks[0], other) for other in picks[1:])
@@ -65,8 +75,13 @@ def main() -> None:
     p = parser(__doc__, "out/target_pass_cost.json", 7)
     p.add_argument("--kernel-rows", type=int, default=packed_linear.KERNEL_MAX_ROWS,
                    help="rows a call up to which the kernel setting uses the few-row kernel")
+    p.add_argument("--kernel-source", type=Path, default=None,
+                   help="also time the kernel built from this C source (an earlier row_kernel.c) as `source`")
     args = p.parse_args()
     SETTINGS["kernel"] = (True, args.kernel_rows)
+    if args.kernel_source is not None:
+        SOURCE_KERNEL["source"] = kernel_from(args.kernel_source)
+        SETTINGS["source"] = (True, args.kernel_rows)
     torch.set_num_threads(1)
     model = LoadedTarget.load().model.eval()
     cache = model.new_cache(max(BATCHES), CACHED + 16)
@@ -79,7 +94,7 @@ def main() -> None:
             names = list(SETTINGS)
             order = names[round_number % len(names):] + names[:round_number % len(names)]
             for name in order:
-                _use(SETTINGS[name])
+                _use(SETTINGS[name], name)
                 time_pass(model, cache, 1, 1, passes=1)  # the first packed call packs
                 time_pass(model, cache, max(BATCHES), 1, passes=1)
                 for batch in BATCHES:
@@ -95,15 +110,17 @@ def main() -> None:
                 entry[f"{name}_ms"] = spread(times[name][(batch, tokens)])
                 entry[f"{name}_vs_one_token"] = (entry[f"{name}_ms"]["median"]
                                                  / statistics.median(times[name][(batch, 1)]))
-            for slower, faster in (("packed", "kernel"), ("plain", "packed")):
+            for slower, faster in RATIOS[:3 if "source" in SETTINGS else 2]:
                 entry[f"{slower}_over_{faster}"] = spread([a / b for a, b in zip(
                     times[slower][(batch, tokens)], times[faster][(batch, tokens)], strict=True)])
             cells.append(entry)
     rows = [[c["batch"], c["tokens_per_row"]] + [item for name in SETTINGS for item in
                                                  (cell(c[f"{name}_ms"]), f"{c[f'{name}_vs_one_token']:.2f}")]
-            + [cell(c["packed_over_kernel"], 2), cell(c["plain_over_packed"], 2)] for c in cells]
+            + [cell(c[f"{slower}_over_{faster}"], 2) for slower, faster in RATIOS if f"{slower}_over_{faster}" in c]
+            for c in cells]
     print(markdown_table(["B", "T"] + [h for name in SETTINGS for h in (f"{name} ms", f"{name} / T=1")]
-                         + ["packed / kernel", "plain / packed"], rows))
+                         + [f"{slower} / {faster}" for slower, faster in RATIOS[:3 if "source" in SETTINGS else 2]],
+                         rows))
     print(f"same argmax at every position of a 4 x 5 pass in every setting: {same}")
     write_result(args.out, args, {"cached_positions": CACHED, "threads": 1, "kernel_rows": args.kernel_rows,
                                   "kernel_built": row_kernel() is not None, "same_argmax": same, "cells": cells})

@@ -7,10 +7,11 @@ once per machine (`cc -O3 -march=native`, or `$CC`) into `$SPECD_CACHE/kernels` 
 `~/.cache/specd/kernels`) under a name derived from the source, the flags, the compiler and the
 CPU's feature flags, so a changed source or another CPU builds afresh, and concurrent builders
 never see a half-written file.
-`RowKernel.panels(weight)` lays an [out, in] float32 weight out as the kernel reads it;
-`RowKernel.linear(x, panels, out_features)` multiplies x's rows (any leading shape, float32, CPU)
-through it on the calling thread and returns a new tensor of shape [*x.shape[:-1], out_features].
-A row's result has the same bits whatever the other rows are (`row_kernel.c` says why).
+`kernel_from(source)` builds and loads another source of the same contract the same way (benchmarks
+time an earlier kernel against this one). `RowKernel.panels(weight)` lays an [out, in] float32
+weight out as the kernel reads it; `RowKernel.linear(x, panels, out_features)` multiplies x's rows
+(any leading shape, float32, CPU) through it on the calling thread and returns a new tensor of shape
+[*x.shape[:-1], out_features]. A row's result has the same bits whatever the other rows are (`row_kernel.c` says why).
 """
 
 from __future__ import annotations
@@ -76,18 +77,24 @@ def row_kernel() -> RowKernel | None:
     if os.environ.get("SPECD_ROW_KERNEL", "1") == "0":
         return None
     try:
-        return RowKernel(ctypes.CDLL(str(_built_library())))
+        return kernel_from(SOURCE)
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         log.warning("the few-row kernel is unavailable (%s); linear layers keep torch's paths", error)
         return None
 
 
-def _built_library() -> Path:
+def kernel_from(source: Path) -> RowKernel:
+    """A kernel built from another source with the same contract (benchmarks time an earlier
+    version against this one); raises where it cannot be built or loaded."""
+    return RowKernel(ctypes.CDLL(str(_built_library(source))))
+
+
+def _built_library(source: Path) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_flags().encode()):
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_flags().encode()):
         key.update(part)
     target = cache_dir() / "kernels" / f"row_kernel-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -95,7 +102,7 @@ def _built_library() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
+        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True, text=True,
                                 timeout=BUILD_TIMEOUT_S, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
