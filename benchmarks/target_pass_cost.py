@@ -9,8 +9,9 @@ row, oneDNN's packed one for more) and `plain` (packing off: `F.linear`), and wi
 FILE` a fourth, `source` (the kernel built from FILE, say an earlier `row_kernel.c` taken with `git
 show`, so that two kernels are timed in the same rounds), in `--repeats` interleaved
 rounds (each round times every cell in every setting, 3 passes a timing). Per cell: the median and
-spread of the milliseconds a pass, the per-round ratios packed / kernel and plain / packed, and the
-cost of each T relative to T = 1 in the same setting (what drafting must beat). Also checks that
+spread of the milliseconds a pass, the per-round ratios packed / kernel and plain / packed (and
+source / kernel), and the cost of each T relative to T = 1 in the same setting (what drafting must
+beat). Also checks that
 every setting picks the same argmax at every position of a B = 4, T = 5 pass. Writes JSON (default
 out/target_pass_cost.json) and prints a table.
 """

@@ -44,7 +44,7 @@ typedef float lanes __attribute__((vector_size(WIDTH * 4), aligned(4)));
 #define BLOCK_ROWS 3
 #define FEW_ROWS 3
 #define PANELS_FEW_ROWS 2
-#define PANELS_MANY_ROWS 1
+#define PANELS_MANY_ROWS 1   /* unused here: no block has more than FEW_ROWS rows */
 #endif
 #define MAX_ROWS 12
 #define MAX_VECTORS 4

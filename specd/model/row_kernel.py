@@ -11,7 +11,8 @@ never see a half-written file.
 time an earlier kernel against this one). `RowKernel.panels(weight)` lays an [out, in] float32
 weight out as the kernel reads it; `RowKernel.linear(x, panels, out_features)` multiplies x's rows
 (any leading shape, float32, CPU) through it on the calling thread and returns a new tensor of shape
-[*x.shape[:-1], out_features]. A row's result has the same bits whatever the other rows are (`row_kernel.c` says why).
+[*x.shape[:-1], out_features]. A row's result has the same bits whatever the other rows are
+(`row_kernel.c` says why).
 """
 
 from __future__ import annotations
