@@ -9,8 +9,10 @@ the same random streams for both servers. One server runs as `specd serve` does 
 own default (8 per core), which the cap leaves alone; `--against KEY=VALUE,...` gives the other
 arm another environment instead (`MALLOC_MMAP_THRESHOLD_=131072`: capped arenas, and glibc's
 threshold for serving a block from mmap fixed, which also stops glibc from raising it as blocks
-are freed). `--swap` gives the first server's port and log to the other arm, to show that the
-position does not decide.
+are freed), and `--against-flags "..."` adds flags to its `specd serve` (`--against "" --against-flags
+--no-records`: a server that makes and publishes no records, so that the growth can be told to
+follow records or not). `--swap` gives the first server's port and log to the other arm, to show
+that the position does not decide.
 
 Each sample also reads how many contexts each server's traffic table holds (`/health`), and
 before the servers start the benchmark measures what a context costs (tracemalloc over a table
@@ -53,13 +55,15 @@ GLIBC_DEFAULT = f"MALLOC_ARENA_MAX={8 * (os.cpu_count() or 1)}"
 SAMPLE_EVERY_S = 20.0
 
 
-def arms_against(against: str) -> dict[str, dict[str, str]]:
-    """The two arms: specd's default, and `against` (KEY=VALUE,...) as the other's environment."""
+def arms_against(against: str, flags: str = "") -> dict[str, dict[str, Any]]:
+    """The two arms: specd's default, and the other with `against` (KEY=VALUE,...) as its environment
+    and `flags` (space-separated) added to its `specd serve` command; each {"env": ..., "flags": ...}."""
     pairs = [item.split("=", 1) for item in against.split(",") if item]
-    if not pairs or any(len(pair) != 2 or not pair[0] for pair in pairs):
-        raise ValueError(f"--against takes KEY=VALUE[,KEY=VALUE...], got {against!r}")
-    name = "glibc default" if against == GLIBC_DEFAULT else against
-    return {SPECD_ARM: {}, name: dict(pairs)}
+    if (not pairs and not flags) or any(len(pair) != 2 or not pair[0] for pair in pairs):
+        raise ValueError(f"--against takes KEY=VALUE[,KEY=VALUE...] (empty only with --against-flags), "
+                         f"got {against!r}")
+    name = "glibc default" if against == GLIBC_DEFAULT and not flags else " ".join(filter(None, [against, flags]))
+    return {SPECD_ARM: {"env": {}, "flags": []}, name: {"env": dict(pairs), "flags": flags.split()}}
 
 
 async def client(url: str, prompts: list[Prompt], seed: int, deadline: float, max_tokens: int,
@@ -130,16 +134,16 @@ async def run(args: Any, work: Path) -> dict[str, Any]:
     bytes_per_context = table_bytes_per_context()
     print(f"a traffic-table context: {bytes_per_context:.0f} bytes", flush=True)
     broker = Broker(work / "broker").start()
-    arms = arms_against(args.against)
+    arms = arms_against(args.against, args.against_flags)
     names = list(arms)[::-1] if args.swap else list(arms)
     servers: dict[str, SpecdProcess] = {}
     try:
         for i, name in enumerate(names):
-            env = {"OMP_NUM_THREADS": "1", **arms[name]}
+            env = {"OMP_NUM_THREADS": "1", **arms[name]["env"]}
             servers[name] = SpecdProcess(
                 ["serve", "--target", str(bundled_target_dir()), "--broker", broker.url, "--deployment", "memory",
                  "--server-id", f"memory-{i}", "--model-name", "soak", "--store", str(work / f"store-{i}"),
-                 "--batch", "4"], free_port(), work / f"server-{i}.log", env=env).start()
+                 "--batch", "4", *arms[name]["flags"]], free_port(), work / f"server-{i}.log", env=env).start()
         _, prompts = traffic(400, args.seed)
         deadline = time.time() + args.minutes * 60
         answered: dict[str, int] = {}
@@ -167,12 +171,15 @@ def main() -> None:
     p.add_argument("--against", default=GLIBC_DEFAULT,
                    help=f"the other arm's environment, KEY=VALUE[,KEY=VALUE...] (default {GLIBC_DEFAULT}: "
                         "glibc's own arena count)")
+    p.add_argument("--against-flags", default="",
+                   help="flags added to the other arm's `specd serve` (say \"--no-records\" or \"--no-traffic-table\", "
+                        "with --against \"\" to leave its environment alone), to tell what the growth follows")
     p.add_argument("--work", default="out/server-memory")
     args = p.parse_args()
     if not (args.minutes > 0 and args.clients >= 1 and args.max_tokens >= 1):
         p.error("--minutes must be above 0, --clients and --max-tokens at least 1")
     try:
-        arms_against(args.against)
+        arms_against(args.against, args.against_flags)
     except ValueError as error:
         p.error(str(error))
     work = Path(args.work)
