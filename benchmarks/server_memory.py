@@ -9,10 +9,10 @@ the same random streams for both servers. One server runs as `specd serve` does 
 own default (8 per core), which the cap leaves alone; `--against KEY=VALUE,...` gives the other
 arm another environment instead (`MALLOC_MMAP_THRESHOLD_=131072`: capped arenas, and glibc's
 threshold for serving a block from mmap fixed, which also stops glibc from raising it as blocks
-are freed), and `--against-flags "..."` adds flags to its `specd serve` (`--against "" --against-flags
---no-records`: a server that makes and publishes no records, so that the growth can be told to
-follow records or not). `--swap` gives the first server's port and log to the other arm, to show
-that the position does not decide.
+are freed), and `--against-flags=...` adds flags to its `specd serve` (`--against ""
+--against-flags=--no-records`: a server that makes and publishes no records, so that the growth
+can be told to follow records or not). `--swap` gives the first server's port and log to the other
+arm, to show that the position does not decide.
 
 Each sample also reads how many contexts each server's traffic table holds (`/health`), and
 before the servers start the benchmark measures what a context costs (tracemalloc over a table
@@ -172,8 +172,9 @@ def main() -> None:
                    help=f"the other arm's environment, KEY=VALUE[,KEY=VALUE...] (default {GLIBC_DEFAULT}: "
                         "glibc's own arena count)")
     p.add_argument("--against-flags", default="",
-                   help="flags added to the other arm's `specd serve` (say \"--no-records\" or \"--no-traffic-table\", "
-                        "with --against \"\" to leave its environment alone), to tell what the growth follows")
+                   help="flags added to the other arm's `specd serve`, written with = (--against-flags=--no-records, "
+                        "or =--no-traffic-table; with --against \"\" to leave its environment alone), to tell what "
+                        "the growth follows")
     p.add_argument("--work", default="out/server-memory")
     args = p.parse_args()
     if not (args.minutes > 0 and args.clients >= 1 and args.max_tokens >= 1):
