@@ -35,6 +35,7 @@ import os
 import random
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +67,12 @@ def arms_against(against: str, flags: str = "") -> dict[str, dict[str, Any]]:
     return {SPECD_ARM: {"env": {}, "flags": []}, name: {"env": dict(pairs), "flags": flags.split()}}
 
 
-async def client(url: str, prompts: list[Prompt], seed: int, deadline: float, max_tokens: int,
+async def client(url: str, prompts: list[Prompt], seed: int, more: Callable[[], bool], max_tokens: int,
                  answered: dict[str, int]) -> None:
+    """Sampled chat and code requests (half streamed) to `url` while `more()`; counts each 200 in `answered`."""
     rng = random.Random(seed)
     async with aiohttp.ClientSession() as session:
-        while time.time() < deadline:
+        while more():
             kind = rng.choice(["sampled", "sampled_stream"])
             status, _, _ = await one_request(session, url, kind, rng.choice(prompts), max_tokens, rng)
             answered[url] = answered.get(url, 0) + (status == 200)
@@ -149,7 +151,8 @@ async def run(args: Any, work: Path) -> dict[str, Any]:
         answered: dict[str, int] = {}
         series: list[list[float]] = []
         await asyncio.gather(watch(servers, deadline, answered, series),
-                             *[client(s.url, prompts, args.seed * 100 + c, deadline, args.max_tokens, answered)
+                             *[client(s.url, prompts, args.seed * 100 + c, lambda: time.time() < deadline,
+                                      args.max_tokens, answered)
                                for s in servers.values() for c in range(args.clients)])
     finally:
         for server in servers.values():
