@@ -10,7 +10,9 @@ overwrite-and-mask cache as the target's); training runs `unrolled` over whole s
 step j sees its own predicted states exactly as draft j does at serving time (EAGLE-3's
 training-time test). The target's embedding is borrowed, frozen, and never stored. The layer is
 EAGLE-3's exactly as vLLM computes it, so that `specd.drafter.export` can hand any version to
-vLLM's native `eagle3` proposer unchanged.
+vLLM's native `eagle3` proposer unchanged. Served through specd's few-row kernel, its linear
+layers read fp16 copies of their weights (`serve_weights_in_half`): exact for fp16-held weights (the
+shipped file), rounded for float32 ones, which changes proposals at most, never served tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.model.packed_linear import PackedLinear
+from specd.model.packed_linear import PackedLinear, serve_weights_in_half
 from specd.model.transformer import MLP, Attention, Block, KVCache, ModelConfig, apply_rope, rope_tables
 
 
@@ -146,6 +148,9 @@ class FeatureDrafterModel(nn.Module):
         # borrowed from the target and frozen: not a parameter, not in the state dict
         self.register_buffer("embedding", embedding.detach(), persistent=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        # its products only propose drafts: the few-row kernel may read its weights in fp16, half
+        # the bytes a drafting step streams (the shipped file is fp16: the same products as float32)
+        serve_weights_in_half(self)
 
     @property
     def deeper(self) -> list[Block]:

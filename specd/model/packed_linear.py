@@ -7,6 +7,10 @@ weight and input are float32 on the CPU and this torch has oneDNN, the forward m
   (`row_kernel`, compiled on first use) over a copy in its panel layout;
 - otherwise one row through a transposed copy of the weight (MKL's matrix-vector product) and more
   rows through a copy that oneDNN reordered once into its blocked layout.
+A layer marked `half_weights` (`serve_weights_in_half`: a drafter's, whose products only propose
+drafts that the target verifies) gives the kernel its weights in fp16 where the CPU converts fp16:
+its products are then exactly those of its weights rounded to fp16 (float32 arithmetic), at half
+the bytes read; the other paths are unchanged. `SPECD_HALF_WEIGHTS=0` keeps such layers in float32.
 Otherwise (a gradient wanted, another dtype or device, no oneDNN) it is `F.linear`. A copy is
 remade whenever the weight changes (another tensor, or an in-place write that moves its version
 counter), so hot-swapped or trained weights are never served stale. `SPECD_PACKED_LINEAR=0` in the
@@ -66,13 +70,14 @@ class PackedLinear(nn.Linear):
 
     # layout name -> (weight, its version, its data pointer, the copy in that layout)
     _layouts: dict[str, tuple[torch.Tensor, int, int, torch.Tensor]] | None = None
+    half_weights = False   # the kernel may read this layer's weights in fp16 (`serve_weights_in_half`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._may_pack(x):
             return F.linear(x, self.weight, self.bias)
         kernel = _row_kernel_for(x.numel() // x.shape[-1])
         if kernel is not None:
-            out = kernel.linear(x, self._layout("panels", kernel.panels), self.out_features)
+            out = kernel.linear(x, self._layout(*self._kernel_layout(kernel)), self.out_features)
             return out if self.bias is None else out + self.bias
         if x.numel() == x.shape[-1]:
             # one row (decoding one request without drafts): MKL's matrix-vector product over an
@@ -95,14 +100,23 @@ class PackedLinear(nn.Linear):
         if self._weight_may_pack():
             kernel = _row_kernel_for(1)
             if kernel is not None:
-                self._layout("panels", kernel.panels)
-                unused = "transposed"
+                used = self._kernel_layout(kernel)
+                self._layout(*used)
+                unused = {"transposed", "panels", "half_panels"} - {used[0]}
             else:
                 self._layout("transposed", _transposed)
-                unused = "panels"
+                unused = {"panels", "half_panels"}
             assert self._layouts is not None
-            self._layouts.pop(unused, None)
+            for name in unused:
+                self._layouts.pop(name, None)
             self._layout("packed", _onednn_packed)
+
+    def _kernel_layout(self, kernel: RowKernel) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """The kernel's copy of this layer's weights: fp16 panels for a `half_weights` layer (where
+        the kernel reads them), float32 panels otherwise."""
+        if self.half_weights and _HALF_WEIGHTS and kernel.has_half:
+            return "half_panels", kernel.half_panels
+        return "panels", kernel.panels
 
     def _weight_may_pack(self) -> bool:
         return _PACKING and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu"
@@ -139,6 +153,16 @@ def prepare_layouts(module: nn.Module) -> None:
             layer.prepare()
 
 
+def serve_weights_in_half(module: nn.Module) -> None:
+    """Mark every `PackedLinear` in `module` `half_weights`: for layers whose outputs need not be
+    the float32 product (a drafter's proposals: drafts are verified by the target, so rounding its
+    weights can change which drafts are proposed, never what is served). Weights already held in
+    fp16 (the shipped drafter's file) give the same products as in float32."""
+    for layer in module.modules():
+        if isinstance(layer, PackedLinear):
+            layer.half_weights = True
+
+
 def _row_kernel_for(rows: int) -> RowKernel | None:
     """The few-row kernel where it serves these rows: built, on one thread (it runs on the calling
     thread only; with more, torch's threaded products win), and no more rows than it beats oneDNN at."""
@@ -156,3 +180,4 @@ def _onednn_packed(weight: torch.Tensor) -> torch.Tensor:
 
 
 _PACKING = packing_enabled()
+_HALF_WEIGHTS = os.environ.get("SPECD_HALF_WEIGHTS", "1") != "0"

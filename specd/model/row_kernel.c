@@ -13,8 +13,17 @@
  * Every output is summed over k in order, in its own accumulator, one row at a time: the result
  * of a row never depends on the other rows, so a one-token decoding step and a verification pass
  * agree to the bit on the rows they share.
+ *
+ * specd_rows_linear_half (where the CPU converts half precision: F16C, or AVX-512) takes the same
+ * panels in IEEE fp16 and widens each weight to float32 as it is read, the arithmetic unchanged:
+ * its result is exactly specd_rows_linear's on the weights rounded to fp16. Half the bytes stream
+ * from memory; a drafter's layers use it (their products only propose drafts, which the target
+ * verifies in float32), the target's never do.
  */
 #include <stddef.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 /* the CPU's own vector: one register each, so the compiler keeps a block's sums in registers (a
  * 64-byte vector on an AVX2 CPU is two registers' worth, and GCC 12 kept such sums on the stack) */
@@ -50,8 +59,26 @@ typedef float lanes __attribute__((vector_size(WIDTH * 4), aligned(4)));
 #define MAX_VECTORS 4
 #define SLAB_PANELS PANELS_FEW_ROWS   /* panels every row block reads before the next slab */
 
-static inline __attribute__((always_inline)) void block(const float *x, size_t k_size, const float *w,
-                                                        float *out, size_t n_size, const int rows, const int panels) {
+/* one vector of a panel's weights at element `index`: float32, or fp16 widened (`half`, a constant
+ * in every caller, so each kernel is compiled with one kind of load and no branch) */
+static inline __attribute__((always_inline)) lanes load_weights(const char *w, size_t index, const int half) {
+#if defined(__F16C__)
+    if (half) {
+#ifdef __AVX512F__
+        return (lanes)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 2 * index)));
+#else
+        return (lanes)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * index)));
+#endif
+    }
+#else
+    (void)half;
+#endif
+    return *(const lanes *)(w + 4 * index);
+}
+
+static inline __attribute__((always_inline)) void block(const float *x, size_t k_size, const char *w,
+                                                        float *out, size_t n_size, const int rows, const int panels,
+                                                        const int half) {
     const int vectors = panels * VECTORS;   /* vector v: panel v / VECTORS, its lanes WIDTH * (v % VECTORS) .. */
     lanes sums[MAX_VECTORS][MAX_ROWS];
     for (int v = 0; v < vectors; v++)
@@ -59,7 +86,7 @@ static inline __attribute__((always_inline)) void block(const float *x, size_t k
     for (size_t k = 0; k < k_size; k++) {
         lanes weights[MAX_VECTORS];
         for (int v = 0; v < vectors; v++)
-            weights[v] = *(const lanes *)(w + ((v / VECTORS) * k_size + k) * 16 + (v % VECTORS) * WIDTH);
+            weights[v] = load_weights(w, ((v / VECTORS) * k_size + k) * 16 + (v % VECTORS) * WIDTH, half);
         for (int m = 0; m < rows; m++) {
             float value = x[m * k_size + k];
             for (int v = 0; v < vectors; v++) sums[v][m] += value * weights[v];
@@ -70,19 +97,21 @@ static inline __attribute__((always_inline)) void block(const float *x, size_t k
             *(lanes *)(out + m * n_size + (v / VECTORS) * 16 + (v % VECTORS) * WIDTH) = sums[v][m];
 }
 
-static inline __attribute__((always_inline)) void rows_through(const float *x, size_t k_size, const float *w,
+static inline __attribute__((always_inline)) void rows_through(const float *x, size_t k_size, const char *w,
                                                                size_t n_panels, float *out, size_t n_size,
-                                                               const int rows) {
+                                                               const int rows, const int half) {
     const int panels = rows <= FEW_ROWS ? PANELS_FEW_ROWS : PANELS_MANY_ROWS;
+    const size_t panel_bytes = k_size * 16 * (half ? 2 : 4);
     size_t p = 0;
-    for (; p + panels <= n_panels; p += panels) block(x, k_size, w + p * k_size * 16, out + p * 16, n_size, rows, panels);
-    for (; p < n_panels; p++) block(x, k_size, w + p * k_size * 16, out + p * 16, n_size, rows, 1);
+    for (; p + panels <= n_panels; p += panels)
+        block(x, k_size, w + p * panel_bytes, out + p * 16, n_size, rows, panels, half);
+    for (; p < n_panels; p++) block(x, k_size, w + p * panel_bytes, out + p * 16, n_size, rows, 1, half);
 }
 
-#define ROWS_CASE(n) case n: rows_through(x, k_size, w, n_panels, out, n_size, n); break;
+#define ROWS_CASE(n) case n: rows_through(x, k_size, w, n_panels, out, n_size, n, half); break;
 
-static void some_rows(const float *x, size_t rows, size_t k_size, const float *w, size_t n_panels, float *out,
-                      size_t n_size) {
+static inline __attribute__((always_inline)) void some_rows(const float *x, size_t rows, size_t k_size, const char *w,
+                                                            size_t n_panels, float *out, size_t n_size, const int half) {
     switch (rows) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3)
 #if BLOCK_ROWS > 3   /* only the row counts a block can have: the others would be dead code */
@@ -93,15 +122,28 @@ static void some_rows(const float *x, size_t rows, size_t k_size, const float *w
     }
 }
 
-void specd_rows_linear(const float *x, long m_size, long k_size, const float *panels, long n16, float *out) {
+static inline __attribute__((always_inline)) void all_rows(const float *x, long m_size, long k_size, const char *panels,
+                                                           long n16, float *out, const int half) {
     const size_t n_panels = (size_t)(n16 / 16);
+    const size_t panel_bytes = (size_t)k_size * 16 * (half ? 2 : 4);
     for (size_t p0 = 0; p0 < n_panels; p0 += SLAB_PANELS) {
         const size_t slab = n_panels - p0 < SLAB_PANELS ? n_panels - p0 : SLAB_PANELS;
         long blocks_left = (m_size + BLOCK_ROWS - 1) / BLOCK_ROWS;
         for (long m0 = 0, rows = 0; m0 < m_size; m0 += rows, blocks_left--) {
             rows = (m_size - m0 + blocks_left - 1) / blocks_left;
-            some_rows(x + m0 * k_size, (size_t)rows, (size_t)k_size, panels + p0 * (size_t)k_size * 16, slab,
-                      out + m0 * n16 + p0 * 16, (size_t)n16);
+            some_rows(x + m0 * k_size, (size_t)rows, (size_t)k_size, panels + p0 * panel_bytes, slab,
+                      out + m0 * n16 + p0 * 16, (size_t)n16, half);
         }
     }
 }
+
+void specd_rows_linear(const float *x, long m_size, long k_size, const float *panels, long n16, float *out) {
+    all_rows(x, m_size, k_size, (const char *)panels, n16, out, 0);
+}
+
+#if defined(__F16C__)
+void specd_rows_linear_half(const float *x, long m_size, long k_size, const unsigned short *panels, long n16,
+                            float *out) {
+    all_rows(x, m_size, k_size, (const char *)panels, n16, out, 1);
+}
+#endif

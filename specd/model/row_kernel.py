@@ -12,7 +12,10 @@ time an earlier kernel against this one). `RowKernel.panels(weight)` lays an [ou
 weight out as the kernel reads it; `RowKernel.linear(x, panels, out_features)` multiplies x's rows
 (any leading shape, float32, CPU) through it on the calling thread and returns a new tensor of shape
 [*x.shape[:-1], out_features]. A row's result has the same bits whatever the other rows are
-(`row_kernel.c` says why).
+(`row_kernel.c` says why). Where the CPU converts fp16 (`RowKernel.has_half`), `half_panels(weight)`
+gives the same layout in fp16 (float32 panels for a weight that does not fit fp16's range), and
+`linear` over fp16 panels equals `linear` over float32 panels of the weight rounded to fp16, bit for
+bit: half the bytes to read, for layers whose products may be rounded (a drafter's).
 """
 
 from __future__ import annotations
@@ -50,6 +53,16 @@ class RowKernel:
         self._multiply.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                                    ctypes.c_void_p]
         self._multiply.restype = None
+        # absent where the CPU has no fp16 conversion (row_kernel.c builds it under __F16C__ only)
+        self._multiply_half = getattr(library, "specd_rows_linear_half", None)
+        if self._multiply_half is not None:
+            self._multiply_half.argtypes = self._multiply.argtypes
+            self._multiply_half.restype = None
+
+    @property
+    def has_half(self) -> bool:
+        """Whether this build multiplies through fp16 panels (`half_panels`)."""
+        return self._multiply_half is not None
 
     @staticmethod
     def panels(weight: torch.Tensor) -> torch.Tensor:
@@ -61,12 +74,23 @@ class RowKernel:
             source = torch.cat([source, source.new_zeros(padded - out_features, in_features)])
         return source.reshape(padded // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
 
+    def half_panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """`panels(weight)` in fp16 where this build reads fp16 and every weight fits fp16's range
+        (finite, at most 65504 in magnitude); float32 panels otherwise."""
+        panels = self.panels(weight)
+        if not self.has_half or not bool(panels.abs().max() <= torch.finfo(torch.float16).max):
+            return panels  # a NaN fails the comparison too: such a weight keeps float32
+        return panels.to(torch.float16)
+
     def linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
         in_features = panels.shape[1]
         rows = x.reshape(-1, in_features).contiguous()
         padded = panels.shape[0] * PANEL
         out = torch.empty(rows.shape[0], padded, dtype=torch.float32)
-        self._multiply(rows.data_ptr(), rows.shape[0], in_features, panels.data_ptr(), padded, out.data_ptr())
+        multiply = self._multiply_half if panels.dtype == torch.float16 else self._multiply
+        if multiply is None:
+            raise RuntimeError("fp16 panels given to a kernel built without fp16 conversion")
+        multiply(rows.data_ptr(), rows.shape[0], in_features, panels.data_ptr(), padded, out.data_ptr())
         if padded != out_features:
             out = out[:, :out_features].contiguous()
         return out.reshape(*x.shape[:-1], out_features)
