@@ -18,6 +18,7 @@ from specd.core.errors import CheckpointError, ConfigurationError
 from specd.drafter.checkpoint import load_drafter, read_metadata
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.drafter.vllm_format import SPECD_CHECKPOINT, checkpoint_tensors, export_eagle3, vllm_parameters
+from specd.model import row_kernel
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
 from specd.serving.vllm.eagle3 import plugin
@@ -31,6 +32,7 @@ from specd.serving.vllm.eagle3.weights import (
     vllm_cpu_in_place_kernel,
     vllm_cpu_repack,
     with_gemm_dtype,
+    with_half_kernel,
 )
 from specd.serving.vllm.shared.launch import PluginSettings, speculative_config
 from specd.testing import tiny_target
@@ -197,13 +199,40 @@ def test_eager_layers_in_bfloat16_compute_from_a_bfloat16_copy_and_answer_in_the
     assert packed == [torch.bfloat16, torch.bfloat16]
 
 
-def test_the_drafters_gemm_dtype_is_bfloat16_only_for_float32_servers_where_asked_or_native() -> None:
+def test_the_drafters_gemm_dtype_halves_a_float32_servers_weights_where_asked_or_native() -> None:
     assert drafter_gemm_dtype("native", torch.float32) is None
     assert drafter_gemm_dtype("bfloat16", torch.float32) is torch.bfloat16
     assert drafter_gemm_dtype("bfloat16", torch.bfloat16) is None  # already bfloat16: nothing to change
     assert drafter_gemm_dtype("auto", torch.bfloat16) is None
+    assert drafter_gemm_dtype("float16", torch.bfloat16) is None
+    kernel = row_kernel.row_kernel()
+    half = torch.float16 if kernel is not None and kernel.has_half else None
+    assert drafter_gemm_dtype("float16", torch.float32) is half
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    assert drafter_gemm_dtype("auto", torch.float32) is (torch.bfloat16 if native else None)
+    assert drafter_gemm_dtype("auto", torch.float32) is (torch.bfloat16 if native else half)
+
+
+def test_eager_layers_in_float16_multiply_few_rows_through_the_kernel_and_more_through_vllms_packing() -> None:
+    kernel = row_kernel.row_kernel()
+    if kernel is None or not kernel.has_half:
+        pytest.skip("this CPU converts no fp16 (no F16C): float32 servers keep float32 drafter layers")
+    layer = PackedLinear(torch.zeros(40, 24))
+    tree = nn.Module()
+    tree.add_module("proj", layer)
+
+    def repack(module: nn.Module) -> None:  # stands in for vLLM's dispatch: float32, a product of its own
+        weight = module.weight.detach().clone()
+        module.cpu_linear = lambda x, w, b: (x.double() @ weight.double().T).float()
+
+    in_half = with_half_kernel(repack, kernel)
+    generator = torch.Generator().manual_seed(0)
+    for version in (torch.randn(40, 24, generator=generator), torch.randn(40, 24, generator=generator)):
+        install(tree, prepare(tree, {"proj.weight": version}, repack=in_half), in_half)
+        few, many = torch.randn(2, 3, 24, generator=generator), torch.randn(20, 24, generator=generator)
+        rounded = version.to(torch.float16).float()
+        assert torch.equal(layer(few), kernel.linear(few, kernel.panels(rounded), 40))  # the kernel, fp16 weights
+        assert torch.equal(layer(many), (many.double() @ version.double().T).float())  # vLLM's float32 path
+        assert layer.weight.dtype == torch.float32 and torch.equal(layer.weight, version)  # the version itself kept
 
 
 @pytest.mark.vllm

@@ -7,7 +7,8 @@ such a layer is served in one of three ways, chosen at its first install and kep
 - eager mode (`repack`, vLLM's own `dispatch_cpu_unquantized_gemm`): every new weight is packed
   again the way vLLM packs it at load; with a GEMM dtype (`vllm_cpu_repack(torch.bfloat16)`, see
   `drafter_gemm_dtype`) a copy in that dtype is packed instead and the layer casts around it, while
-  its parameter keeps the version's own values;
+  its parameter keeps the version's own values; with float16 (`with_half_kernel`) specd's few-row
+  kernel multiplies up to 12 rows through an fp16 copy and vLLM's float32 packing serves the rest;
 - compiled mode with an `InPlaceKernel` (bfloat16 on a CPU whose vLLM has the packed-weight GEMM):
   the weight parameter holds the packed weight, a plain tensor of the weight's own shape, and
   each later version is packed and copied into it, so the graphs (traced over that parameter)
@@ -38,6 +39,8 @@ from torch import nn
 
 from specd.core.cpu import native_bfloat16
 from specd.core.errors import CheckpointError
+from specd.model.packed_linear import KERNEL_MAX_ROWS
+from specd.model.row_kernel import RowKernel, row_kernel
 
 CpuLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # vLLM's `cpu_linear`
 PACKED, PLAIN = "packed", "plain"   # a CPU linear layer's layout after specd's first install
@@ -155,13 +158,17 @@ def _first_install(module: nn.Module, weight: torch.Tensor, in_place: InPlaceKer
 def vllm_cpu_repack(gemm_dtype: torch.dtype | None = None) -> Callable[[nn.Module], None]:
     """vLLM's own packing of a CPU linear layer's weight (imported inside vLLM's worker only). With
     `gemm_dtype` other than the weight's, the layer computes through a packed copy in that dtype (its
-    input cast to it and its output cast back), as `with_gemm_dtype` says."""
+    input cast to it and its output cast back), as `with_gemm_dtype` says; float16 means specd's
+    few-row kernel over an fp16 copy for small batches (`with_half_kernel`)."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     def repack(module: nn.Module) -> None:
         dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
-    return repack if gemm_dtype is None else with_gemm_dtype(repack, gemm_dtype)
+    if gemm_dtype is None:
+        return repack
+    kernel = _half_kernel() if gemm_dtype == torch.float16 else None
+    return with_half_kernel(repack, kernel) if kernel is not None else with_gemm_dtype(repack, gemm_dtype)
 
 
 def with_gemm_dtype(repack: Callable[[nn.Module], None], gemm_dtype: torch.dtype) -> Callable[[nn.Module], None]:
@@ -191,14 +198,50 @@ def with_gemm_dtype(repack: Callable[[nn.Module], None], gemm_dtype: torch.dtype
 
 
 def drafter_gemm_dtype(choice: str, served: torch.dtype) -> torch.dtype | None:
-    """The dtype eager-mode drafter layers compute in for `SPECD_DRAFTER_GEMM=choice` in a server of
-    dtype `served` (None: the served dtype). `auto`: bfloat16 in a float32 server on a CPU with native
-    bfloat16 arithmetic (AVX-512 BF16 or AMX), where it halves the bytes a drafting pass reads."""
+    """The dtype eager-mode drafter layers' weights are read in for `SPECD_DRAFTER_GEMM=choice` in a
+    server of dtype `served` (None: the served dtype). `auto`: bfloat16 in a float32 server on a CPU
+    with native bfloat16 arithmetic (AVX-512 BF16 or AMX), else float16 (specd's few-row kernel over
+    fp16 weights, float32 arithmetic) where that kernel reads fp16: either halves the bytes a
+    drafting pass reads. `float16` where the kernel cannot read fp16 keeps the served dtype."""
     if choice == "native":
         return None
     if choice == "bfloat16":
         return torch.bfloat16 if served != torch.bfloat16 else None
-    return torch.bfloat16 if served == torch.float32 and native_bfloat16() else None
+    half = torch.float16 if served == torch.float32 and _half_kernel() is not None else None
+    if choice == "float16":
+        return half
+    return torch.bfloat16 if served == torch.float32 and native_bfloat16() else half
+
+
+def _half_kernel() -> RowKernel | None:
+    kernel = row_kernel()
+    return kernel if kernel is not None and kernel.has_half else None
+
+
+def with_half_kernel(repack: Callable[[nn.Module], None], kernel: RowKernel) -> Callable[[nn.Module], None]:
+    """`repack`, and then an fp16 copy of each float32 weight in the few-row kernel's layout: a
+    layer's `cpu_linear` multiplies up to `KERNEL_MAX_ROWS` rows through it (on the calling thread;
+    exactly the products of the weights rounded to fp16, in float32 arithmetic) and more rows through
+    vLLM's own float32 packing. Drafting passes at small batches read half the bytes; the target
+    verifies every draft, so outputs are unchanged."""
+
+    def repack_in(module: nn.Module) -> None:
+        repack(module)
+        weight = cast(torch.Tensor, module.weight)
+        if weight.dtype != torch.float32 or weight.dim() != 2:
+            return
+        wide = cast(CpuLinear, module.cpu_linear)  # vLLM's attribute, set by `repack`
+        panels, out_features = kernel.half_panels(weight.detach()), weight.shape[0]
+
+        def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if x.dtype != torch.float32 or x.numel() > KERNEL_MAX_ROWS * x.shape[-1]:
+                return wide(x, weight, bias)
+            out = kernel.linear(x, panels, out_features)
+            return out if bias is None else out + bias
+
+        setattr(module, "cpu_linear", half_linear)  # noqa: B010 (vLLM's attribute, not nn.Module's)
+
+    return repack_in
 
 
 def vllm_cpu_in_place_kernel() -> InPlaceKernel | None:

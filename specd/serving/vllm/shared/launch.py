@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 PROPOSER_CLASS = "specd.serving.vllm.custom.proposer.SpecdProposer"
 ROUTES = ("eagle3", "custom")
-DRAFTER_GEMMS = ("auto", "bfloat16", "native")
+DRAFTER_GEMMS = ("auto", "bfloat16", "float16", "native")
 WORKER_EXTENSION = "specd.serving.vllm.shared.extension.SpecdWorkerExtension"
 
 
