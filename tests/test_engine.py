@@ -286,6 +286,18 @@ def test_engine_steps_count_the_rows_whose_chain_ended_in_a_rejection() -> None:
     assert any(s.num_rejections for s in drafted)
 
 
+def test_a_step_without_learned_drafts_is_a_sample_of_verification_only() -> None:
+    from specd.engine.lookahead import LookaheadCosts
+
+    running, sampled = LookaheadCosts(), LookaheadCosts(keep_samples=True)
+    for costs in (running, sampled):
+        costs.observe(2, 0.02, 0.1, weight=0.5)
+        costs.observe(2, None, 0.2, weight=0.5)   # continuations served every row: no drafting time
+    assert running.draft_seconds == pytest.approx(0.01) and running.verify_seconds[2] == pytest.approx(0.15)
+    frozen = sampled.frozen_copy()
+    assert frozen.draft_seconds == pytest.approx(0.01) and frozen.measured_verify_seconds == {2: pytest.approx(0.15)}
+
+
 def test_calibrated_costs_freeze_the_medians_of_their_samples_not_a_running_average() -> None:
     from specd.engine.lookahead import LookaheadCosts
 

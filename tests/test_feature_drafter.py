@@ -21,7 +21,7 @@ from specd.drafter.feature_drafter import FeatureDrafter
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.drafter.hybrid import HybridDrafter
 from specd.engine.engine import Engine, EngineConfig
-from specd.engine.request import SamplingParams, Sequence, record_from_sequence
+from specd.engine.request import SamplingParams, Sequence, VerifyStep, record_from_sequence
 from specd.learner.feature_signal import collate, feature_loss, label_rows
 from specd.model.transformer import Transformer
 from specd.testing import learnable_target
@@ -322,14 +322,17 @@ def trace(engine: Engine, drafter: FeatureDrafter, models: Iterable[FeatureDraft
     return seen
 
 
-def assert_drafting_is_unrolled(seqs: list[Sequence], seen: Trace, models: dict[int, FeatureDrafterModel]) -> None:
+def assert_drafting_is_unrolled(seqs: list[Sequence], seen: Trace, models: dict[int, FeatureDrafterModel],
+                                proposed_at: Callable[[VerifyStep], bool] = lambda step: True) -> None:
     """Every proposal of a row that drafted computed what training's `unrolled` computes from the
-    same features and chain tokens: the serving cache (catch-up, blocks, chain, moves) is exact."""
+    same features and chain tokens: the serving cache (catch-up, blocks, chain, moves) is exact.
+    `proposed_at`: the steps at which the feature drafter proposed (all, unless a hybrid skipped it)."""
     num_checked = 0
     for seq in seqs:
         tokens = seq.prompt_ids + seq.output_ids
         features = torch.cat(seen.features[seq.request_id]).half()  # as the drafter stores them
-        for step, logits in zip(seq.steps, seen.logits[seq.request_id], strict=True):
+        proposed = [step for step in seq.steps if proposed_at(step)]
+        for step, logits in zip(proposed, seen.logits[seq.request_id], strict=True):
             if not step.drafts:  # not ready (or no tokens left to draft): its logits mean nothing
                 continue
             model, length, k = models[step.drafter_version], step.position, len(logits)
@@ -344,6 +347,37 @@ def assert_drafting_is_unrolled(seqs: list[Sequence], seen: Trace, models: dict[
             torch.testing.assert_close(logits, expected, atol=1e-9, rtol=1e-9)
             num_checked += 1
     assert num_checked > 20
+
+
+def test_a_hybrid_skips_its_feature_drafter_where_a_continuation_serves_the_row_and_catches_up_exactly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tiny_target()
+    model = random_feature_model(target, vocab=60)
+    drafter = FeatureDrafter(model, 0)
+    engine = Engine(target, HybridDrafter(drafter), fixed_k(max_batch=1, num_draft_tokens=3))
+    seen = trace(engine, drafter, [model], monkeypatch)
+    seqs = engine.generate(PROMPTS, GREEDY)
+    assert [s.output_ids for s in seqs] == target_only(target)
+    continued = [step for s in seqs for step in s.steps if step.source.startswith(("context", "table"))]
+    assert len(continued) >= 5, "no step was served by a continuation: nothing was skipped"
+    # at batch 1 the feature drafter proposed exactly where no continuation served the row, and each
+    # proposal after skipped steps drafted from a cache caught up to the verified features
+    assert_drafting_is_unrolled(seqs, seen, {0: model},
+                                proposed_at=lambda step: not step.source.startswith(("context", "table")))
+
+
+def test_a_version_offered_while_continuations_serve_every_row_goes_live_at_the_next_step() -> None:
+    target = tiny_target()
+    drafter = FeatureDrafter(random_feature_model(target, vocab=60), 0)
+    hybrid = HybridDrafter(drafter)
+    hybrid.bind(1, 64, torch.device("cpu"))
+    tokens = torch.zeros(1, 64, dtype=torch.long)
+    tokens[0, :12] = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6, 7])  # "5 6 7" again: a context match
+    batch = DraftBatch(tokens, torch.tensor([12]), [12], ["r0"], torch.zeros(1), torch.ones(1), [])
+    hybrid.offer(random_feature_model(target, vocab=60, seed=2), 7)
+    proposal = hybrid.propose(batch, 3)
+    assert not hybrid.learned_ran and hybrid.row_sources == ["context3"]
+    assert proposal.drafts.tolist() == [[8, 9, 10]] and hybrid.version == 7
 
 
 def test_build_drafter_serves_a_feature_model_behind_context_matching() -> None:

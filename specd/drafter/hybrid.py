@@ -3,10 +3,13 @@
 Contract: a row whose own context has a match (`context_match`) gets the match's drafts; a row
 without one asks the `TrafficTable` it was built with (if any) what earlier requests continued
 its last tokens with; every other row gets the learned drafter's drafts (a `TokenDrafter` or a
-`FeatureDrafter`). The learned drafter still runs for all rows (its cache must follow every row)
-unless a caller switches it off (`use_learned`); rows whose drafts were replaced commit as "none
-of your drafts were used", so a token drafter's cache stays exact (a feature drafter's features
-come from the verified tokens through `observe`, whoever drafted them). With `context_k` a continuation may propose up
+`FeatureDrafter`). The learned drafter still runs for all rows (a token drafter's cache must follow
+every row) unless a caller switches it off (`use_learned`) or it is a feature drafter and every row
+has a continuation (its drafts would all be replaced; its cache catches up from the verified
+features at its next proposal, and a pending version is still installed between the steps); rows
+whose drafts were replaced commit as "none of your drafts were used", so a token drafter's cache
+stays exact (a feature drafter's features come from the verified tokens through `observe`, whoever
+drafted them). With `context_k` a continuation may propose up
 to that many drafts where the step's k is smaller (the proposal is then wider than k; the learned
 rows keep k), as long as the pass stays within `WIDE_PASS_ROWS` positions in all. Swaps, versions
 and the target layers to capture belong to the learned part. `row_sources` names where each row's drafts
@@ -63,6 +66,8 @@ class HybridDrafter:
         # a caller may switch the learned part off while it does not pay for itself (the vLLM
         # proposer's gate); learned_ran / learned_seconds say whether it ran at the last step and its time
         self.use_learned = True
+        # a feature drafter skips steps where continuations serve every row (benchmarks switch it off)
+        self.skip_covered_steps = True
         self.num_table_rows = 0
         self.row_sources: list[str] = []
         self.learned_ran = False
@@ -123,9 +128,15 @@ class HybridDrafter:
         width = min(max([k] + [len(found) for found, _ in continuations]),
                     max(k, WIDE_PASS_ROWS // batch.num_rows - 1))
         continuations = [(found[:width], source) for found, source in continuations]
-        # the learned drafter runs even where every row has a continuation: skipping it there left a
-        # trained version's first swap after the shift later (tests/test_demo_deployment.py)
-        self.learned_ran = self.use_learned
+        # where every row has a continuation the learned drafts would all be replaced: a feature
+        # drafter skips the step (its cache catches up from the verified features at its next
+        # proposal), but a version offered meanwhile still goes live between these steps, as it would
+        # have at the proposal (skipping that too delayed the first swap after the shift)
+        every_row_continued = (self.skip_covered_steps and isinstance(self.learned, FeatureDrafter)
+                               and all(found for found, _ in continuations))
+        self.learned_ran = self.use_learned and not every_row_continued
+        if every_row_continued:
+            self.learned.apply_pending()
         q: torch.Tensor | None = None
         if self.learned_ran:
             begin = time.perf_counter()

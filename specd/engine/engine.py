@@ -211,9 +211,12 @@ class Engine:
         if features is not None:
             self._observe_emitted(features, lengths)
         # a pass wider than k (a long continuation) is no sample of what k costs and earns: not observed
+        # and a step whose drafts all came from continuations (a hybrid skipping its learned drafter)
+        # is no sample of what drafting costs: only its verification and acceptance are observed
         if self.drafter is not None and self.k > 0 and drafts.shape[1] == k:
+            learned_ran = getattr(self.drafter, "learned_ran", True)
             self.lookahead.observe(k, stats.num_drafts_accepted, stats.num_rejections,
-                                   drafted - begin, verified - drafted)
+                                   drafted - begin if learned_ran else None, verified - drafted)
         stats.seconds, stats.k = time.perf_counter() - begin, k
         self.step_stats.append(stats)
         return done + self._retire()

@@ -43,17 +43,20 @@ class LookaheadCosts:
     verify_seconds: dict[int, float] = field(default_factory=dict)       # per target pass, by k
     frozen: bool = False
     keep_samples: bool = False
-    # kept samples by k: (draft seconds per position, verify seconds) of each step
-    samples: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    # kept samples by k: (draft seconds per position, None where no learned draft was made; verify seconds)
+    samples: dict[int, list[tuple[float | None, float]]] = field(default_factory=dict)
     measured_verify_seconds: dict[int, float] = field(default_factory=dict)  # a frozen copy's medians by k
 
-    def observe(self, k: int, draft_seconds: float, verify_seconds: float, weight: float) -> None:
+    def observe(self, k: int, draft_seconds: float | None, verify_seconds: float, weight: float) -> None:
+        """A step at `k`: its drafting and verification seconds; drafting None where the learned
+        drafter did not run (continuations served every row), so that step's drafting time says
+        nothing of what a learned draft costs and only its verification is a sample."""
         if self.frozen:
             return
+        per_position = draft_seconds / k if k and draft_seconds is not None else None
         if self.keep_samples:
-            self.samples.setdefault(k, []).append((draft_seconds / k if k else 0.0, verify_seconds))
-        if k > 0:
-            per_position = draft_seconds / k
+            self.samples.setdefault(k, []).append((per_position if k else 0.0, verify_seconds))
+        if per_position is not None:
             self.draft_seconds = per_position if self.draft_seconds is None else (
                 (1 - weight) * self.draft_seconds + weight * per_position)
         previous = self.verify_seconds.get(k)
@@ -66,7 +69,7 @@ class LookaheadCosts:
         median over every drafted position."""
         if not self.samples:
             return LookaheadCosts(self.draft_seconds, dict(self.verify_seconds), frozen=True)
-        drafts = [draft for k, pairs in self.samples.items() if k > 0 for draft, _ in pairs]
+        drafts = [draft for k, pairs in self.samples.items() if k > 0 for draft, _ in pairs if draft is not None]
         medians = {k: statistics.median(seconds for _, seconds in pairs) for k, pairs in sorted(self.samples.items())}
         return LookaheadCosts(statistics.median(drafts) if drafts else self.draft_seconds, verify_line(medians),
                               frozen=True, measured_verify_seconds=medians)
@@ -130,8 +133,10 @@ class LookaheadController:
         nearest = min(self.verify_seconds, key=lambda measured: abs(measured - k))
         return self.verify_seconds[nearest] * (1 + 0.05 * k) / (1 + 0.05 * nearest)
 
-    def observe(self, k: int, accepted: int, rejected: int, draft_seconds: float, verify_seconds: float) -> None:
-        """A step drafted at `k`: its accepted drafts, its rows that had a draft rejected, its times."""
+    def observe(self, k: int, accepted: int, rejected: int, draft_seconds: float | None,
+                verify_seconds: float) -> None:
+        """A step drafted at `k`: its accepted drafts, its rows that had a draft rejected, its times
+        (drafting None where no learned draft was made: `LookaheadCosts.observe`)."""
         w = self.config.smoothing
         if accepted + rejected > 0:
             self.acceptance = (1 - w) * self.acceptance + w * accepted / (accepted + rejected)
