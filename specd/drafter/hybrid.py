@@ -6,10 +6,10 @@ its last tokens with; every other row gets the learned drafter's drafts (a `Toke
 `FeatureDrafter`). The learned drafter still runs for all rows (a token drafter's cache must follow
 every row) unless a caller switches it off (`use_learned`) or it is a feature drafter and every row
 has a continuation (its drafts would all be replaced; its cache catches up from the verified
-features at its next proposal, and a pending version is still installed between the steps); rows
-whose drafts were replaced commit as "none of your drafts were used", so a token drafter's cache
-stays exact (a feature drafter's features come from the verified tokens through `observe`, whoever
-drafted them). With `context_k` a continuation may propose up
+features at its next proposal). A pending version is installed at the start of every proposal,
+whether or not the learned part runs. Rows whose drafts were replaced commit as "none of your
+drafts were used", so a token drafter's cache stays exact (a feature drafter's features come from
+the verified tokens through `observe`, whoever drafted them). With `context_k` a continuation may propose up
 to that many drafts where the step's k is smaller (the proposal is then wider than k; the learned
 rows keep k), as long as the pass stays within `WIDE_PASS_ROWS` positions in all. Swaps, versions
 and the target layers to capture belong to the learned part. `row_sources` names where each row's drafts
@@ -117,6 +117,9 @@ class HybridDrafter:
         self.learned.move(src, dst)
 
     def propose(self, batch: DraftBatch, k: int) -> Proposal:
+        # a version offered since the last step goes live at this proposal whether or not the learned
+        # part runs (left to its own proposal, a skipped or switched-off step delayed the swap)
+        self.learned.apply_pending()
         reach = max(k, self.context_k or 0)
         continuations = []
         for row, length in enumerate(batch.lengths.tolist()):
@@ -129,14 +132,10 @@ class HybridDrafter:
                     max(k, WIDE_PASS_ROWS // batch.num_rows - 1))
         continuations = [(found[:width], source) for found, source in continuations]
         # where every row has a continuation the learned drafts would all be replaced: a feature
-        # drafter skips the step (its cache catches up from the verified features at its next
-        # proposal), but a version offered meanwhile still goes live between these steps, as it would
-        # have at the proposal (skipping that too delayed the first swap after the shift)
+        # drafter skips the step (its cache catches up from the verified features at its next proposal)
         every_row_continued = (self.skip_covered_steps and isinstance(self.learned, FeatureDrafter)
                                and all(found for found, _ in continuations))
         self.learned_ran = self.use_learned and not every_row_continued
-        if every_row_continued:
-            self.learned.apply_pending()
         q: torch.Tensor | None = None
         if self.learned_ran:
             begin = time.perf_counter()
