@@ -1,6 +1,6 @@
 """A drafter's weights in fp16 through the few-row kernel: exactly the products of the rounded
-weights, a row's bits independent of the other rows, targets never rounded, drafts of fp16-held
-weights unchanged."""
+weights, targets never rounded, drafts of fp16-held weights unchanged (a row's bits independent of
+the other rows: tests/test_row_kernel.py, in both layouts)."""
 
 from __future__ import annotations
 
@@ -41,16 +41,6 @@ def test_fp16_panels_give_exactly_the_products_of_the_weights_rounded_to_fp16(
     out = kernel.linear(x, half, out_features)
     assert torch.equal(out, kernel.linear(x, kernel.panels(rounded(weight)), out_features))
     torch.testing.assert_close(out, x @ weight.T, rtol=1e-2, atol=1e-2)  # rounding, nothing more
-
-
-def test_with_fp16_panels_a_rows_bits_do_not_depend_on_the_other_rows(kernel: row_kernel.RowKernel) -> None:
-    torch.manual_seed(0)
-    weight, x = torch.randn(200, 96), torch.randn(29, 96)
-    panels = kernel.half_panels(weight)
-    together = kernel.linear(x, panels, 200)
-    for rows in range(1, 29):
-        assert torch.equal(kernel.linear(x[:rows], panels, 200), together[:rows])
-    assert torch.equal(kernel.linear(x[11:12], panels, 200), together[11:12])
 
 
 @pytest.mark.parametrize("bad", [1e5, float("inf"), float("nan")])
