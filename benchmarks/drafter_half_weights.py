@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 from common import cell, markdown_table, paired, parser, spread, write_result
+from hybrid_policy import traffic
 
-from specd.core.traffic import VALIDATION_RANGE, is_short_chat_turn, iter_conversations_in, load_humaneval
 from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
 from specd.drafter.feature_model import FeatureDrafterModel
 from specd.drafter.hybrid import HybridDrafter
@@ -37,11 +37,9 @@ from specd.model.target import LoadedTarget
 
 
 def validation_prompts(loaded: LoadedTarget, requests: int, humaneval_from: int) -> list[list[int]]:
-    """Half chat, half code, never the demo's traffic."""
-    chat = [loaded.encode_messages([messages[0]]) for _, messages in iter_conversations_in(VALIDATION_RANGE)
-            if is_short_chat_turn(messages[0]["content"])][:requests - requests // 2]
-    problems = load_humaneval(humaneval_from + requests // 2)[humaneval_from:]
-    return chat + [loaded.encode(item.prompt or "") for item in problems]
+    """Half chat, half code (`hybrid_policy.traffic`'s validation prompts), never the demo's traffic."""
+    by_domain = traffic(loaded, requests - requests // 2, humaneval_from)
+    return by_domain["sharegpt"] + by_domain["humaneval"][:requests // 2]
 
 
 def perturbed(model: FeatureDrafterModel, eps: float, seed: int = 0) -> FeatureDrafterModel:
