@@ -1,25 +1,29 @@
-"""What fp16 drafter weights buy a batch-1 engine: drafting time, decode speed, accept length.
+"""What fp16 drafter weights and the drafter's layer in C buy a batch-1 engine: drafting time, decode
+speed, accept length.
 
-The shipped feature drafter serves validation traffic (the first turns of ShareGPT conversations
-in `traffic.VALIDATION_RANGE` and HumanEval problems the demo never serves, from `--humaneval-from`
+The shipped feature drafter serves validation traffic (the first turns of ShareGPT conversations in
+`traffic.VALIDATION_RANGE` and HumanEval problems the demo never serves, from `--humaneval-from`
 on), greedy, batch 1, one thread (the demo's serving thread), k fixed at each of `--ks` (the
-lookahead controller would choose k by measured times, and so differently per arm), with the
-default hybrid drafter (context matches, a traffic table fed by each finished request) or the
-learned drafter alone (`--kind learned`). Arms (`--arms`): the drafter's linear layers through
-specd's kernel in fp16 (`half`, the default) and in float32 (`float32`, `packed_linear._HALF_WEIGHTS`
-off), and `half-noskip`: fp16 with the hybrid running its learned drafter at every step, also
-where continuations serve the row (`HybridDrafter.skip_covered_steps` off; the default skips those
-steps); each at every k, in `--repeats` interleaved rounds. With `--perturb EPS` each arm also
-serves a copy of the drafter whose weights were scaled by 1 + EPS * N(0, 1) (float32 values no
-longer exact in fp16, as a learner's versions are), to show what rounding them costs in accept
-length. Per arm: tokens/s over decoding steps, the learned drafter's proposal time per call, per
-decoding step (a skipped step counts as none) and per drafted position, accept length; per-round
-ratios of `half` to each other arm. Greedy outputs must equal the first arm's (verification keeps
-them so); the run fails otherwise. Writes out/drafter_half_weights.json.
+lookahead controller would choose k by measured times, and so differently per arm), with the default
+hybrid drafter (context matches, a traffic table fed by each finished request) or the learned
+drafter alone (`--kind learned`). Arms (`--arms`): the drafter's linear layers through specd's
+kernel in fp16 (`half`, the default) and in float32 (`float32`, `packed_linear._HALF_WEIGHTS` off),
+and `half-noskip`: fp16 with the hybrid running its learned drafter at every step, also where
+continuations serve the row (`HybridDrafter.skip_covered_steps` off; the default skips those steps),
+and `half-torch`: fp16 with the drafter's layer through torch's operations instead of one C call
+(`specd.model.fused_layer` off, `SPECD_FUSED_LAYER=0`); each at every k, in `--repeats` interleaved
+rounds. With `--perturb EPS` each arm also serves a copy of the drafter whose weights were scaled by
+1 + EPS * N(0, 1) (float32 values no longer exact in fp16, as a learner's versions are), to show
+what rounding them costs in accept length. Per arm: tokens/s over decoding steps, the learned
+drafter's proposal time per call, per decoding step (a skipped step counts as none) and per drafted
+position, accept length; per-round ratios of `half` to each other arm. Greedy outputs must equal the
+first arm's (verification keeps them so); the run fails otherwise. Writes
+out/drafter_half_weights.json.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -51,13 +55,16 @@ def perturbed(model: FeatureDrafterModel, eps: float, seed: int = 0) -> FeatureD
     return twin
 
 
-ARMS = {"half": (True, True), "float32": (False, True), "half-noskip": (True, False)}   # (fp16, skip)
+# name -> (fp16, skip covered steps, the layer in C)
+ARMS = {"half": (True, True, True), "float32": (False, True, True), "half-noskip": (True, False, True),
+        "half-torch": (True, True, False)}
 
 
 def serve(loaded: LoadedTarget, model: FeatureDrafterModel, kind: str, arm: str, k: int,
           prompts: list[list[int]], max_tokens: int) -> tuple[dict[str, Any], list[list[int]]]:
-    half, skip = ARMS[arm]
+    half, skip, fused = ARMS[arm]
     packed_linear._HALF_WEIGHTS = half
+    os.environ["SPECD_FUSED_LAYER"] = "1" if fused else "0"
     drafter = build_drafter(DrafterSpec(kind=kind, arch="feature"), model, 1)
     if isinstance(drafter, HybridDrafter):
         drafter.skip_covered_steps = skip
@@ -138,6 +145,7 @@ def main() -> None:
                       flush=True)
     finally:
         packed_linear._HALF_WEIGHTS = True
+        os.environ.pop("SPECD_FUSED_LAYER", None)
     fields = ("tokens_per_s", "propose_ms_per_call", "propose_ms_per_step", "propose_ms_per_position", "accept_length")
     summary = {label: {f: spread([r[f] for r in rs]) for f in fields} for label, rs in runs.items()}
     ratios: dict[str, dict[str, Any]] = {}

@@ -122,7 +122,7 @@ def test_prepared_layouts_are_the_ones_inference_then_uses() -> None:
     prepare_layouts(model)
     made = {id(layer): {name: entry[3] for name, entry in (layer._layouts or {}).items()}
             for layer in model if isinstance(layer, PackedLinear)}
-    one_row = "panels" if packed_linear._row_kernel_for(1) is not None else "transposed"
+    one_row = "panels" if packed_linear.kernel_rows(1) is not None else "transposed"
     assert all(set(layouts) == {one_row, "packed"} for layouts in made.values())
     with torch.inference_mode():
         model(torch.randn(1, 48))
@@ -153,7 +153,7 @@ def test_preparing_at_another_thread_count_keeps_only_the_copies_that_count_uses
         assert set(layer._layouts or {}) == {"transposed", "packed"}
         torch.set_num_threads(1)
         layer.prepare()
-        few_rows = "panels" if packed_linear._row_kernel_for(1) is not None else "transposed"
+        few_rows = "panels" if packed_linear.kernel_rows(1) is not None else "transposed"
         assert set(layer._layouts or {}) == {few_rows, "packed"}
         with torch.inference_mode():
             torch.testing.assert_close(layer(torch.ones(1, 48)), F.linear(torch.ones(1, 48), layer.weight))

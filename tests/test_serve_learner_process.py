@@ -129,7 +129,7 @@ def test_a_server_with_a_learner_process_makes_only_the_layouts_its_own_cores_us
         build_server(options(tmp_path, learner_mode="process"), loaded)  # the app never starts: no child
         assert torch.get_num_threads() == len(os.sched_getaffinity(0))
         torch.set_num_threads(len(cores[0]))
-        wanted = {"panels" if packed_linear._row_kernel_for(1) is not None else "transposed", "packed"}
+        wanted = {"panels" if packed_linear.kernel_rows(1) is not None else "transposed", "packed"}
     finally:
         torch.set_num_threads(threads)
     layers = [layer for layer in loaded.model.modules() if isinstance(layer, packed_linear.PackedLinear)]

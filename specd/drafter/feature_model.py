@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specd.model.fused_layer import FusedFeatureLayer
 from specd.model.packed_linear import PackedLinear, serve_weights_in_half
 from specd.model.transformer import MLP, Attention, Block, KVCache, ModelConfig, apply_rope, rope_tables
 
@@ -148,6 +149,7 @@ class FeatureDrafterModel(nn.Module):
         # borrowed from the target and frozen: not a parameter, not in the state dict
         self.register_buffer("embedding", embedding.detach(), persistent=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fused = FusedFeatureLayer(self.input_norm, self.hidden_norm, self.attn, self.post_norm, self.mlp)
         # its products only propose drafts: the few-row kernel may read its weights in fp16, half
         # the bytes a drafting step streams (the shipped file is fp16: the same products as float32)
         serve_weights_in_half(self)
@@ -199,14 +201,18 @@ class FeatureDrafterModel(nn.Module):
         target features or the drafter's own output states), next_tokens [B, T]. Returns output states."""
         batch, length = next_tokens.shape
         positions = start[:, None] + torch.arange(length, device=next_tokens.device)
-        cos_table, sin_table = self.rope(cache.max_seq)
-        cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
+        rope = self.rope(cache.max_seq)
+        slots = slice(first_slot, first_slot + batch)
+        if not self.deeper:  # EAGLE-3's single layer: one call of the kernel's library where it serves
+            out = self._fused(self.embedding, state, next_tokens, positions, cache.k[0, slots], cache.v[0, slots], rope)
+            if out is not None:
+                return out
+        cos, sin = rope[0][positions][:, None], rope[1][positions][:, None]
         kv_len = int(start.max()) + length
         mask = None
         if length > 1 or batch > 1:
             mask = (torch.arange(kv_len, device=positions.device) <= positions[:, :, None])[:, None]
         write_index = torch.arange(batch, device=next_tokens.device)[:, None]
-        slots = slice(first_slot, first_slot + batch)
         attended = self.attn(self._layer_input(state, next_tokens), cos, sin, write_index, positions,
                              cache.k[0, slots], cache.v[0, slots], mask)
         out = self._finish(state, attended)

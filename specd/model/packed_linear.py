@@ -75,7 +75,7 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._may_pack(x):
             return F.linear(x, self.weight, self.bias)
-        kernel = _row_kernel_for(x.numel() // x.shape[-1])
+        kernel = kernel_rows(x.numel() // x.shape[-1])
         if kernel is not None:
             out = kernel.linear(x, self._layout(*self._kernel_layout(kernel)), self.out_features)
             return out if self.bias is None else out + self.bias
@@ -98,7 +98,7 @@ class PackedLinear(nn.Linear):
         drop the few-row copy it does not use (each is a whole copy of the weight: a server pinned
         to one core after its engine was built at two held an unused transposed target, 513 MB)."""
         if self._weight_may_pack():
-            kernel = _row_kernel_for(1)
+            kernel = kernel_rows(1)
             if kernel is not None:
                 used = self._kernel_layout(kernel)
                 self._layout(*used)
@@ -110,6 +110,14 @@ class PackedLinear(nn.Linear):
             for name in unused:
                 self._layouts.pop(name, None)
             self._layout("packed", _onednn_packed)
+
+    def kernel_panels(self, kernel: RowKernel) -> torch.Tensor:
+        """This layer's weights as `kernel` reads them (made, or remade after a change, on demand)."""
+        return self._layout(*self._kernel_layout(kernel))
+
+    def serves_kernel(self) -> bool:
+        """Whether this layer's no-gradient products may go through the kernel (no bias, packable weight)."""
+        return self.bias is None and self._weight_may_pack()
 
     def _kernel_layout(self, kernel: RowKernel) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         """The kernel's copy of this layer's weights: fp16 panels for a `half_weights` layer (where
@@ -163,7 +171,7 @@ def serve_weights_in_half(module: nn.Module) -> None:
             layer.half_weights = True
 
 
-def _row_kernel_for(rows: int) -> RowKernel | None:
+def kernel_rows(rows: int) -> RowKernel | None:
     """The few-row kernel where it serves these rows: built, on one thread (it runs on the calling
     thread only; with more, torch's threaded products win), and no more rows than it beats oneDNN at."""
     if rows > KERNEL_MAX_ROWS or torch.get_num_threads() != 1:

@@ -19,8 +19,14 @@
  * its result is exactly specd_rows_linear's on the weights rounded to fp16. Half the bytes stream
  * from memory; a drafter's layers use it (their products only propose drafts, which the target
  * verifies in float32), the target's never do.
+ *
+ * specd_feature_layer (at the end) is a feature drafter's whole decoder layer at a few positions on
+ * these products, so that a drafting step is one call instead of about 40 torch operations.
  */
+#include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -147,3 +153,121 @@ void specd_rows_linear_half(const float *x, long m_size, long k_size, const unsi
     all_rows(x, m_size, k_size, (const char *)panels, n16, out, 1);
 }
 #endif
+
+/* ---- a feature drafter's decoder layer in one call (specd.model.fused_layer) ----------------
+ * EAGLE-3's layer at a few positions: inputs [input_norm(embedding of the next token),
+ * hidden_norm(state)], attention (rotary, grouped heads) over the slot's cache after writing these
+ * positions' keys and values, then residual, post_norm, SwiGLU MLP, residual. Each position attends
+ * to the keys at positions up to its own. Its four products run through the kernel above; the rest
+ * is a few loops over 576 values, where torch spends most of a drafting step dispatching about 40
+ * small operations. */
+typedef struct {
+    long hidden, heads, kv_heads, head_dim, inter, max_seq;
+    float eps;
+    const float *embedding, *input_norm, *hidden_norm, *post_norm;
+    const float *cos, *sin;      /* [positions, head_dim / 2] */
+    const void *panels[4];       /* qkv, o, gate_up, down, in the kernel's layout */
+    long padded[4];              /* their output features, padded to whole panels */
+    long half[4];                /* 1: fp16 panels */
+} specd_feature_layer_t;
+
+static void any_linear(const float *x, long rows, long k_size, const specd_feature_layer_t *layer, int which,
+                       float *out) {
+#if defined(__F16C__)
+    if (layer->half[which]) {
+        specd_rows_linear_half(x, rows, k_size, layer->panels[which], layer->padded[which], out);
+        return;
+    }
+#endif
+    specd_rows_linear(x, rows, k_size, layer->panels[which], layer->padded[which], out);
+}
+
+static void rms_norm(const float *x, long n, const float *weight, float eps, float *out) {
+    float sum = 0.0f;
+    for (long i = 0; i < n; i++) sum += x[i] * x[i];
+    const float scale = 1.0f / sqrtf(sum / (float)n + eps);
+    for (long i = 0; i < n; i++) out[i] = x[i] * scale * weight[i];
+}
+
+static void rotate(float *x, long half, const float *cos, const float *sin) {  /* HF's rotate_half layout */
+    for (long i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i] + a * sin[i];
+    }
+}
+
+/* one query head over keys 0..last of its key head: softmax(q.k / sqrt(d)) . v into out */
+static void attend(const float *q, const float *keys, const float *values, long last, long dim, float *scores,
+                   float *out) {
+    const float scale = 1.0f / sqrtf((float)dim);
+    float top = -INFINITY, total = 0.0f;
+    for (long j = 0; j <= last; j++) {
+        float dot = 0.0f;
+        for (long i = 0; i < dim; i++) dot += q[i] * keys[j * dim + i];
+        scores[j] = dot * scale;
+        top = scores[j] > top ? scores[j] : top;
+    }
+    for (long j = 0; j <= last; j++) total += scores[j] = expf(scores[j] - top);
+    memset(out, 0, (size_t)dim * sizeof(float));
+    for (long j = 0; j <= last; j++) {
+        const float weight = scores[j] / total;
+        for (long i = 0; i < dim; i++) out[i] += weight * values[j * dim + i];
+    }
+}
+
+/* rows = batch x length positions; state and out [rows, hidden]; tokens and positions [rows]; the
+ * caches [batch slots, kv_heads, max_seq, head_dim] from the first slot. Returns 0, or -1 without
+ * memory (out untouched). */
+int specd_feature_layer(const specd_feature_layer_t *layer, long batch, long length, const float *state,
+                        const long *tokens, const long *positions, float *k_cache, float *v_cache, float *out) {
+    const long hidden = layer->hidden, rows = batch * length, dim = layer->head_dim, half = dim / 2;
+    const long q_size = layer->heads * dim, kv_size = layer->kv_heads * dim, groups = layer->heads / layer->kv_heads;
+    const long slot_size = layer->kv_heads * layer->max_seq * dim;
+    const long *padded = layer->padded;
+    float *x = malloc(sizeof(float) * (size_t)(rows * (2 * hidden + padded[0] + q_size + padded[1] + hidden
+                                                       + padded[2] + layer->inter + padded[3]) + layer->max_seq));
+    if (x == NULL) return -1;
+    float *qkv = x + rows * 2 * hidden, *attended = qkv + rows * padded[0], *o = attended + rows * q_size;
+    float *normed = o + rows * padded[1], *gate_up = normed + rows * hidden, *act = gate_up + rows * padded[2];
+    float *down = act + rows * layer->inter, *scores = down + rows * padded[3];
+    for (long r = 0; r < rows; r++) {
+        rms_norm(layer->embedding + tokens[r] * hidden, hidden, layer->input_norm, layer->eps, x + r * 2 * hidden);
+        rms_norm(state + r * hidden, hidden, layer->hidden_norm, layer->eps, x + r * 2 * hidden + hidden);
+    }
+    any_linear(x, rows, 2 * hidden, layer, 0, qkv);
+    for (long r = 0; r < rows; r++) {  /* rotate, then write every position before any attends */
+        float *q = qkv + r * padded[0], *k = q + q_size, *v = k + kv_size;
+        const float *cos = layer->cos + positions[r] * half, *sin = layer->sin + positions[r] * half;
+        const long slot = r / length;
+        for (long h = 0; h < layer->heads; h++) rotate(q + h * dim, half, cos, sin);
+        for (long g = 0; g < layer->kv_heads; g++) {
+            rotate(k + g * dim, half, cos, sin);
+            const long at = slot * slot_size + (g * layer->max_seq + positions[r]) * dim;
+            memcpy(k_cache + at, k + g * dim, (size_t)dim * sizeof(float));
+            memcpy(v_cache + at, v + g * dim, (size_t)dim * sizeof(float));
+        }
+    }
+    for (long r = 0; r < rows; r++)
+        for (long h = 0; h < layer->heads; h++) {
+            const long at = (r / length) * slot_size + (h / groups) * layer->max_seq * dim;
+            attend(qkv + r * padded[0] + h * dim, k_cache + at, v_cache + at, positions[r], dim, scores,
+                   attended + r * q_size + h * dim);
+        }
+    any_linear(attended, rows, q_size, layer, 1, o);
+    for (long r = 0; r < rows; r++) {
+        for (long i = 0; i < hidden; i++) out[r * hidden + i] = state[r * hidden + i] + o[r * padded[1] + i];
+        rms_norm(out + r * hidden, hidden, layer->post_norm, layer->eps, normed + r * hidden);
+    }
+    any_linear(normed, rows, hidden, layer, 2, gate_up);
+    for (long r = 0; r < rows; r++)
+        for (long i = 0; i < layer->inter; i++) {
+            const float gate = gate_up[r * padded[2] + i], up = gate_up[r * padded[2] + layer->inter + i];
+            act[r * layer->inter + i] = gate / (1.0f + expf(-gate)) * up;
+        }
+    any_linear(act, rows, layer->inter, layer, 3, down);
+    for (long r = 0; r < rows; r++)
+        for (long i = 0; i < hidden; i++) out[r * hidden + i] += down[r * padded[3] + i];
+    free(x);
+    return 0;
+}

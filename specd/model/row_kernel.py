@@ -58,6 +58,11 @@ class RowKernel:
         if self._multiply_half is not None:
             self._multiply_half.argtypes = self._multiply.argtypes
             self._multiply_half.restype = None
+        # a feature drafter's whole layer (`specd.model.fused_layer`); absent from an older source's build
+        self.feature_layer = getattr(library, "specd_feature_layer", None)
+        if self.feature_layer is not None:
+            self.feature_layer.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, *[ctypes.c_void_p] * 6]
+            self.feature_layer.restype = ctypes.c_int
 
     @property
     def has_half(self) -> bool:
@@ -127,8 +132,8 @@ def _built_library(source: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True, text=True,
-                                timeout=BUILD_TIMEOUT_S, check=False)
+        result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lm"], capture_output=True,
+                                text=True, timeout=BUILD_TIMEOUT_S, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
         os.replace(built, target)  # atomic: another process sees the whole library or none
