@@ -17,7 +17,7 @@ from specd.testing import tiny_target
 @pytest.fixture
 def kernel() -> row_kernel.RowKernel:
     built = row_kernel.row_kernel()
-    if built is None or built.feature_layer is None:
+    if built is None or built.layer is None:
         pytest.fail("the few-row kernel did not build on this machine (a C compiler is part of the set-up)")
     return built
 
@@ -88,8 +88,8 @@ def call_layer(drafter: FeatureDrafterModel, positions: torch.Tensor, tokens: to
                cache_len: int = 16) -> torch.Tensor | None:
     cache = drafter.new_cache(positions.shape[0], cache_len)
     state = torch.randn(*tokens.shape, drafter.config.hidden_size)
-    return drafter._fused(drafter.embedding, state, tokens, positions, cache.k[0], cache.v[0],
-                          drafter.rope(cache.max_seq))
+    return drafter._fused(state, positions, cache.k[0], cache.v[0], drafter.rope(cache.max_seq), drafter.embedding,
+                          tokens)
 
 
 def test_the_c_layer_stands_aside_where_it_cannot_serve(kernel: row_kernel.RowKernel,
@@ -130,3 +130,46 @@ def test_greedy_decoding_through_the_c_layer_is_the_targets_own(kernel: row_kern
         return [seq.output_ids for seq in seqs]
 
     assert decode(drafter) == decode(None)
+
+
+def target_pass(target: torch.nn.Module, cache: object, tokens: torch.Tensor, start: list[int],
+                first_slot: int = 0) -> torch.Tensor:
+    with torch.inference_mode():
+        logits, _ = target(tokens, torch.tensor(start), cache, first_slot=first_slot, logits_for="all")
+    return logits
+
+
+def prefilled(target: torch.nn.Module, slots: int, length: int = 20, seed: int = 0) -> object:
+    cache = target.new_cache(slots, 64)
+    prompt = torch.randint(0, target.config.vocab_size, (slots, length), generator=torch.Generator().manual_seed(seed))
+    target_pass(target, cache, prompt, [0] * slots)  # 20 rows a slot: torch's path, in every setting alike
+    return cache
+
+
+def test_a_targets_pass_through_the_c_layers_gives_torchs_logits_and_cache(
+        kernel: row_kernel.RowKernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tiny_target(dtype=torch.float32).eval()
+    tokens = torch.randint(0, target.config.vocab_size, (3, 4), generator=torch.Generator().manual_seed(1))
+    fused_cache, plain_cache = prefilled(target, 4), prefilled(target, 4)
+    fused = target_pass(target, fused_cache, tokens, [20, 17, 9], first_slot=1)
+    monkeypatch.setenv("SPECD_FUSED_LAYER", "0")
+    plain = target_pass(target, plain_cache, tokens, [20, 17, 9], first_slot=1)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    # the first layer's keys and values as torch writes them; later layers' to float32 rounding
+    for name in ("k", "v"):
+        fused_entries, plain_entries = getattr(fused_cache, name), getattr(plain_cache, name)
+        torch.testing.assert_close(fused_entries[0], plain_entries[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused_entries, plain_entries, rtol=1e-4, atol=1e-5)
+
+
+def test_a_targets_row_has_the_same_bits_alone_and_beside_other_rows_and_positions(
+        kernel: row_kernel.RowKernel) -> None:
+    """What keeps greedy speculation lossless: a decoding step's row and the same row in a
+    verification pass (more positions) or beside other requests (more rows) agree to the bit."""
+    target = tiny_target(dtype=torch.float32).eval()
+    tokens = torch.randint(0, target.config.vocab_size, (3, 4), generator=torch.Generator().manual_seed(2))
+    alone = target_pass(target, prefilled(target, 1), tokens[:1, :1], [20])
+    with_positions = target_pass(target, prefilled(target, 1), tokens[:1], [20])
+    beside_rows = target_pass(target, prefilled(target, 3), tokens[:, :1], [20, 20, 20])
+    assert torch.equal(with_positions[0, 0], alone[0, 0])
+    assert torch.equal(beside_rows[0, 0], alone[0, 0])

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.model.fused_layer import FusedFeatureLayer
+from specd.model.fused_layer import FusedLayer
 from specd.model.packed_linear import PackedLinear, serve_weights_in_half
 from specd.model.transformer import MLP, Attention, Block, KVCache, ModelConfig, apply_rope, rope_tables
 
@@ -149,7 +149,7 @@ class FeatureDrafterModel(nn.Module):
         # borrowed from the target and frozen: not a parameter, not in the state dict
         self.register_buffer("embedding", embedding.detach(), persistent=False)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._fused = FusedFeatureLayer(self.input_norm, self.hidden_norm, self.attn, self.post_norm, self.mlp)
+        self._fused = FusedLayer((self.input_norm, self.hidden_norm), self.attn, self.post_norm, self.mlp)
         # its products only propose drafts: the few-row kernel may read its weights in fp16, half
         # the bytes a drafting step streams (the shipped file is fp16: the same products as float32)
         serve_weights_in_half(self)
@@ -204,7 +204,7 @@ class FeatureDrafterModel(nn.Module):
         rope = self.rope(cache.max_seq)
         slots = slice(first_slot, first_slot + batch)
         if not self.deeper:  # EAGLE-3's single layer: one call of the kernel's library where it serves
-            out = self._fused(self.embedding, state, next_tokens, positions, cache.k[0, slots], cache.v[0, slots], rope)
+            out = self._fused(state, positions, cache.k[0, slots], cache.v[0, slots], rope, self.embedding, next_tokens)
             if out is not None:
                 return out
         cos, sin = rope[0][positions][:, None], rope[1][positions][:, None]

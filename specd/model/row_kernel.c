@@ -20,8 +20,8 @@
  * from memory; a drafter's layers use it (their products only propose drafts, which the target
  * verifies in float32), the target's never do.
  *
- * specd_feature_layer (at the end) is a feature drafter's whole decoder layer at a few positions on
- * these products, so that a drafting step is one call instead of about 40 torch operations.
+ * specd_layer (at the end) is a whole decoder layer at a few positions on these products (a target's
+ * block, or a feature drafter's first layer), one call instead of about 40 torch operations.
  */
 #include <math.h>
 #include <stddef.h>
@@ -154,25 +154,27 @@ void specd_rows_linear_half(const float *x, long m_size, long k_size, const unsi
 }
 #endif
 
-/* ---- a feature drafter's decoder layer in one call (specd.model.fused_layer) ----------------
- * EAGLE-3's layer at a few positions: inputs [input_norm(embedding of the next token),
- * hidden_norm(state)], attention (rotary, grouped heads) over the slot's cache after writing these
- * positions' keys and values, then residual, post_norm, SwiGLU MLP, residual. Each position attends
- * to the keys at positions up to its own. Its four products run through the kernel above; the rest
- * is a few loops over 576 values, where torch spends most of a drafting step dispatching about 40
- * small operations. */
+/* ---- a decoder layer in one call (specd.model.fused_layer) ----------------------------------
+ * A Llama layer at a few positions: input = attn_norm(x) (a target's block), or, with an embedding
+ * table, [input_norm(embedding of the next token), hidden_norm(x)] (EAGLE-3's first layer, twice
+ * the width); attention (rotary, grouped heads) over the slot's cache after writing these
+ * positions' keys and values, each position seeing the keys up to its own; then x + attention,
+ * post_norm, SwiGLU MLP, residual. Its four products run through the kernel above; the rest is a
+ * few loops over the hidden width, where torch spends more time than on the products dispatching
+ * about 40 small operations. Every position's result is computed alone, in a fixed order, so it has
+ * the same bits however many positions and rows share the call (as the products do). */
 typedef struct {
     long hidden, heads, kv_heads, head_dim, inter, max_seq;
     float eps;
-    const float *embedding, *input_norm, *hidden_norm, *post_norm;
+    const float *embedding;      /* NULL: a target's block (input_norm is its attn_norm) */
+    const float *input_norm, *hidden_norm, *post_norm;
     const float *cos, *sin;      /* [positions, head_dim / 2] */
     const void *panels[4];       /* qkv, o, gate_up, down, in the kernel's layout */
     long padded[4];              /* their output features, padded to whole panels */
     long half[4];                /* 1: fp16 panels */
-} specd_feature_layer_t;
+} specd_layer_t;
 
-static void any_linear(const float *x, long rows, long k_size, const specd_feature_layer_t *layer, int which,
-                       float *out) {
+static void any_linear(const float *x, long rows, long k_size, const specd_layer_t *layer, int which, float *out) {
 #if defined(__F16C__)
     if (layer->half[which]) {
         specd_rows_linear_half(x, rows, k_size, layer->panels[which], layer->padded[which], out);
@@ -197,18 +199,58 @@ static void rotate(float *x, long half, const float *cos, const float *sin) {  /
     }
 }
 
+typedef int int_lanes __attribute__((vector_size(WIDTH * 4), aligned(4)));
+
+/* e^x for x in [-87, 88] (callers clamp), lane by lane: x = n ln 2 + r, |r| <= ln 2 / 2, e^r by
+ * Cephes's degree-6 polynomial (about 1 ulp), 2^n from n's bits. A plain expf loop does not
+ * vectorize, and a drafting step or a target block calls it thousands of times. */
+static inline __attribute__((always_inline)) lanes exp_lanes(lanes x) {
+    const float round = 12582912.0f;   /* 1.5 * 2^23: added and taken away, rounds to an integer */
+    const lanes n = (x * 1.44269504088896341f + round) - round;
+    const lanes r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    lanes p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const int_lanes bits = (__builtin_convertvector(n, int_lanes) + 127) << 23;
+    lanes scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return (p * r * r + r + 1.0f) * scale;
+}
+
+static inline float clamped(float x) { return x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x); }
+
+/* a . b in a fixed order: two vectors of partial sums (a plain float loop would not vectorize, its
+ * sum being one long chain), then their lanes, then the tail */
+static float dot(const float *a, const float *b, long n) {
+    lanes even = {0}, odd = {0};
+    long i = 0;
+    for (; i + 2 * WIDTH <= n; i += 2 * WIDTH) {
+        even += *(const lanes *)(a + i) * *(const lanes *)(b + i);
+        odd += *(const lanes *)(a + i + WIDTH) * *(const lanes *)(b + i + WIDTH);
+    }
+    even += odd;
+    float sum = 0.0f;
+    for (int lane = 0; lane < WIDTH; lane++) sum += even[lane];
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
 /* one query head over keys 0..last of its key head: softmax(q.k / sqrt(d)) . v into out */
 static void attend(const float *q, const float *keys, const float *values, long last, long dim, float *scores,
                    float *out) {
     const float scale = 1.0f / sqrtf((float)dim);
     float top = -INFINITY, total = 0.0f;
     for (long j = 0; j <= last; j++) {
-        float dot = 0.0f;
-        for (long i = 0; i < dim; i++) dot += q[i] * keys[j * dim + i];
-        scores[j] = dot * scale;
+        scores[j] = dot(q, keys + j * dim, dim) * scale;
         top = scores[j] > top ? scores[j] : top;
     }
-    for (long j = 0; j <= last; j++) total += scores[j] = expf(scores[j] - top);
+    long j = 0;   /* scores has WIDTH floats of room past last */
+    for (; j <= last; j++) scores[j] = clamped(scores[j] - top);
+    for (; j % WIDTH != 0; j++) scores[j] = -87.0f;
+    for (long at = 0; at < j; at += WIDTH) *(lanes *)(scores + at) = exp_lanes(*(const lanes *)(scores + at));
+    for (j = 0; j <= last; j++) total += scores[j];
     memset(out, 0, (size_t)dim * sizeof(float));
     for (long j = 0; j <= last; j++) {
         const float weight = scores[j] / total;
@@ -216,34 +258,18 @@ static void attend(const float *q, const float *keys, const float *values, long 
     }
 }
 
-/* rows = batch x length positions; state and out [rows, hidden]; tokens and positions [rows]; the
- * caches [batch slots, kv_heads, max_seq, head_dim] from the first slot. Returns 0, or -1 without
- * memory (out untouched). */
-int specd_feature_layer(const specd_feature_layer_t *layer, long batch, long length, const float *state,
-                        const long *tokens, const long *positions, float *k_cache, float *v_cache, float *out) {
-    const long hidden = layer->hidden, rows = batch * length, dim = layer->head_dim, half = dim / 2;
-    const long q_size = layer->heads * dim, kv_size = layer->kv_heads * dim, groups = layer->heads / layer->kv_heads;
-    const long slot_size = layer->kv_heads * layer->max_seq * dim;
-    const long *padded = layer->padded;
-    float *x = malloc(sizeof(float) * (size_t)(rows * (2 * hidden + padded[0] + q_size + padded[1] + hidden
-                                                       + padded[2] + layer->inter + padded[3]) + layer->max_seq));
-    if (x == NULL) return -1;
-    float *qkv = x + rows * 2 * hidden, *attended = qkv + rows * padded[0], *o = attended + rows * q_size;
-    float *normed = o + rows * padded[1], *gate_up = normed + rows * hidden, *act = gate_up + rows * padded[2];
-    float *down = act + rows * layer->inter, *scores = down + rows * padded[3];
-    for (long r = 0; r < rows; r++) {
-        rms_norm(layer->embedding + tokens[r] * hidden, hidden, layer->input_norm, layer->eps, x + r * 2 * hidden);
-        rms_norm(state + r * hidden, hidden, layer->hidden_norm, layer->eps, x + r * 2 * hidden + hidden);
-    }
-    any_linear(x, rows, 2 * hidden, layer, 0, qkv);
-    for (long r = 0; r < rows; r++) {  /* rotate, then write every position before any attends */
-        float *q = qkv + r * padded[0], *k = q + q_size, *v = k + kv_size;
+/* rotate q and k of every row in qkv [rows, padded[0]], write k and v into the caches, then attend */
+static void attention(const specd_layer_t *layer, long rows, long length, float *qkv, const long *positions,
+                      float *k_cache, float *v_cache, float *scores, float *attended) {
+    const long dim = layer->head_dim, half = dim / 2, q_size = layer->heads * dim, kv_size = layer->kv_heads * dim;
+    const long groups = layer->heads / layer->kv_heads, slot_size = layer->kv_heads * layer->max_seq * dim;
+    for (long r = 0; r < rows; r++) {  /* every position written before any attends */
+        float *q = qkv + r * layer->padded[0], *k = q + q_size, *v = k + kv_size;
         const float *cos = layer->cos + positions[r] * half, *sin = layer->sin + positions[r] * half;
-        const long slot = r / length;
         for (long h = 0; h < layer->heads; h++) rotate(q + h * dim, half, cos, sin);
         for (long g = 0; g < layer->kv_heads; g++) {
             rotate(k + g * dim, half, cos, sin);
-            const long at = slot * slot_size + (g * layer->max_seq + positions[r]) * dim;
+            const long at = (r / length) * slot_size + (g * layer->max_seq + positions[r]) * dim;
             memcpy(k_cache + at, k + g * dim, (size_t)dim * sizeof(float));
             memcpy(v_cache + at, v + g * dim, (size_t)dim * sizeof(float));
         }
@@ -251,23 +277,54 @@ int specd_feature_layer(const specd_feature_layer_t *layer, long batch, long len
     for (long r = 0; r < rows; r++)
         for (long h = 0; h < layer->heads; h++) {
             const long at = (r / length) * slot_size + (h / groups) * layer->max_seq * dim;
-            attend(qkv + r * padded[0] + h * dim, k_cache + at, v_cache + at, positions[r], dim, scores,
+            attend(qkv + r * layer->padded[0] + h * dim, k_cache + at, v_cache + at, positions[r], dim, scores,
                    attended + r * q_size + h * dim);
         }
+}
+
+/* rows = batch x length positions; x and out [rows, hidden]; tokens (read with an embedding only)
+ * and positions [rows]; the caches [batch slots, kv_heads, max_seq, head_dim] from the first slot.
+ * Returns 0, or -1 without memory (out untouched). */
+int specd_layer(const specd_layer_t *layer, long batch, long length, const float *x, const long *tokens,
+                const long *positions, float *k_cache, float *v_cache, float *out) {
+    const long hidden = layer->hidden, rows = batch * length, q_size = layer->heads * layer->head_dim;
+    const long width = layer->embedding != NULL ? 2 * hidden : hidden, *padded = layer->padded;
+    float *input = malloc(sizeof(float) * (size_t)(rows * (width + padded[0] + q_size + padded[1] + hidden + padded[2]
+                                                            + layer->inter + padded[3]) + layer->max_seq + WIDTH));
+    if (input == NULL) return -1;
+    float *qkv = input + rows * width, *attended = qkv + rows * padded[0], *o = attended + rows * q_size;
+    float *normed = o + rows * padded[1], *gate_up = normed + rows * hidden, *act = gate_up + rows * padded[2];
+    float *down = act + rows * layer->inter, *scores = down + rows * padded[3];
+    for (long r = 0; r < rows; r++) {
+        if (layer->embedding == NULL) {
+            rms_norm(x + r * hidden, hidden, layer->input_norm, layer->eps, input + r * width);
+            continue;
+        }
+        rms_norm(layer->embedding + tokens[r] * hidden, hidden, layer->input_norm, layer->eps, input + r * width);
+        rms_norm(x + r * hidden, hidden, layer->hidden_norm, layer->eps, input + r * width + hidden);
+    }
+    any_linear(input, rows, width, layer, 0, qkv);
+    attention(layer, rows, length, qkv, positions, k_cache, v_cache, scores, attended);
     any_linear(attended, rows, q_size, layer, 1, o);
     for (long r = 0; r < rows; r++) {
-        for (long i = 0; i < hidden; i++) out[r * hidden + i] = state[r * hidden + i] + o[r * padded[1] + i];
+        for (long i = 0; i < hidden; i++) out[r * hidden + i] = x[r * hidden + i] + o[r * padded[1] + i];
         rms_norm(out + r * hidden, hidden, layer->post_norm, layer->eps, normed + r * hidden);
     }
     any_linear(normed, rows, hidden, layer, 2, gate_up);
-    for (long r = 0; r < rows; r++)
-        for (long i = 0; i < layer->inter; i++) {
-            const float gate = gate_up[r * padded[2] + i], up = gate_up[r * padded[2] + layer->inter + i];
-            act[r * layer->inter + i] = gate / (1.0f + expf(-gate)) * up;
+    for (long r = 0; r < rows; r++) {   /* silu(gate) * up, WIDTH lanes at a time, the tail alone */
+        const float *gate = gate_up + r * padded[2], *up = gate + layer->inter;
+        float *to = act + r * layer->inter;
+        long i = 0;
+        for (; i + WIDTH <= layer->inter; i += WIDTH) {
+            lanes minus;
+            for (int lane = 0; lane < WIDTH; lane++) minus[lane] = clamped(-gate[i + lane]);
+            *(lanes *)(to + i) = *(const lanes *)(gate + i) / (1.0f + exp_lanes(minus)) * *(const lanes *)(up + i);
         }
+        for (; i < layer->inter; i++) to[i] = gate[i] / (1.0f + expf(clamped(-gate[i]))) * up[i];
+    }
     any_linear(act, rows, layer->inter, layer, 3, down);
     for (long r = 0; r < rows; r++)
         for (long i = 0; i < hidden; i++) out[r * hidden + i] += down[r * padded[3] + i];
-    free(x);
+    free(input);
     return 0;
 }

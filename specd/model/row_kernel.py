@@ -58,11 +58,11 @@ class RowKernel:
         if self._multiply_half is not None:
             self._multiply_half.argtypes = self._multiply.argtypes
             self._multiply_half.restype = None
-        # a feature drafter's whole layer (`specd.model.fused_layer`); absent from an older source's build
-        self.feature_layer = getattr(library, "specd_feature_layer", None)
-        if self.feature_layer is not None:
-            self.feature_layer.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, *[ctypes.c_void_p] * 6]
-            self.feature_layer.restype = ctypes.c_int
+        # a whole decoder layer (`specd.model.fused_layer`); absent from an older source's build
+        self.layer = getattr(library, "specd_layer", None)
+        if self.layer is not None:
+            self.layer.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, *[ctypes.c_void_p] * 6]
+            self.layer.restype = ctypes.c_int
 
     @property
     def has_half(self) -> bool:

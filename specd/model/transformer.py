@@ -1,11 +1,14 @@
 """A compact Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) with static KV caches.
 
-Contract: `Transformer.forward` runs a block of tokens for rows that occupy consecutive cache
-slots, each row starting at its own position, and writes their keys and values into the cache at
-those positions. Nothing is ever rolled back: a later write at the same position overwrites a
-stale entry, and the causal mask hides every slot at or beyond a query's own position + 1, so
-rejected drafts left in the cache are never seen. The model knows nothing about tokenisers,
-sampling or speculation; the target and the token-level drafter are both this class.
+Contract: `Transformer.forward` runs a block of tokens for rows that occupy consecutive cache slots,
+each row starting at its own position, and writes their keys and values into the cache at those
+positions. Nothing is ever rolled back: a later write at the same position overwrites a stale entry,
+and the causal mask hides every slot at or beyond a query's own position + 1, so rejected drafts
+left in the cache are never seen. A pass of a few rows a call (a decoding step or a verification
+pass, float32, one thread) runs each block in one C call (`specd.model.fused_layer`), which gives a
+row the same bits however many rows and positions share the pass (what keeps greedy speculation
+lossless); longer passes (prefill) and training take the torch path. The model knows nothing about
+tokenisers, sampling or speculation; the target and the token-level drafter are both this class.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specd.model.fused_layer import FusedLayer
 from specd.model.packed_linear import PackedLinear
 
 LogitsFor = Literal["all", "last", "none"]
@@ -199,6 +203,7 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.fused = FusedLayer((self.attn_norm,), self.attn, self.mlp_norm, self.mlp)  # a few positions, in C
 
 
 class Transformer(nn.Module):
@@ -263,24 +268,22 @@ class Transformer(nn.Module):
         """
         batch, length = tokens.shape
         positions = start[:, None] + torch.arange(length, device=tokens.device)  # [B, T]
-        kv_len = int(start.max()) + length
-        cos_table, sin_table = self._rope_tables(cache.max_seq)
-        cos = cos_table[positions][:, None]  # [B, 1, T, D/2]
-        sin = sin_table[positions][:, None]
-        mask: torch.Tensor | None = None
-        if length > 1 or batch > 1:
-            # query (b, t) sees cache positions 0..start[b]+t: stale entries past it stay hidden
-            mask = torch.arange(kv_len, device=tokens.device) <= positions[:, :, None]  # [B, T, L]
-            mask = mask[:, None]
-        write_index = torch.arange(batch, device=tokens.device)[:, None]  # [B, 1]
+        rope = self._rope_tables(cache.max_seq)
         x = self.embed(tokens)
         slots = slice(first_slot, first_slot + batch)
-        captured = []
+        captured, inputs = [], None
         for layer, block in enumerate(cast(list[Block], self.blocks)):
-            h = block.attn_norm(x)
-            x = x + block.attn(h, cos, sin, write_index, positions,
-                               cache.k[layer, slots], cache.v[layer, slots], mask)
-            x = x + block.mlp(block.mlp_norm(x))
+            fused = block.fused(x, positions, cache.k[layer, slots], cache.v[layer, slots], rope)
+            if fused is not None:
+                x = fused
+            else:
+                if inputs is None:  # made once, at the first layer the C call does not serve
+                    inputs = _attention_inputs(start, positions, rope)
+                h = block.attn_norm(x)
+                cos, sin, write_index, mask = inputs
+                x = x + block.attn(h, cos, sin, write_index, positions, cache.k[layer, slots], cache.v[layer, slots],
+                                   mask)
+                x = x + block.mlp(block.mlp_norm(x))
             if return_hidden and layer in capture_layers:
                 captured.append(x)
         if logits_for == "none" and not return_hidden:
@@ -294,3 +297,17 @@ class Transformer(nn.Module):
         if not return_hidden:
             return logits, None
         return logits, (torch.cat(captured, dim=-1) if captured else hidden)
+
+
+def _attention_inputs(start: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`Attention.forward`'s cos, sin, write_index and mask for rows starting at `start`."""
+    batch, length = positions.shape
+    cos, sin = rope[0][positions][:, None], rope[1][positions][:, None]  # [B, 1, T, D/2]
+    mask: torch.Tensor | None = None
+    if length > 1 or batch > 1:
+        # query (b, t) sees cache positions 0..start[b]+t: stale entries past it stay hidden
+        kv_len = int(start.max()) + length
+        mask = (torch.arange(kv_len, device=positions.device) <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+    write_index = torch.arange(batch, device=positions.device)[:, None]  # [B, 1]
+    return cos, sin, write_index, mask
