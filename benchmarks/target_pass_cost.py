@@ -1,24 +1,26 @@
-"""What a target pass costs by rows and tokens a row: the few-row kernel, oneDNN-packed linear
-layers and MKL's.
+"""What a target pass costs by rows and tokens a row: the blocks in one C call, the few-row kernel,
+oneDNN-packed linear layers and MKL's.
 
 The bundled SmolLM2-135M in float32, one thread (the demo's serving thread), after a 300-token
-prefill of every cache slot: a pass over B rows of T new tokens each (B = 1, 2, 4, 8; T = 1..5,
-a verification pass at k = T − 1), in three settings of `PackedLinear`: `kernel` (specd's few-row
-kernel up to `--kernel-rows` rows a call, as served), `packed` (the kernel off: MKL's product for one
-row, oneDNN's packed one for more) and `plain` (packing off: `F.linear`), and with `--kernel-source
-FILE` a fourth, `source` (the kernel built from FILE, say an earlier `row_kernel.c` taken with `git
-show`, so that two kernels are timed in the same rounds), in `--repeats` interleaved
-rounds (each round times every cell in every setting, 3 passes a timing). Per cell: the median and
-spread of the milliseconds a pass, the per-round ratios packed / kernel and plain / packed (and
-source / kernel), and the cost of each T relative to T = 1 in the same setting (what drafting must
-beat). Also checks that
-every setting picks the same argmax at every position of a B = 4, T = 5 pass. Writes JSON (default
-out/target_pass_cost.json) and prints a table.
+prefill of every cache slot: a pass over B rows of T new tokens each (B = 1, 2, 4, 8; T = 1..5, a
+verification pass at k = T − 1), in four settings: `kernel` (as served: each block in one C call,
+`specd.model.fused_layer`, its products through specd's few-row kernel, up to `--kernel-rows` rows a
+call), `torch-layers` (the same products, the rest of each block through torch's operations:
+`SPECD_FUSED_LAYER=0`), `packed` (the kernel off, hence the C blocks too: MKL's product for one row,
+oneDNN's packed one for more) and `plain` (packing off: `F.linear`), and with `--kernel-source FILE`
+a fifth, `source` (the kernel built from FILE, say an earlier `row_kernel.c` taken with `git show`,
+so that two kernels are timed in the same rounds), in `--repeats` interleaved rounds (each round
+times every cell in every setting, 3 passes a timing). Per cell: the median and spread of the
+milliseconds a pass, the per-round ratios torch-layers / kernel, packed / kernel and plain / packed
+(and source / kernel), and the cost of each T relative to T = 1 in the same setting (what drafting
+must beat). Also checks that every setting picks the same argmax at every position of a B = 4, T = 5
+pass. Writes JSON (default out/target_pass_cost.json) and prints a table.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from pathlib import Path
@@ -35,14 +37,19 @@ BATCHES = (1, 2, 4, 8)
 TOKENS = (1, 2, 3, 4, 5)
 CACHED = 300
 # name -> (packing on, rows up to which the few-row kernel serves)
-SETTINGS = {"kernel": (True, packed_linear.KERNEL_MAX_ROWS), "packed": (True, 0), "plain": (False, 0)}
-RATIOS = (("packed", "kernel"), ("plain", "packed"), ("source", "kernel"))   # per-round ratios reported
+# name -> (packing on, rows up to which the few-row kernel serves, blocks in one C call where it serves)
+SETTINGS = {"kernel": (True, packed_linear.KERNEL_MAX_ROWS, True),
+            "torch-layers": (True, packed_linear.KERNEL_MAX_ROWS, False), "packed": (True, 0, False),
+            "plain": (False, 0, False)}
+# per-round ratios reported, where both settings ran
+RATIOS = (("torch-layers", "kernel"), ("packed", "kernel"), ("plain", "packed"), ("source", "kernel"))
 OWN_KERNEL = packed_linear.row_kernel
 SOURCE_KERNEL: dict[str, RowKernel] = {}   # --kernel-source's build, served in the `source` setting
 
 
-def _use(setting: tuple[bool, int], name: str = "") -> None:
-    packed_linear._PACKING, packed_linear.KERNEL_MAX_ROWS = setting
+def _use(setting: tuple[bool, int, bool], name: str = "") -> None:
+    packed_linear._PACKING, packed_linear.KERNEL_MAX_ROWS, layers_in_c = setting
+    os.environ["SPECD_FUSED_LAYER"] = "1" if layers_in_c else "0"
     # both kernels read the same panel layout, so the layers' cached copies serve either
     source = functools.partial(SOURCE_KERNEL.get, "source")
     packed_linear.row_kernel = source if name == "source" else OWN_KERNEL  # type: ignore[assignment]
@@ -79,10 +86,11 @@ def main() -> None:
     p.add_argument("--kernel-source", type=Path, default=None,
                    help="also time the kernel built from this C source (an earlier row_kernel.c) as `source`")
     args = p.parse_args()
-    SETTINGS["kernel"] = (True, args.kernel_rows)
+    SETTINGS["kernel"] = (True, args.kernel_rows, True)
+    SETTINGS["torch-layers"] = (True, args.kernel_rows, False)
     if args.kernel_source is not None:
         SOURCE_KERNEL["source"] = kernel_from(args.kernel_source)
-        SETTINGS["source"] = (True, args.kernel_rows)
+        SETTINGS["source"] = (True, args.kernel_rows, True)
     torch.set_num_threads(1)
     model = LoadedTarget.load().model.eval()
     cache = model.new_cache(max(BATCHES), CACHED + 16)
@@ -102,7 +110,7 @@ def main() -> None:
                     for tokens in TOKENS:
                         times[name].setdefault((batch, tokens), []).append(time_pass(model, cache, batch, tokens))
             print(f"  round {round_number + 1}/{args.repeats}", flush=True)
-    _use((packed_linear.packing_enabled(), packed_linear.KERNEL_MAX_ROWS))
+    _use((packed_linear.packing_enabled(), packed_linear.KERNEL_MAX_ROWS, True))
     cells = []
     for batch in BATCHES:
         for tokens in TOKENS:
@@ -111,7 +119,7 @@ def main() -> None:
                 entry[f"{name}_ms"] = spread(times[name][(batch, tokens)])
                 entry[f"{name}_vs_one_token"] = (entry[f"{name}_ms"]["median"]
                                                  / statistics.median(times[name][(batch, 1)]))
-            for slower, faster in RATIOS[:3 if "source" in SETTINGS else 2]:
+            for slower, faster in [pair for pair in RATIOS if set(pair) <= set(SETTINGS)]:
                 entry[f"{slower}_over_{faster}"] = spread([a / b for a, b in zip(
                     times[slower][(batch, tokens)], times[faster][(batch, tokens)], strict=True)])
             cells.append(entry)
@@ -120,7 +128,7 @@ def main() -> None:
             + [cell(c[f"{slower}_over_{faster}"], 2) for slower, faster in RATIOS if f"{slower}_over_{faster}" in c]
             for c in cells]
     print(markdown_table(["B", "T"] + [h for name in SETTINGS for h in (f"{name} ms", f"{name} / T=1")]
-                         + [f"{slower} / {faster}" for slower, faster in RATIOS[:3 if "source" in SETTINGS else 2]],
+                         + [f"{slower} / {faster}" for slower, faster in RATIOS if {slower, faster} <= set(SETTINGS)],
                          rows))
     print(f"same argmax at every position of a 4 x 5 pass in every setting: {same}")
     write_result(args.out, args, {"cached_positions": CACHED, "threads": 1, "kernel_rows": args.kernel_rows,
