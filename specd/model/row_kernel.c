@@ -89,7 +89,13 @@ static inline __attribute__((always_inline)) void block(const float *x, size_t k
     lanes sums[MAX_VECTORS][MAX_ROWS];
     for (int v = 0; v < vectors; v++)
         for (int m = 0; m < rows; m++) sums[v][m] = (lanes){0};
+    const size_t element = half ? 2 : 4;
     for (size_t k = 0; k < k_size; k++) {
+        /* with 2 rows or more, a line of each panel 16 steps ahead: with the hardware's prefetcher
+         * alone a 3-token SmolLM2 pass cost 1.24 one-token passes on the AVX2 EPYC, with this 1.10;
+         * a single row streams as fast without (these instructions slowed it about 10%) */
+        if (rows > 1 && (!half || (k & 1) == 0))
+            for (int p = 0; p < panels; p++) __builtin_prefetch(w + ((size_t)p * k_size + k + 16) * 16 * element, 0, 0);
         lanes weights[MAX_VECTORS];
         for (int v = 0; v < vectors; v++)
             weights[v] = load_weights(w, ((v / VECTORS) * k_size + k) * 16 + (v % VECTORS) * WIDTH, half);
