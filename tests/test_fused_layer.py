@@ -11,6 +11,7 @@ from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.request import SamplingParams
 from specd.model import packed_linear, row_kernel
+from specd.model.fused_layer import c_positions
 from specd.testing import tiny_target
 
 
@@ -88,8 +89,10 @@ def call_layer(drafter: FeatureDrafterModel, positions: torch.Tensor, tokens: to
                cache_len: int = 16) -> torch.Tensor | None:
     cache = drafter.new_cache(positions.shape[0], cache_len)
     state = torch.randn(*tokens.shape, drafter.config.hidden_size)
-    return drafter._fused(state, positions, cache.k[0], cache.v[0], drafter.rope(cache.max_seq), drafter.embedding,
-                          tokens)
+    rope = drafter.rope(cache.max_seq)
+    where = c_positions(positions, cache.max_seq, rope)
+    return None if where is None else drafter._fused(state, where, cache.k[0], cache.v[0], rope, drafter.embedding,
+                                                     tokens)
 
 
 def test_the_c_layer_stands_aside_where_it_cannot_serve(kernel: row_kernel.RowKernel,

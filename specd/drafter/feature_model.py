@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.model.fused_layer import FusedLayer
+from specd.model.fused_layer import FusedLayer, c_positions
 from specd.model.packed_linear import PackedLinear, serve_weights_in_half
 from specd.model.transformer import MLP, Attention, Block, KVCache, ModelConfig, apply_rope, rope_tables
 
@@ -203,8 +203,9 @@ class FeatureDrafterModel(nn.Module):
         positions = start[:, None] + torch.arange(length, device=next_tokens.device)
         rope = self.rope(cache.max_seq)
         slots = slice(first_slot, first_slot + batch)
-        if not self.deeper:  # EAGLE-3's single layer: one call of the kernel's library where it serves
-            out = self._fused(state, positions, cache.k[0, slots], cache.v[0, slots], rope, self.embedding, next_tokens)
+        where = c_positions(positions, cache.max_seq, rope) if not self.deeper else None
+        if where is not None:  # EAGLE-3's single layer: one call of the kernel's library where it serves
+            out = self._fused(state, where, cache.k[0, slots], cache.v[0, slots], rope, self.embedding, next_tokens)
             if out is not None:
                 return out
         cos, sin = rope[0][positions][:, None], rope[1][positions][:, None]

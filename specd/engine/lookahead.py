@@ -43,7 +43,8 @@ class LookaheadCosts:
     verify_seconds: dict[int, float] = field(default_factory=dict)       # per target pass, by k
     frozen: bool = False
     keep_samples: bool = False
-    # kept samples by k: (draft seconds per position, None where no learned draft was made; verify seconds)
+    # kept samples by k: (draft seconds per position, None at k = 0 or where no learned draft was made;
+    # verify seconds)
     samples: dict[int, list[tuple[float | None, float]]] = field(default_factory=dict)
     measured_verify_seconds: dict[int, float] = field(default_factory=dict)  # a frozen copy's medians by k
 
@@ -55,7 +56,7 @@ class LookaheadCosts:
             return
         per_position = draft_seconds / k if k and draft_seconds is not None else None
         if self.keep_samples:
-            self.samples.setdefault(k, []).append((per_position if k else 0.0, verify_seconds))
+            self.samples.setdefault(k, []).append((per_position, verify_seconds))
         if per_position is not None:
             self.draft_seconds = per_position if self.draft_seconds is None else (
                 (1 - weight) * self.draft_seconds + weight * per_position)
@@ -69,7 +70,7 @@ class LookaheadCosts:
         median over every drafted position."""
         if not self.samples:
             return LookaheadCosts(self.draft_seconds, dict(self.verify_seconds), frozen=True)
-        drafts = [draft for k, pairs in self.samples.items() if k > 0 for draft, _ in pairs if draft is not None]
+        drafts = [draft for pairs in self.samples.values() for draft, _ in pairs if draft is not None]
         medians = {k: statistics.median(seconds for _, seconds in pairs) for k, pairs in sorted(self.samples.items())}
         return LookaheadCosts(statistics.median(drafts) if drafts else self.draft_seconds, verify_line(medians),
                               frozen=True, measured_verify_seconds=medians)

@@ -115,10 +115,6 @@ class PackedLinear(nn.Linear):
         """This layer's weights as `kernel` reads them (made, or remade after a change, on demand)."""
         return self._layout(*self._kernel_layout(kernel))
 
-    def serves_kernel(self) -> bool:
-        """Whether this layer's no-gradient products may go through the kernel (no bias, packable weight)."""
-        return self.bias is None and self._weight_may_pack()
-
     def _kernel_layout(self, kernel: RowKernel) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         """The kernel's copy of this layer's weights: fp16 panels for a `half_weights` layer (where
         the kernel reads them), float32 panels otherwise."""
@@ -127,7 +123,7 @@ class PackedLinear(nn.Linear):
         return "panels", kernel.panels
 
     def _weight_may_pack(self) -> bool:
-        return _PACKING and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu"
+        return packing_on() and self.weight.dtype == torch.float32 and self.weight.device.type == "cpu"
 
     def _may_pack(self, x: torch.Tensor) -> bool:
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
@@ -169,6 +165,11 @@ def serve_weights_in_half(module: nn.Module) -> None:
     for layer in module.modules():
         if isinstance(layer, PackedLinear):
             layer.half_weights = True
+
+
+def packing_on() -> bool:
+    """Whether layers use their prepared copies now (`packing_enabled` at import, or as a benchmark set it)."""
+    return _PACKING
 
 
 def kernel_rows(rows: int) -> RowKernel | None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd.model.fused_layer import FusedLayer
+from specd.model.fused_layer import FusedLayer, c_positions
 from specd.model.packed_linear import PackedLinear
 
 LogitsFor = Literal["all", "last", "none"]
@@ -272,8 +272,9 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         slots = slice(first_slot, first_slot + batch)
         captured, inputs = [], None
+        where = c_positions(positions, cache.max_seq, rope)  # checked once for every block's C call
         for layer, block in enumerate(cast(list[Block], self.blocks)):
-            fused = block.fused(x, positions, cache.k[layer, slots], cache.v[layer, slots], rope)
+            fused = None if where is None else block.fused(x, where, cache.k[layer, slots], cache.v[layer, slots], rope)
             if fused is not None:
                 x = fused
             else:
