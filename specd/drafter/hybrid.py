@@ -1,20 +1,21 @@
 """The hybrid drafter: context matches first, then the traffic table, then the learned drafter.
 
 Contract: a row whose own context has a match (`context_match`) gets the match's drafts; a row
-without one asks the `TrafficTable` it was built with (if any) what earlier requests continued
-its last tokens with; every other row gets the learned drafter's drafts (a `TokenDrafter` or a
+without one asks the `TrafficTable` it was built with (if any) what earlier requests continued its
+last tokens with; every other row gets the learned drafter's drafts (a `TokenDrafter` or a
 `FeatureDrafter`). The learned drafter still runs for all rows (a token drafter's cache must follow
-every row) unless a caller switches it off (`use_learned`) or it is a feature drafter and every row
-has a continuation (its drafts would all be replaced; its cache catches up from the verified
-features at its next proposal). A pending version is installed at the start of every proposal,
-whether or not the learned part runs. Rows whose drafts were replaced commit as "none of your
-drafts were used", so a token drafter's cache stays exact (a feature drafter's features come from
-the verified tokens through `observe`, whoever drafted them). With `context_k` a continuation may propose up
-to that many drafts where the step's k is smaller (the proposal is then wider than k; the learned
-rows keep k), as long as the pass stays within `WIDE_PASS_ROWS` positions in all. Swaps, versions
-and the target layers to capture belong to the learned part. `row_sources` names where each row's drafts
-came from at the last proposal ("context<n>", "table<n>", "learned", "none"), with the match
-length, since long matches are right far more often than short ones.
+every row) unless a caller switches it off (`use_learned`), k is 0 (continuations alone draft), or
+it is a feature drafter and every row has a continuation (its drafts would all be replaced; its
+cache catches up from the verified features at its next proposal). A pending version is installed at
+the start of every proposal, whether or not the learned part runs. Rows whose drafts were replaced
+commit as "none of your drafts were used", so a token drafter's cache stays exact (a feature
+drafter's features come from the verified tokens through `observe`, whoever drafted them). With
+`context_k` a continuation may propose up to that many drafts where the step's k is smaller (the
+proposal is then wider than k; the learned rows keep k), as long as the pass stays within
+`WIDE_PASS_ROWS` positions in all. Swaps, versions and the target layers to capture belong to the
+learned part. `row_sources` names where each row's drafts came from at the last proposal
+("context<n>", "table<n>", "learned", "none"), with the match length, since long matches are right
+far more often than short ones.
 """
 
 from __future__ import annotations
@@ -135,7 +136,9 @@ class HybridDrafter:
         # drafter skips the step (its cache catches up from the verified features at its next proposal)
         every_row_continued = (self.skip_covered_steps and isinstance(self.learned, FeatureDrafter)
                                and all(found for found, _ in continuations))
-        self.learned_ran = self.use_learned and not every_row_continued
+        # at k = 0 (the lookahead controller finds the learned drafter not worth its cost) only
+        # continuations draft
+        self.learned_ran = self.use_learned and k > 0 and not every_row_continued
         q: torch.Tensor | None = None
         if self.learned_ran:
             begin = time.perf_counter()

@@ -26,17 +26,18 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from specd.core.errors import RequestRefused
-from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, source_kind
+from specd.core.records import LEARNED_SOURCE
 from specd.drafter.base import DraftBatch, Drafter, FeatureReader, Proposal, one_hot_q
 from specd.drafter.hybrid import HybridDrafter
 from specd.engine.lookahead import LookaheadConfig, LookaheadController
 from specd.engine.prefill import InProgress, follow, run_chunk
 from specd.engine.request import SamplingParams, Sequence
+from specd.engine.step_stats import StepStats, emit_verdict
 from specd.engine.verification import Verdict, verify_greedy, verify_sampled
 from specd.model.distributions import target_probs
 from specd.model.packed_linear import prepare_layouts
@@ -61,6 +62,11 @@ class EngineConfig:
     # alone's under any drafter (`specd.model.seeded_draws`); False: the seed fixes only the random
     # stream that speculative sampling draws from, so the answer varies with the drafts
     seeded_draws: bool = True
+    # what the lookahead k governs. "learned": the learned drafter's drafts alone: context
+    # continuations (a hybrid's, free to make) are served at every k, 0 included, and k follows the
+    # learned drafter's own acceptance. "all": k covers every source (no drafts at k = 0, acceptance
+    # over every row), the policy before 2026-12-07, kept for benchmarks/lookahead_scope.py
+    lookahead_scope: str = "learned"
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -71,29 +77,8 @@ class EngineConfig:
             raise ValueError(f"max_context must be at least 2, got {self.max_context}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1 (or None), got {self.prefill_chunk}")
-
-
-@dataclass
-class StepStats:
-    """One decoding step of the whole batch."""
-
-    num_rows: int
-    num_drafts_proposed: int
-    num_drafts_accepted: int
-    num_tokens_emitted: int
-    seconds: float
-    drafter_version: int | None   # None: no drafter ran
-    k: int = 0
-    # rows whose drafts were not all accepted: each chain ended in one rejected draft
-    num_rejections: int = 0
-    # the same counts per drafting source kind (`source_kind`): the learned drafter's own apart
-    by_source: dict[str, AcceptanceCounts] = field(default_factory=dict)
-
-    @property
-    def counts(self) -> AcceptanceCounts:
-        """The step's drafts, accepted drafts, passes (one per row) and tokens, as reports count them."""
-        return AcceptanceCounts(self.num_drafts_proposed, self.num_drafts_accepted, self.num_rows,
-                                self.num_tokens_emitted)
+        if self.lookahead_scope not in ("learned", "all"):
+            raise ValueError(f"lookahead_scope must be 'learned' or 'all', got {self.lookahead_scope!r}")
 
 
 class Engine:
@@ -188,7 +173,9 @@ class Engine:
                             device=self.device)
         k = self.lookahead.choose(self.drafter.version) if self.drafter is not None and self.k > 0 else 0
         rows_info = self._draft_batch(lengths)  # per-row settings, built once for drafting and verifying
-        proposal = self._propose(rows_info, k) if k > 0 else None
+        proposal = self._propose(rows_info, k) if k > 0 or self._continues_at_zero else None
+        if proposal is not None and proposal.drafts.shape[1] == 0:  # k = 0 and no row had a continuation
+            proposal = None
         drafts = proposal.drafts if proposal is not None else torch.zeros(batch, 0, dtype=torch.long,
                                                                           device=self.device)
         # drafts past a row's remaining budget count as not proposed (more drafts than tokens left)
@@ -210,16 +197,33 @@ class Engine:
         stats = self._emit(verdict, drafts, limit, lengths, self.drafter_version)
         if features is not None:
             self._observe_emitted(features, lengths)
-        # a pass wider than k (a long continuation) is no sample of what k costs and earns: not observed
-        # and a step whose drafts all came from continuations (a hybrid skipping its learned drafter)
-        # is no sample of what drafting costs: only its verification and acceptance are observed
-        if self.drafter is not None and self.k > 0 and drafts.shape[1] == k:
-            learned_ran = getattr(self.drafter, "learned_ran", True)
-            self.lookahead.observe(k, stats.num_drafts_accepted, stats.num_rejections,
-                                   drafted - begin if learned_ran else None, verified - drafted)
+        if self.drafter is not None and self.k > 0:
+            self._observe_lookahead(k, drafts.shape[1], stats, drafted - begin, verified - drafted)
         stats.seconds, stats.k = time.perf_counter() - begin, k
         self.step_stats.append(stats)
         return done + self._retire()
+
+    @property
+    def _continues_at_zero(self) -> bool:
+        """Does a step at k = 0 still ask for drafts? A hybrid's continuations do, where k governs
+        the learned drafter alone."""
+        return isinstance(self.drafter, HybridDrafter) and self.config.lookahead_scope == "learned"
+
+    def _observe_lookahead(self, k: int, width: int, stats: StepStats, draft_seconds: float,
+                           verify_seconds: float) -> None:
+        """Feed the lookahead controller a step's acceptance and costs. A pass wider than k (a long
+        continuation) is no sample of what k costs; a step whose learned drafter did not run (every
+        row continued) is no sample of what drafting costs. With lookahead_scope "learned" the
+        acceptance is the learned drafter's rows' alone, wherever they were verified."""
+        learned_ran = getattr(self.drafter, "learned_ran", True)
+        costs = (draft_seconds if learned_ran else None, verify_seconds) if width == k else None
+        if self.config.lookahead_scope == "all":
+            if costs is not None:  # the old policy: a wider pass was not observed at all
+                self.lookahead.observe(k, stats.num_drafts_accepted, stats.num_rejections, *costs)
+            return
+        learned = stats.by_source.get(LEARNED_SOURCE)
+        self.lookahead.observe(k, learned.accepted if learned else 0, stats.learned_rejections,
+                               *(costs or (None, None)))
 
     def _drop_cancelled_waiting(self) -> list[Sequence]:
         """Requests cancelled while waiting leave the line at once, not when a slot frees up for them."""
@@ -343,36 +347,10 @@ class Engine:
 
     def _emit(self, verdict: Verdict, drafts: torch.Tensor, limit: torch.Tensor,
               lengths: torch.Tensor, version: int | None) -> StepStats:
-        eos = set(self.config.eos_token_ids)
-        stats = StepStats(len(self.running), 0, 0, 0, 0.0, version)
         # who drafted each row: a hybrid drafter names it per row ("context4", "table2", "learned", ...)
         sources = self.drafter.row_sources if isinstance(self.drafter, HybridDrafter) else None
-        if sources is None or len(sources) != len(self.running):
-            sources = [LEARNED_SOURCE] * len(self.running)
-        for slot, (seq, accepted, row_tokens, row_drafts, row_limit, length) in enumerate(zip(
-                self.running, verdict.num_accepted.tolist(), verdict.tokens.tolist(), drafts.tolist(),
-                limit.tolist(), lengths.tolist(), strict=True)):
-            emitted = row_tokens[:accepted + 1]
-            budget = seq.params.max_tokens - seq.num_output_tokens
-            emitted = emitted[:budget]
-            if not seq.params.ignore_eos:
-                stop_at = next((i for i, t in enumerate(emitted) if t in eos), None)
-                if stop_at is not None:
-                    emitted = emitted[:stop_at + 1]
-                    seq.finish_reason = "stop"
-            if seq.finish_reason is None and seq.num_output_tokens + len(emitted) >= seq.params.max_tokens:
-                seq.finish_reason = "length"
-            self.tokens[slot, length:length + len(emitted)] = torch.tensor(emitted, device=self.device)
-            seq.output_ids.extend(emitted)
-            drafts_kept = min(accepted, len(emitted))
-            seq.record_step(length, row_drafts[:row_limit], accepted, drafts_kept, version, sources[slot])
-            stats.num_drafts_proposed += row_limit
-            stats.num_drafts_accepted += drafts_kept
-            stats.num_rejections += accepted < row_limit
-            stats.num_tokens_emitted += len(emitted)
-            stats.by_source.setdefault(source_kind(sources[slot], row_limit), AcceptanceCounts()).add(
-                AcceptanceCounts(row_limit, drafts_kept, 1, len(emitted)))
-        return stats
+        return emit_verdict(self.running, self.tokens, verdict, drafts, limit, lengths, version, sources,
+                            set(self.config.eos_token_ids))
 
     @property
     def drafter_version(self) -> int | None:

@@ -7,8 +7,14 @@ chance that a draft is accepted when every draft before it was: a row that accep
 drafts and then had one rejected counts a + 1 trials, a row that accepted all of them a trials
 (drafts after a rejection are never tried). Accepted over proposed would read a chain of k
 drafts as k trials and make every k > 1 look worse than it is. k = 0 means
-"decode without drafting this step", so a drafter that does not help costs (almost) nothing:
-every `probe_every` steps a k = 1 probe keeps measuring it. A new drafter version restarts
+"decode without the learned drafter this step", so a drafter that does not help costs (almost)
+nothing: every `probe_every` steps a k = 1 probe keeps measuring it. What k governs is the
+engine's (`EngineConfig.lookahead_scope`): by default the learned drafter's drafts alone, a
+hybrid's context continuations being served at every k (0 included) and α being the learned
+drafter's own acceptance, since on a step a continuation serves k changes nothing. (When k covered
+every source, α fell below break-even while a chat-trained drafter missed on the first code
+requests, and k = 0 then also dropped the free context matches: a trap that held k = 0 on 134 of
+172 steps of the demo's first HumanEval round.) A new drafter version restarts
 the acceptance estimate from an optimistic prior, so fresh weights get a fair trial. ATLAS's
 confidence-aware controller is the inspiration; this one only uses running averages.
 The costs live in a `LookaheadCosts` of their own: engines that are compared (the demo's adaptive
@@ -135,13 +141,15 @@ class LookaheadController:
         return self.verify_seconds[nearest] * (1 + 0.05 * k) / (1 + 0.05 * nearest)
 
     def observe(self, k: int, accepted: int, rejected: int, draft_seconds: float | None,
-                verify_seconds: float) -> None:
+                verify_seconds: float | None) -> None:
         """A step drafted at `k`: its accepted drafts, its rows that had a draft rejected, its times
-        (drafting None where no learned draft was made: `LookaheadCosts.observe`)."""
+        (drafting None where no learned draft was made: `LookaheadCosts.observe`; verification None
+        where the pass is no sample of what k costs, a continuation having widened it)."""
         w = self.config.smoothing
         if accepted + rejected > 0:
             self.acceptance = (1 - w) * self.acceptance + w * accepted / (accepted + rejected)
-        self.costs.observe(k, draft_seconds, verify_seconds, w)
+        if verify_seconds is not None:
+            self.costs.observe(k, draft_seconds, verify_seconds, w)
 
 
 class CalibrationSweep(LookaheadController):

@@ -1,0 +1,123 @@
+"""What should the lookahead k govern: the learned drafter alone, or every drafting source?
+
+Two arms of the demo's static mode (the shipped day-0 drafter, hybrid with context matching, a
+traffic table of its own and continuations up to `CONTEXT_K` drafts; batch 1; the lookahead
+controller on one set of step costs calibrated once and frozen, shared by both arms, as in
+`specd demo`) differ in `EngineConfig.lookahead_scope` alone:
+- "learned": k is the learned drafter's lookahead; continuations are served at every k, 0
+  included, and the controller's acceptance is the learned drafter's own rows';
+- "all": k covers every source (the policy before): at k = 0 nothing is drafted, and acceptance
+  counts every row.
+Traffic is validation traffic the demo never serves (`demo_learner_sweep.validation_items`):
+`--requests` ShareGPT chats, then as many HumanEval problems (the shift), served in the demo's
+rounds of `--round-size` requests with the two arms taking turns (the order alternates by round),
+each served by `specd.demo.deployment.serve_round` as the demo serves. Per arm and domain: accept
+length (tokens per target pass), tokens/s per round (median, spread, per-round ratios), the share
+of steps at each k, and the first round of the second domain apart (where the old policy's k = 0
+trap showed). Greedy outputs of the two arms must be equal; the run fails otherwise. Serving is
+pinned as the demo pins it (its serving core(s), as many threads). Writes
+out/lookahead_scope.json.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+import torch
+from common import markdown_table, paired, parser, spread, write_result
+from demo_learner_sweep import validation_items
+from tqdm import tqdm
+
+from specd.cli.service import CONTEXT_K
+from specd.demo.deployment import DemoConfig, ModeRun, calibrated_costs, encode, rounds_of, serve_round
+from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
+from specd.engine.engine import Engine, EngineConfig
+from specd.learner.process import pin_serving, split_cores
+from specd.model.target import LoadedTarget
+
+SCOPES = ("learned", "all")
+
+
+def engine_for(loaded: LoadedTarget, config: DemoConfig, scope: str, costs: Any) -> Engine:
+    drafter = build_drafter(config.drafter, initial_model(loaded.model, config.drafter,
+                                                          fingerprint=loaded.fingerprint), version=1)
+    engine = Engine(loaded.model, drafter, EngineConfig(max_batch=config.max_batch, num_draft_tokens=config.k,
+                                                        eos_token_ids=loaded.eos_token_ids,
+                                                        lookahead_scope=scope))
+    engine.lookahead.costs = costs
+    return engine
+
+
+def summarise(run: ModeRun, ks_by_round: list[list[int]]) -> dict[str, Any]:
+    """Per domain: accept length, tokens/s per round, k shares, and the domain's first round apart
+    (`ks_by_round`: the k of each decoding step, round by round)."""
+    by_domain: dict[str, Any] = {}
+    for domain in dict.fromkeys(r["domain"] for r in run.rounds):
+        mine = [(r, ks) for r, ks in zip(run.rounds, ks_by_round, strict=True) if r["domain"] == domain]
+        tokens = sum(r["tokens"] for r, _ in mine)
+        passes = sum(r["target_passes"] for r, _ in mine)
+        k_counts = Counter(k for _, ks in mine for k in ks)
+        first, first_ks = mine[0]
+        by_domain[domain] = {
+            "accept_length": tokens / passes, "tokens_per_s": spread([r["tokens"] / r["seconds"] for r, _ in mine]),
+            "k_share": {str(k): n / max(1, sum(k_counts.values())) for k, n in sorted(k_counts.items())},
+            "first_round": {"accept_length": first["tokens"] / first["target_passes"],
+                            "tokens_per_s": first["tokens"] / first["seconds"],
+                            "k0_steps": first_ks.count(0), "steps": len(first_ks)},
+            "rounds": [{"tokens": r["tokens"], "passes": r["target_passes"], "seconds": r["seconds"]} for r, _ in mine]}
+    return by_domain
+
+
+def main() -> None:
+    p = parser(__doc__, "out/lookahead_scope.json", repeats=None)
+    p.add_argument("--requests", type=int, default=20, help="requests per domain (default 20)")
+    p.add_argument("--round-size", type=int, default=4, help="requests of one domain per arm per round (default 4)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64, the demo's)")
+    args = p.parse_args()
+    loaded = LoadedTarget.load(None)
+    config = DemoConfig(max_tokens=args.max_tokens, drafter=DrafterSpec(context_k=CONTEXT_K), learning=False)
+    items = validation_items(args.requests, "sharegpt") + validation_items(args.requests, "humaneval")
+    prompts = [encode(loaded, item) for item in items]
+    split = split_cores()
+    if split is not None:
+        pin_serving(split[0])  # the demo's serving cores and threads
+    torch.manual_seed(0)
+    day0 = engine_for(loaded, config, "learned", None).drafter
+    assert day0 is not None
+    costs = calibrated_costs(loaded, day0, prompts, config)
+    runs = {scope: ModeRun(scope, engine_for(loaded, config, scope, costs)) for scope in SCOPES}
+    ks: dict[str, list[list[int]]] = {scope: [] for scope in SCOPES}
+    with tqdm(total=len(items) * len(SCOPES), unit="req", desc="lookahead scope") as bar:
+        for number, (domain, indices) in enumerate(rounds_of(items, args.round_size)):
+            for scope in SCOPES if number % 2 == 0 else SCOPES[::-1]:
+                before = len(runs[scope].step_k)
+                serve_round(runs[scope], number, domain, indices, items, prompts, config, bar)
+                ks[scope].append(runs[scope].step_k[before:])
+    outputs = {scope: [runs[scope].results[i].output_ids for i in range(len(items))] for scope in SCOPES}
+    if outputs["learned"] != outputs["all"]:
+        raise SystemExit("the arms' greedy outputs differ: verification is broken")
+    summary = {scope: summarise(runs[scope], ks[scope]) for scope in SCOPES}
+    ratios = {}
+    for domain in summary["learned"]:
+        per_round = {scope: [{"tok_s": r["tokens"] / r["seconds"]} for r in summary[scope][domain]["rounds"]]
+                     for scope in SCOPES}
+        ratios[domain] = paired(per_round, "learned", "all", "tok_s")
+    rows = [[scope, domain, f"{s['accept_length']:.2f}", f"{s['tokens_per_s']['median']:.1f}",
+             f"{s['first_round']['accept_length']:.2f}",
+             f"{s['first_round']['k0_steps']}/{s['first_round']['steps']}", f"{s['k_share'].get('0', 0):.2f}"]
+            for scope in SCOPES for domain, s in summary[scope].items()]
+    print(markdown_table(["scope", "domain", "accept len", "tok/s (median)", "first round accept", "first round k=0",
+                          "k=0 share"], rows))
+    for domain, ratio in ratios.items():
+        print(f"{domain}: learned/all tok/s per round median {ratio['median']:.3f} "
+              f"({ratio['min']:.3f}-{ratio['max']:.3f})")
+    write_result(args.out, args, {"costs": {"draft_seconds": costs.draft_seconds,
+                                            "verify_seconds": {str(k): v for k, v in costs.verify_seconds.items()}},
+                                  "cores": sorted(os.sched_getaffinity(0)), "summary": summary,
+                                  "ratios_learned_over_all": ratios, "outputs_equal": True})
+
+
+if __name__ == "__main__":
+    main()
