@@ -86,3 +86,19 @@ def test_a_request_cancelled_during_its_prefill_frees_its_slot() -> None:
 def test_prefill_chunk_must_be_positive() -> None:
     with pytest.raises(ValueError, match="prefill_chunk"):
         EngineConfig(prefill_chunk=0)
+
+
+def test_a_prompt_admitted_while_nothing_runs_is_prefilled_whole_and_the_next_in_chunks() -> None:
+    target = tiny_target()
+    engine = Engine(target, None, EngineConfig(max_batch=2, prefill_chunk=5))
+    first = engine.add_request(LONG, SamplingParams(max_tokens=30))
+    second = engine.add_request(LONG, SamplingParams(max_tokens=4))
+    engine.step()   # nothing was running: no stream to keep going, the first prompt in one pass
+    assert first.num_output_tokens == 1   # and the step's budget of 5 is spent: the second waits
+    assert engine.prefilling is None and list(engine.waiting) == [second]
+    engine.step()
+    assert engine.prefilling is not None and engine.prefilling.filled == 5   # beside a running stream: chunks
+    while engine.has_work:
+        engine.step()
+    assert [first.output_ids, second.output_ids] == target_only(target, [LONG, LONG], [SamplingParams(max_tokens=30),
+                                                                                       SamplingParams(max_tokens=4)])

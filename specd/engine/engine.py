@@ -2,7 +2,8 @@
 
 Contract: `Engine.step()` admits waiting requests into free slots, prefilling their prompts up
 to `prefill_chunk` tokens a step (`specd.engine.prefill`: a long prompt is spread over several
-steps instead of stalling the running streams for its whole prefill), then runs one decoding
+steps instead of stalling the running streams for its whole prefill; a prompt admitted while no
+stream runs has none to stall and is prefilled whole, which is cheaper), then runs one decoding
 step for every running request: the drafter proposes k tokens per row,
 the target verifies all rows' k + 1 positions in one batched pass, and each row accepts with
 exact rejection sampling (`specd.engine.verification`). Greedy output is token-identical to
@@ -250,8 +251,12 @@ class Engine:
                 self.prefilling = None
                 done.append(part.seq)
                 continue
+            # chunks keep the running rows decoding through a long prefill; with none running there is
+            # no stream to keep going, and one pass over the rest of the prompt is cheaper (a 256-token
+            # prompt on one AVX2 core: 826 ms whole, 984 ms in chunks of 48)
+            chunk = budget if self.running else None
             try:
-                used = run_chunk(self.target, self.cache, self.tokens, part, budget, self.capture_layers)
+                used = run_chunk(self.target, self.cache, self.tokens, part, chunk, self.capture_layers)
                 if part.is_complete:
                     self._start(part)
             except Exception as error:  # traced to this request's admission: it fails alone
