@@ -10,7 +10,7 @@ from test_hybrid_reach import REPEATING, _batch, _hybrid
 from specd.core.records import AcceptanceCounts
 from specd.drafter.hybrid import HybridDrafter
 from specd.engine.engine import Engine, EngineConfig
-from specd.engine.lookahead import LookaheadConfig, LookaheadController
+from specd.engine.lookahead import LookaheadConfig, LookaheadController, LookaheadCosts
 from specd.engine.request import SamplingParams
 from specd.engine.step_stats import StepStats
 
@@ -95,3 +95,41 @@ def test_a_swap_pending_at_k0_goes_live_at_the_next_step() -> None:
     engine.add_request(PROMPTS[0], PARAMS)
     engine.step()   # admits the request and decodes its first step, at k = 0
     assert engine.step_stats[-1].k == 0 and hybrid.version == 7
+
+
+def test_continuations_reach_far_where_their_spans_hold_and_short_where_they_break() -> None:
+    costs = LookaheadCosts(verify_seconds={0: 0.10, 1: 0.10, 2: 0.11, 3: 0.13, 4: 0.135}, draft_seconds=0.01)
+    controller = LookaheadController(LookaheadConfig(max_k=4, probe_every=1000), costs)
+    for _ in range(60):
+        controller.observe_continuation("context", drafts=8, accepted=8)   # copied spans that hold
+        controller.observe_continuation("table", drafts=8, accepted=1)     # right once, then wrong
+    reaches = controller.continuation_reaches(("context", "table"), most=8)
+    # past the widest measured pass a position costs the measured slope (0.035 s over 4 positions)
+    assert reaches == {"context": 8, "table": 1}
+    assert controller.chains["table"][:3] == [pytest.approx(1.0, abs=0.01), pytest.approx(0.0, abs=0.01), 0.8]
+
+
+def test_every_probe_every_th_step_continuations_reach_the_most() -> None:
+    costs = LookaheadCosts(verify_seconds={0: 0.1, 4: 0.5}, draft_seconds=0.01)
+    controller = LookaheadController(LookaheadConfig(max_k=4, probe_every=3), costs)
+    for _ in range(40):
+        controller.observe_continuation("context", drafts=4, accepted=0)
+    assert [controller.continuation_reaches(("context",), 6)["context"] for _ in range(6)] == [1, 1, 6, 1, 1, 6]
+
+
+def test_a_measured_reach_caps_a_continuation_unless_the_pass_is_k_wide_anyway() -> None:
+    hybrid = _hybrid(8, 1)
+    hybrid.reach = {"context": 2, "table": 2}
+    proposal = hybrid.propose(_batch([REPEATING]), 0)      # no learned drafts: the pass is as wide as the reach
+    assert proposal.drafts.tolist() == [[8, 9]]
+    proposal = hybrid.propose(_batch([REPEATING]), 4)      # a token drafter runs at k = 4: 4 positions anyway
+    assert hybrid.learned_ran and proposal.drafts.tolist() == [[8, 9, 10, 11]]
+
+
+def test_greedy_output_equals_the_target_alone_with_measured_reaches() -> None:
+    target = tiny_target()
+    alone = Engine(target, None, EngineConfig(max_batch=2)).generate(PROMPTS, PARAMS)
+    engine = Engine(target, HybridDrafter(tiny_drafter(target), context_k=8), EngineConfig(max_batch=2))
+    outputs = engine.generate(PROMPTS, PARAMS)
+    assert [s.output_ids for s in outputs] == [s.output_ids for s in alone]
+    assert engine.lookahead.chains, "no continuation was measured"

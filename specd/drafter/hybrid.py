@@ -12,7 +12,10 @@ commit as "none of your drafts were used", so a token drafter's cache stays exac
 drafter's features come from the verified tokens through `observe`, whoever drafted them). With
 `context_k` a continuation may propose up to that many drafts where the step's k is smaller (the
 proposal is then wider than k; the learned rows keep k), as long as the pass stays within
-`WIDE_PASS_ROWS` positions in all. Swaps, versions and the target layers to capture belong to the
+`WIDE_PASS_ROWS` positions in all; where the engine sets `reach` (per continuation kind, from
+its measured acceptance and what a wider pass costs), a continuation proposes at most that many,
+or k where the learned drafter makes the pass k wide anyway, and a pass of continuations alone is
+as wide as they are. Swaps, versions and the target layers to capture belong to the
 learned part. `row_sources` names where each row's drafts came from at the last proposal
 ("context<n>", "table<n>", "learned", "none"), with the match length, since long matches are right
 far more often than short ones.
@@ -51,6 +54,12 @@ def continuation(tokens: np.ndarray, k: int, table: TrafficTable | None, max_n: 
 
 # rows (positions of every request together) up to which a pass may widen for long continuations
 WIDE_PASS_ROWS = 12
+CONTINUATION_KINDS = ("context", "table")
+
+
+def continuation_kind(source: str) -> str:
+    """"context4" -> "context": a source without its match length."""
+    return source.rstrip("0123456789")
 
 
 class HybridDrafter:
@@ -73,6 +82,9 @@ class HybridDrafter:
         self.row_sources: list[str] = []
         self.learned_ran = False
         self.learned_seconds = 0.0
+        # the most drafts each kind of continuation ("context", "table") proposes this step, set by
+        # the engine from their measured acceptance and what a wider pass costs; None: context_k
+        self.reach: dict[str, int] | None = None
 
     # the learned part owns versions, swaps and caches
     @property
@@ -127,11 +139,6 @@ class HybridDrafter:
             start = max(0, length - self.window)
             continuations.append(continuation(batch.tokens[row, start:length].cpu().numpy(), reach, self.table,
                                               self.max_n, self.min_n))
-        # a pass verifies every row at the widest row's width: widen past k only while the pass stays
-        # within WIDE_PASS_ROWS rows (one block of the few-row kernel), where extra rows cost little
-        width = min(max([k] + [len(found) for found, _ in continuations]),
-                    max(k, WIDE_PASS_ROWS // batch.num_rows - 1))
-        continuations = [(found[:width], source) for found, source in continuations]
         # where every row has a continuation the learned drafts would all be replaced: a feature
         # drafter skips the step (its cache catches up from the verified features at its next proposal)
         every_row_continued = (self.skip_covered_steps and isinstance(self.learned, FeatureDrafter)
@@ -139,6 +146,17 @@ class HybridDrafter:
         # at k = 0 (the lookahead controller finds the learned drafter not worth its cost) only
         # continuations draft
         self.learned_ran = self.use_learned and k > 0 and not every_row_continued
+        # the pass is k wide where the learned drafter drafts (or where the caller takes exactly k);
+        # with measured reaches a pass of continuations alone is as wide as they are
+        floor = k if self.learned_ran or self.reach is None else 0
+        if self.reach is not None:  # each kind as far as it pays, never short of a pass already k wide
+            continuations = [(found[:max(floor, self.reach.get(continuation_kind(source), len(found)))], source)
+                             for found, source in continuations]
+        # a pass verifies every row at the widest row's width: widen past k only while the pass stays
+        # within WIDE_PASS_ROWS rows (one block of the few-row kernel), where extra rows cost little
+        width = min(max([floor] + [len(found) for found, _ in continuations]),
+                    max(floor, WIDE_PASS_ROWS // batch.num_rows - 1))
+        continuations = [(found[:width], source) for found, source in continuations]
         q: torch.Tensor | None = None
         if self.learned_ran:
             begin = time.perf_counter()

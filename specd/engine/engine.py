@@ -34,7 +34,7 @@ import torch
 from specd.core.errors import RequestRefused
 from specd.core.records import LEARNED_SOURCE
 from specd.drafter.base import DraftBatch, Drafter, FeatureReader, Proposal, one_hot_q
-from specd.drafter.hybrid import HybridDrafter
+from specd.drafter.hybrid import CONTINUATION_KINDS, HybridDrafter
 from specd.engine.lookahead import LookaheadConfig, LookaheadController
 from specd.engine.prefill import InProgress, follow, run_chunk
 from specd.engine.request import SamplingParams, Sequence
@@ -66,8 +66,12 @@ class EngineConfig:
     # what the lookahead k governs. "learned": the learned drafter's drafts alone: context
     # continuations (a hybrid's, free to make) are served at every k, 0 included, and k follows the
     # learned drafter's own acceptance. "all": k covers every source (no drafts at k = 0, acceptance
-    # over every row), the policy before 2026-12-07, kept for benchmarks/lookahead_scope.py
+    # over every row), the policy before 2026-12-07, kept for benchmarks/lookahead_policy.py
     lookahead_scope: str = "learned"
+    # how far a hybrid's continuations reach with an adaptive lookahead: "measured", as far as
+    # pays by their measured acceptance and the pass's measured cost (`continuation_reaches`);
+    # "fixed": up to the hybrid's context_k at every step (the policy before 2026-12-07)
+    continuation_reach: str = "measured"
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -80,6 +84,8 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be at least 1 (or None), got {self.prefill_chunk}")
         if self.lookahead_scope not in ("learned", "all"):
             raise ValueError(f"lookahead_scope must be 'learned' or 'all', got {self.lookahead_scope!r}")
+        if self.continuation_reach not in ("measured", "fixed"):
+            raise ValueError(f"continuation_reach must be 'measured' or 'fixed', got {self.continuation_reach!r}")
 
 
 class Engine:
@@ -94,6 +100,7 @@ class Engine:
         # room past the context for drafts that are verified and then cut at max_tokens (a hybrid's
         # continuations may reach past k: `context_k`)
         reach = max(config.num_draft_tokens, getattr(drafter, "context_k", None) or 0)
+        self._reach = reach   # the most drafts a continuation may propose
         max_seq = self.max_context + reach + 1
         self.cache = target.new_cache(config.max_batch, max_seq)
         self.tokens = torch.zeros(config.max_batch, max_seq, dtype=torch.long, device=self.device)
@@ -174,6 +181,9 @@ class Engine:
                             device=self.device)
         k = self.lookahead.choose(self.drafter.version) if self.drafter is not None and self.k > 0 else 0
         rows_info = self._draft_batch(lengths)  # per-row settings, built once for drafting and verifying
+        if self._measures_reach:
+            assert isinstance(self.drafter, HybridDrafter)
+            self.drafter.reach = self.lookahead.continuation_reaches(CONTINUATION_KINDS, self._reach)
         proposal = self._propose(rows_info, k) if k > 0 or self._continues_at_zero else None
         if proposal is not None and proposal.drafts.shape[1] == 0:  # k = 0 and no row had a continuation
             proposal = None
@@ -205,6 +215,12 @@ class Engine:
         return done + self._retire()
 
     @property
+    def _measures_reach(self) -> bool:
+        """Are a hybrid's continuations reaching as far as their measured acceptance pays for?"""
+        return (self._continues_at_zero and self.config.continuation_reach == "measured"
+                and self.lookahead.config.adaptive)
+
+    @property
     def _continues_at_zero(self) -> bool:
         """Does a step at k = 0 still ask for drafts? A hybrid's continuations do, where k governs
         the learned drafter alone."""
@@ -225,6 +241,8 @@ class Engine:
         learned = stats.by_source.get(LEARNED_SOURCE)
         self.lookahead.observe(k, learned.accepted if learned else 0, stats.learned_rejections,
                                *(costs or (None, None)))
+        for kind, drafts, accepted in stats.continuation_rows:
+            self.lookahead.observe_continuation(kind, drafts, accepted)
 
     def _drop_cancelled_waiting(self) -> list[Sequence]:
         """Requests cancelled while waiting leave the line at once, not when a slot frees up for them."""

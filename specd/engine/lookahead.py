@@ -14,7 +14,12 @@ hybrid's context continuations being served at every k (0 included) and α being
 drafter's own acceptance, since on a step a continuation serves k changes nothing. (When k covered
 every source, α fell below break-even while a chat-trained drafter missed on the first code
 requests, and k = 0 then also dropped the free context matches: a trap that held k = 0 on 134 of
-172 steps of the demo's first HumanEval round.) A new drafter version restarts
+172 steps of the demo's first HumanEval round.) A hybrid's continuations get
+a reach of their own (`continuation_reaches`): how many drafts a context match or table
+continuation proposes, by the same rule with no drafting cost and each chain position's own
+measured acceptance, since where a wider pass costs more than a narrow one (on an AVX2 core 4
+positions cost 1.27 one-position passes, 9 positions 1.86) a long reach pays only for spans that
+hold. A new drafter version restarts
 the acceptance estimate from an optimistic prior, so fresh weights get a fair trial. ATLAS's
 confidence-aware controller is the inspiration; this one only uses running averages.
 The costs live in a `LookaheadCosts` of their own: engines that are compared (the demo's adaptive
@@ -39,6 +44,9 @@ class LookaheadConfig:
     prior_acceptance: float = 0.6
     smoothing: float = 0.1          # weight of the newest step in the running averages
     probe_every: int = 8
+    # a continuation's chance to be right at each position of its chain before any is measured:
+    # optimistic, so that long reaches are tried and measured first
+    prior_continuation: float = 0.8
 
 
 @dataclass
@@ -104,6 +112,11 @@ class LookaheadController:
         self.version: int | None = None
         self.costs = costs if costs is not None else LookaheadCosts()
         self.steps_without_drafting = 0
+        # per continuation kind, the chance that the draft at each chain position is accepted when
+        # every one before it was: a copied span tends to hold once it has started to (unlike the
+        # learned drafter's, its acceptance is no single α), so each position is measured apart
+        self.chains: dict[str, list[float]] = {}
+        self.reach_steps = 0
 
     @property
     def draft_seconds(self) -> float | None:
@@ -133,9 +146,46 @@ class LookaheadController:
         tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
         return tokens / (k * (self.draft_seconds or 0.0) + self._verify_time(k))
 
+    def continuation_reaches(self, kinds: tuple[str, ...], most: int) -> dict[str, int]:
+        """Per continuation kind, how many drafts (1..most) a continuation proposes: the most
+        expected tokens per second of verification, from its chain's measured acceptance (a pass of
+        continuations runs no drafter). Every `probe_every`-th step each kind reaches `most`, so that
+        positions past the chosen reach keep being measured."""
+        self.reach_steps += 1
+        if self.reach_steps % self.config.probe_every == 0 or not self.verify_seconds:
+            return dict.fromkeys(kinds, most)
+        return {kind: max(range(1, most + 1), key=lambda d: self._chain_tokens(kind, d) / self._verify_time(d))
+                for kind in kinds}
+
+    def observe_continuation(self, kind: str, drafts: int, accepted: int) -> None:
+        """A continuation row's outcome: positions 1..accepted were right, and the one after them,
+        if it was proposed, was wrong; positions after that were never tried."""
+        chain = self._chain(kind, drafts)
+        w = self.config.smoothing
+        for position in range(min(drafts, accepted + 1)):
+            chain[position] = (1 - w) * chain[position] + w * (position < accepted)
+
+    def _chain(self, kind: str, length: int) -> list[float]:
+        chain = self.chains.setdefault(kind, [])
+        chain.extend([self.config.prior_continuation] * (length - len(chain)))
+        return chain
+
+    def _chain_tokens(self, kind: str, drafts: int) -> float:
+        """Expected tokens of a pass whose continuation proposes `drafts` (its bonus token included)."""
+        tokens = survive = 1.0
+        for accept in self._chain(kind, drafts)[:drafts]:
+            survive *= accept
+            tokens += survive
+        return tokens
+
     def _verify_time(self, k: int) -> float:
         if k in self.verify_seconds:
             return self.verify_seconds[k]
+        measured = sorted(self.verify_seconds)
+        if k > measured[-1] and len(measured) > 1:  # past the widest measured pass: the measured slope
+            low, high = measured[0], measured[-1]
+            slope = max(0.0, (self.verify_seconds[high] - self.verify_seconds[low]) / (high - low))
+            return self.verify_seconds[high] + slope * (k - high)
         # an unmeasured width: scale the nearest measured one, each extra position costing 5% of a pass
         nearest = min(self.verify_seconds, key=lambda measured: abs(measured - k))
         return self.verify_seconds[nearest] * (1 + 0.05 * k) / (1 + 0.05 * nearest)

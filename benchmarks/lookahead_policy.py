@@ -1,22 +1,25 @@
-"""What should the lookahead k govern: the learned drafter alone, or every drafting source?
+"""What should the lookahead govern: the learned drafter alone or every source, and how far a
+hybrid's continuations reach.
 
-Two arms of the demo's static mode (the shipped day-0 drafter, hybrid with context matching, a
+Arms of the demo's static mode (the shipped day-0 drafter, hybrid with context matching, a
 traffic table of its own and continuations up to `CONTEXT_K` drafts; batch 1; the lookahead
-controller on one set of step costs calibrated once and frozen, shared by both arms, as in
-`specd demo`) differ in `EngineConfig.lookahead_scope` alone:
-- "learned": k is the learned drafter's lookahead; continuations are served at every k, 0
-  included, and the controller's acceptance is the learned drafter's own rows';
-- "all": k covers every source (the policy before): at k = 0 nothing is drafted, and acceptance
-  counts every row.
+controller on one set of step costs calibrated once and frozen, shared by every arm, as in
+`specd demo`) that differ in `EngineConfig.lookahead_scope` and `continuation_reach` alone:
+- "all": k covers every source (the policy before 2026-12-07): at k = 0 nothing is drafted,
+  acceptance counts every row, continuations reach `CONTEXT_K`;
+- "learned-fixed": k is the learned drafter's lookahead; continuations are served at every k, 0
+  included, and the controller's acceptance is the learned drafter's own rows'; they reach `CONTEXT_K`;
+- "learned-measured" (the default): as "learned-fixed", each kind of continuation reaching as far as
+  its measured acceptance pays for against the pass's measured cost.
 Traffic is validation traffic the demo never serves (`demo_learner_sweep.validation_items`):
 `--requests` ShareGPT chats, then as many HumanEval problems (the shift), served in the demo's
-rounds of `--round-size` requests with the two arms taking turns (the order alternates by round),
-each served by `specd.demo.deployment.serve_round` as the demo serves. Per arm and domain: accept
-length (tokens per target pass), tokens/s per round (median, spread, per-round ratios), the share
-of steps at each k, and the first round of the second domain apart (where the old policy's k = 0
-trap showed). Greedy outputs of the two arms must be equal; the run fails otherwise. Serving is
-pinned as the demo pins it (its serving core(s), as many threads). Writes
-out/lookahead_scope.json.
+rounds of `--round-size` requests with the arms taking turns (the order rotates by round), each
+served by `specd.demo.deployment.serve_round` as the demo serves. Per arm and domain: accept
+length (tokens per target pass), tokens/s per round (median, spread, per-round ratios against
+"all"), the share of steps at each k, and the first round of the second domain apart (where the
+old policy's k = 0 trap showed). Greedy outputs of the arms must be equal; the run fails otherwise.
+Serving is pinned as the demo pins it (its serving core(s), as many threads). Writes
+out/lookahead_policy.json.
 """
 
 from __future__ import annotations
@@ -37,15 +40,16 @@ from specd.engine.engine import Engine, EngineConfig
 from specd.learner.process import pin_serving, split_cores
 from specd.model.target import LoadedTarget
 
-SCOPES = ("learned", "all")
+ARMS = {"all": ("all", "fixed"), "learned-fixed": ("learned", "fixed"), "learned-measured": ("learned", "measured")}
 
 
-def engine_for(loaded: LoadedTarget, config: DemoConfig, scope: str, costs: Any) -> Engine:
+def engine_for(loaded: LoadedTarget, config: DemoConfig, arm: str, costs: Any) -> Engine:
     drafter = build_drafter(config.drafter, initial_model(loaded.model, config.drafter,
                                                           fingerprint=loaded.fingerprint), version=1)
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=config.max_batch, num_draft_tokens=config.k,
                                                         eos_token_ids=loaded.eos_token_ids,
-                                                        lookahead_scope=scope))
+                                                        lookahead_scope=ARMS[arm][0],
+                                                        continuation_reach=ARMS[arm][1]))
     engine.lookahead.costs = costs
     return engine
 
@@ -71,7 +75,7 @@ def summarise(run: ModeRun, ks_by_round: list[list[int]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = parser(__doc__, "out/lookahead_scope.json", repeats=None)
+    p = parser(__doc__, "out/lookahead_policy.json", repeats=None)
     p.add_argument("--requests", type=int, default=20, help="requests per domain (default 20)")
     p.add_argument("--round-size", type=int, default=4, help="requests of one domain per arm per round (default 4)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64, the demo's)")
@@ -84,39 +88,45 @@ def main() -> None:
     if split is not None:
         pin_serving(split[0])  # the demo's serving cores and threads
     torch.manual_seed(0)
-    day0 = engine_for(loaded, config, "learned", None).drafter
+    day0 = engine_for(loaded, config, "all", None).drafter
     assert day0 is not None
     costs = calibrated_costs(loaded, day0, prompts, config)
-    runs = {scope: ModeRun(scope, engine_for(loaded, config, scope, costs)) for scope in SCOPES}
-    ks: dict[str, list[list[int]]] = {scope: [] for scope in SCOPES}
-    with tqdm(total=len(items) * len(SCOPES), unit="req", desc="lookahead scope") as bar:
+    runs = {arm: ModeRun(arm, engine_for(loaded, config, arm, costs)) for arm in ARMS}
+    ks: dict[str, list[list[int]]] = {arm: [] for arm in ARMS}
+    names = list(ARMS)
+    with tqdm(total=len(items) * len(ARMS), unit="req", desc="lookahead policy") as bar:
         for number, (domain, indices) in enumerate(rounds_of(items, args.round_size)):
-            for scope in SCOPES if number % 2 == 0 else SCOPES[::-1]:
-                before = len(runs[scope].step_k)
-                serve_round(runs[scope], number, domain, indices, items, prompts, config, bar)
-                ks[scope].append(runs[scope].step_k[before:])
-    outputs = {scope: [runs[scope].results[i].output_ids for i in range(len(items))] for scope in SCOPES}
-    if outputs["learned"] != outputs["all"]:
+            shift = number % len(names)
+            for arm in names[shift:] + names[:shift]:
+                before = len(runs[arm].step_k)
+                serve_round(runs[arm], number, domain, indices, items, prompts, config, bar)
+                ks[arm].append(runs[arm].step_k[before:])
+    outputs = {arm: [runs[arm].results[i].output_ids for i in range(len(items))] for arm in ARMS}
+    if any(outputs[arm] != outputs["all"] for arm in ARMS):
         raise SystemExit("the arms' greedy outputs differ: verification is broken")
-    summary = {scope: summarise(runs[scope], ks[scope]) for scope in SCOPES}
-    ratios = {}
-    for domain in summary["learned"]:
-        per_round = {scope: [{"tok_s": r["tokens"] / r["seconds"]} for r in summary[scope][domain]["rounds"]]
-                     for scope in SCOPES}
-        ratios[domain] = paired(per_round, "learned", "all", "tok_s")
-    rows = [[scope, domain, f"{s['accept_length']:.2f}", f"{s['tokens_per_s']['median']:.1f}",
+    summary = {arm: summarise(runs[arm], ks[arm]) for arm in ARMS}
+    ratios: dict[str, dict[str, Any]] = {}
+    for domain in summary["all"]:
+        per_round = {arm: [{"tok_s": r["tokens"] / r["seconds"], "accept": r["tokens"] / r["passes"]}
+                           for r in summary[arm][domain]["rounds"]] for arm in ARMS}
+        ratios[domain] = {f"{arm}/all {field}": paired(per_round, arm, "all", field)
+                          for arm in names[1:] for field in ("tok_s", "accept")}
+    rows = [[arm, domain, f"{s['accept_length']:.2f}", f"{s['tokens_per_s']['median']:.1f}",
              f"{s['first_round']['accept_length']:.2f}",
              f"{s['first_round']['k0_steps']}/{s['first_round']['steps']}", f"{s['k_share'].get('0', 0):.2f}"]
-            for scope in SCOPES for domain, s in summary[scope].items()]
-    print(markdown_table(["scope", "domain", "accept len", "tok/s (median)", "first round accept", "first round k=0",
+            for arm in ARMS for domain, s in summary[arm].items()]
+    print(markdown_table(["arm", "domain", "accept len", "tok/s (median)", "first round accept", "first round k=0",
                           "k=0 share"], rows))
-    for domain, ratio in ratios.items():
-        print(f"{domain}: learned/all tok/s per round median {ratio['median']:.3f} "
-              f"({ratio['min']:.3f}-{ratio['max']:.3f})")
+    for domain, by_arm in ratios.items():
+        for name, ratio in by_arm.items():
+            print(f"{domain}: {name} per round median {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})")
     write_result(args.out, args, {"costs": {"draft_seconds": costs.draft_seconds,
                                             "verify_seconds": {str(k): v for k, v in costs.verify_seconds.items()}},
                                   "cores": sorted(os.sched_getaffinity(0)), "summary": summary,
-                                  "ratios_learned_over_all": ratios, "outputs_equal": True})
+                                  "ratios_over_all": ratios,
+                                  # each arm's measured acceptance by continuation kind and chain position
+                                  "chains": {arm: runs[arm].engine.lookahead.chains for arm in ARMS},
+                                  "outputs_equal": True})
 
 
 if __name__ == "__main__":
