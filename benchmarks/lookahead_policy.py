@@ -1,22 +1,26 @@
-"""What should the lookahead govern: the learned drafter alone or every source, and how far a
-hybrid's continuations reach.
+"""What should the lookahead govern (the learned drafter alone or every source), how far should a
+hybrid's continuations reach, and how should the calibrated pass costs be fitted?
 
 Arms of the demo's static mode (the shipped day-0 drafter, hybrid with context matching, a
 traffic table of its own and continuations up to `CONTEXT_K` drafts; batch 1; the lookahead
-controller on one set of step costs calibrated once and frozen, shared by every arm, as in
-`specd demo`) that differ in `EngineConfig.lookahead_scope` and `continuation_reach` alone:
-- "all": k covers every source (the policy before 2026-12-07): at k = 0 nothing is drafted,
-  acceptance counts every row, continuations reach `CONTEXT_K`;
-- "learned-fixed": k is the learned drafter's lookahead; continuations are served at every k, 0
-  included, and the controller's acceptance is the learned drafter's own rows'; they reach `CONTEXT_K`;
-- "learned-measured" (the default): as "learned-fixed", each kind of continuation reaching as far as
-  its measured acceptance pays for against the pass's measured cost.
+controller on step costs calibrated once, as in `specd demo`, from one calibration's samples
+shared by every arm) that differ in `EngineConfig.lookahead_scope`, `continuation_reach` and the
+fit of the frozen costs alone:
+- "before" (the policy before 2026-12-07): k covers every source (at k = 0 nothing is drafted,
+  acceptance counts every row), continuations reach `CONTEXT_K`, costs the Theil–Sen line through
+  the medians of k = 0..4 (the widths calibrated then);
+- "scope": k is the learned drafter's lookahead (continuations served at every k, 0 included; the
+  controller's acceptance the learned rows' own); otherwise as "before";
+- "scope+reach": as "scope", each kind of continuation reaching as far as its measured acceptance
+  pays for against the pass's cost;
+- "now" (the default): as "scope+reach", costs each width's median made non-decreasing, every
+  width up to `CONTEXT_K` calibrated.
 Traffic is validation traffic the demo never serves (`demo_learner_sweep.validation_items`):
 `--requests` ShareGPT chats, then as many HumanEval problems (the shift), served in the demo's
 rounds of `--round-size` requests with the arms taking turns (the order rotates by round), each
 served by `specd.demo.deployment.serve_round` as the demo serves. Per arm and domain: accept
 length (tokens per target pass), tokens/s per round (median, spread, per-round ratios against
-"all"), the share of steps at each k, and the first round of the second domain apart (where the
+"before"), the share of steps at each k, and the first round of the second domain apart (where the
 old policy's k = 0 trap showed). Greedy outputs of the arms must be equal; the run fails otherwise.
 Serving is pinned as the demo pins it (its serving core(s), as many threads). Writes
 out/lookahead_policy.json.
@@ -34,23 +38,34 @@ from demo_learner_sweep import validation_items
 from tqdm import tqdm
 
 from specd.cli.service import CONTEXT_K
-from specd.demo.deployment import DemoConfig, ModeRun, calibrated_costs, encode, rounds_of, serve_round
+from specd.demo.deployment import DemoConfig, ModeRun, calibration_samples, encode, rounds_of, serve_round
 from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
 from specd.engine.engine import Engine, EngineConfig
+from specd.engine.lookahead import LookaheadCosts
 from specd.learner.process import pin_serving, split_cores
 from specd.model.target import LoadedTarget
 
-ARMS = {"all": ("all", "fixed"), "learned-fixed": ("learned", "fixed"), "learned-measured": ("learned", "measured")}
+# arm -> (lookahead_scope, continuation_reach, cost fit)
+ARMS = {"before": ("all", "fixed", "line"), "scope": ("learned", "fixed", "line"),
+        "scope+reach": ("learned", "measured", "line"), "now": ("learned", "measured", "monotone")}
 
 
-def engine_for(loaded: LoadedTarget, config: DemoConfig, arm: str, costs: Any) -> Engine:
+def frozen(samples: LookaheadCosts, fit: str, widest: int) -> LookaheadCosts:
+    """The calibration's samples of widths up to `widest`, frozen with `fit`."""
+    kept = LookaheadCosts(keep_samples=True)
+    kept.samples = {k: pairs for k, pairs in samples.samples.items() if k <= widest}
+    return kept.frozen_copy(fit)
+
+
+def engine_for(loaded: LoadedTarget, config: DemoConfig, arm: str, costs: LookaheadCosts | None) -> Engine:
     drafter = build_drafter(config.drafter, initial_model(loaded.model, config.drafter,
                                                           fingerprint=loaded.fingerprint), version=1)
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=config.max_batch, num_draft_tokens=config.k,
                                                         eos_token_ids=loaded.eos_token_ids,
                                                         lookahead_scope=ARMS[arm][0],
                                                         continuation_reach=ARMS[arm][1]))
-    engine.lookahead.costs = costs
+    if costs is not None:
+        engine.lookahead.costs = costs
     return engine
 
 
@@ -88,10 +103,11 @@ def main() -> None:
     if split is not None:
         pin_serving(split[0])  # the demo's serving cores and threads
     torch.manual_seed(0)
-    day0 = engine_for(loaded, config, "all", None).drafter
+    day0 = engine_for(loaded, config, "before", None).drafter
     assert day0 is not None
-    costs = calibrated_costs(loaded, day0, prompts, config)
-    runs = {arm: ModeRun(arm, engine_for(loaded, config, arm, costs)) for arm in ARMS}
+    samples = calibration_samples(loaded, day0, prompts, config)
+    costs = {arm: frozen(samples, fit, config.k if fit == "line" else CONTEXT_K) for arm, (_, _, fit) in ARMS.items()}
+    runs = {arm: ModeRun(arm, engine_for(loaded, config, arm, costs[arm])) for arm in ARMS}
     ks: dict[str, list[list[int]]] = {arm: [] for arm in ARMS}
     names = list(ARMS)
     with tqdm(total=len(items) * len(ARMS), unit="req", desc="lookahead policy") as bar:
@@ -102,14 +118,14 @@ def main() -> None:
                 serve_round(runs[arm], number, domain, indices, items, prompts, config, bar)
                 ks[arm].append(runs[arm].step_k[before:])
     outputs = {arm: [runs[arm].results[i].output_ids for i in range(len(items))] for arm in ARMS}
-    if any(outputs[arm] != outputs["all"] for arm in ARMS):
+    if any(outputs[arm] != outputs["before"] for arm in ARMS):
         raise SystemExit("the arms' greedy outputs differ: verification is broken")
     summary = {arm: summarise(runs[arm], ks[arm]) for arm in ARMS}
     ratios: dict[str, dict[str, Any]] = {}
-    for domain in summary["all"]:
+    for domain in summary["before"]:
         per_round = {arm: [{"tok_s": r["tokens"] / r["seconds"], "accept": r["tokens"] / r["passes"]}
                            for r in summary[arm][domain]["rounds"]] for arm in ARMS}
-        ratios[domain] = {f"{arm}/all {field}": paired(per_round, arm, "all", field)
+        ratios[domain] = {f"{arm}/before {field}": paired(per_round, arm, "before", field)
                           for arm in names[1:] for field in ("tok_s", "accept")}
     rows = [[arm, domain, f"{s['accept_length']:.2f}", f"{s['tokens_per_s']['median']:.1f}",
              f"{s['first_round']['accept_length']:.2f}",
@@ -120,10 +136,12 @@ def main() -> None:
     for domain, by_arm in ratios.items():
         for name, ratio in by_arm.items():
             print(f"{domain}: {name} per round median {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})")
-    write_result(args.out, args, {"costs": {"draft_seconds": costs.draft_seconds,
-                                            "verify_seconds": {str(k): v for k, v in costs.verify_seconds.items()}},
+    write_result(args.out, args, {"costs": {arm: {"draft_seconds": c.draft_seconds,
+                                                  "verify_seconds": {str(k): v for k, v in c.verify_seconds.items()},
+                                                  "medians": {str(k): v for k, v in c.measured_verify_seconds.items()}}
+                                            for arm, c in costs.items()},
                                   "cores": sorted(os.sched_getaffinity(0)), "summary": summary,
-                                  "ratios_over_all": ratios,
+                                  "ratios_over_before": ratios,
                                   # each arm's measured acceptance by continuation kind and chain position
                                   "chains": {arm: runs[arm].engine.lookahead.chains for arm in ARMS},
                                   "outputs_equal": True})

@@ -315,7 +315,7 @@ def test_calibrated_costs_freeze_the_medians_of_their_samples_not_a_running_aver
     assert frozen.verify_seconds == pytest.approx({0: 0.08, 2: 0.1, 4: 0.12})
 
 
-def test_one_ks_burst_of_load_does_not_make_that_k_look_dearer_than_the_line_of_the_others() -> None:
+def test_the_line_fit_keeps_one_ks_burst_of_load_from_making_that_k_look_dearer() -> None:
     from specd.engine.lookahead import LookaheadCosts
 
     costs = LookaheadCosts(keep_samples=True)
@@ -323,9 +323,22 @@ def test_one_ks_burst_of_load_does_not_make_that_k_look_dearer_than_the_line_of_
     for k, seconds in true.items():
         for _ in range(5):  # every sample of k = 2 caught a burst of load
             costs.observe(k, 0.01 * k, seconds * (1.6 if k == 2 else 1.0), weight=0.1)
-    frozen = costs.frozen_copy()
+    frozen = costs.frozen_copy("line")
     assert frozen.measured_verify_seconds[2] == pytest.approx(0.16)
     assert frozen.verify_seconds == pytest.approx(true)
+
+
+def test_the_monotone_fit_keeps_a_kernels_steps_and_never_prices_a_longer_pass_cheaper() -> None:
+    from specd.engine.lookahead import LookaheadCosts
+
+    costs = LookaheadCosts(keep_samples=True)
+    # 1-3 positions in one register block cost alike (one measured a hair cheaper), 4-5 in two cost more
+    for k, seconds in {0: 0.100, 1: 0.100, 2: 0.098, 3: 0.130, 4: 0.131}.items():
+        costs.observe(k, 0.01 * k, seconds, weight=0.1)
+    frozen = costs.frozen_copy()
+    pooled = (0.100 + 0.100 + 0.098) / 3
+    assert frozen.verify_seconds == pytest.approx({0: pooled, 1: pooled, 2: pooled, 3: 0.130, 4: 0.131})
+    assert frozen.measured_verify_seconds[2] == 0.098
 
 
 def test_the_calibration_sweep_drafts_every_k_in_turn() -> None:

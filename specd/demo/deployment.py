@@ -188,24 +188,33 @@ CALIBRATION_STEPS_PER_K = 20  # about this many steps of a full batch at each k
 
 def calibrated_costs(loaded: LoadedTarget, drafter: ServingDrafter, prompts: list[list[int]],
                      config: DemoConfig) -> LookaheadCosts:
-    """Step costs at every k from 0 to config.k on this machine, measured once and frozen: the
-    cost model both speculative modes choose k by. Each of two sweeps drafts k = 0..config.k in
-    turn, a step each (`CalibrationSweep`), over enough requests to keep the batch full for about
-    `CALIBRATION_STEPS_PER_K` steps at every k; the first warms up, the second measures, and the
-    line through its medians is frozen (`LookaheadCosts.frozen_copy`)."""
-    engine = Engine(loaded.model, drafter, EngineConfig(max_batch=config.max_batch, num_draft_tokens=config.k,
+    """`calibration_samples`, frozen (`LookaheadCosts.frozen_copy`)."""
+    return calibration_samples(loaded, drafter, prompts, config).frozen_copy()
+
+
+def calibration_samples(loaded: LoadedTarget, drafter: ServingDrafter, prompts: list[list[int]],
+                        config: DemoConfig) -> LookaheadCosts:
+    """Step costs at every width from 0 to the widest pass (config.k, or the continuations'
+    context_k where larger) on this machine, measured once (and frozen by `calibrated_costs`): the
+    cost model both speculative modes choose k and continuation reaches by. Each of two sweeps drafts k = 0, 1, ...
+    in turn, a step each (`CalibrationSweep`), over enough requests to keep the batch full for about
+    `CALIBRATION_STEPS_PER_K` steps at every k; the first warms up, the second measures: its
+    samples are returned, to be frozen (`calibrated_costs`)."""
+    # every width a pass can have: the learned drafter's k and the continuations' reach
+    widest = max(config.k, config.drafter.context_k or 0)
+    engine = Engine(loaded.model, drafter, EngineConfig(max_batch=config.max_batch, num_draft_tokens=widest,
                                                         eos_token_ids=loaded.eos_token_ids))
     # requests x tokens = steps x rows x tokens a step (about 2)
-    requests = max(1, (config.k + 1) * CALIBRATION_STEPS_PER_K * config.max_batch * 2 // CALIBRATION_TOKENS)
+    requests = max(1, (widest + 1) * CALIBRATION_STEPS_PER_K * config.max_batch * 2 // CALIBRATION_TOKENS)
     for costs in (LookaheadCosts(), LookaheadCosts(keep_samples=True)):  # warm-up, then measured
-        engine.lookahead = CalibrationSweep(config.k, costs)
+        engine.lookahead = CalibrationSweep(widest, costs)
         for i in range(requests):
             # never more than a request of the run asks for: a prompt that fits the run fits here
             engine.add_request(prompts[i % len(prompts)],
                                SamplingParams(max_tokens=min(CALIBRATION_TOKENS, config.max_tokens)))
         while engine.has_work:
             engine.step()
-    return costs.frozen_copy()
+    return costs
 
 
 def new_engine(loaded: LoadedTarget, drafter: ServingDrafter | None, config: DemoConfig, record_features: bool,

@@ -26,9 +26,11 @@ The costs live in a `LookaheadCosts` of their own: engines that are compared (th
 and static modes) can share one, frozen after a calibration, so that they choose a different k
 only because their drafters are accepted differently. A calibration (`CalibrationSweep`: k = 0,
 1, ..., max_k in turn, a step each, so that the machine's noise falls on every k alike) keeps
-every sample (`keep_samples`) and freezes a line through the medians of each k's (`frozen_copy`):
-a running average of a few steps follows its first samples, and one k's median can still catch a
-burst of load that the others missed, which alone once made k = 2 look 40% dearer than k = 1.
+every sample (`keep_samples`) and freezes each k's median, made non-decreasing in k
+(`frozen_copy`, `monotone_fit`): a running average of a few steps follows its first samples, and
+sweeping one k at a time once let a burst of load make k = 2 look 40% dearer than k = 1. It
+sweeps every width a pass can have, continuations' included, so that no reach is priced by
+extrapolation.
 """
 
 from __future__ import annotations
@@ -78,22 +80,42 @@ class LookaheadCosts:
         self.verify_seconds[k] = verify_seconds if previous is None else (
             (1 - weight) * previous + weight * verify_seconds)
 
-    def frozen_copy(self) -> LookaheadCosts:
-        """These costs, never updated again; where samples were kept, verification is the line
-        `verify_line` draws through each k's median (the medians kept beside it), and drafting the
-        median over every drafted position."""
+    def frozen_copy(self, fit: str = "monotone") -> LookaheadCosts:
+        """These costs, never updated again; where samples were kept, verification is each k's
+        median made non-decreasing in k (`monotone_fit`; fit "line": the line `verify_line` draws
+        through them), the medians kept beside it, and drafting the median over every drafted position."""
         if not self.samples:
             return LookaheadCosts(self.draft_seconds, dict(self.verify_seconds), frozen=True)
         drafts = [draft for pairs in self.samples.values() for draft, _ in pairs if draft is not None]
         medians = {k: statistics.median(seconds for _, seconds in pairs) for k, pairs in sorted(self.samples.items())}
-        return LookaheadCosts(statistics.median(drafts) if drafts else self.draft_seconds, verify_line(medians),
+        fitted = verify_line(medians) if fit == "line" else monotone_fit(medians)
+        return LookaheadCosts(statistics.median(drafts) if drafts else self.draft_seconds, fitted,
                               frozen=True, measured_verify_seconds=medians)
+
+
+def monotone_fit(medians: dict[int, float]) -> dict[int, float]:
+    """A target pass's seconds against k: the closest non-decreasing sequence to the per-k medians
+    (pool adjacent violators: a k measured cheaper than the one before it shares their mean), so a
+    longer pass is never cheaper and the steps a CPU's kernel really has stay. On the AVX2 EPYC
+    verification costs the same for 1-3 positions a row (one register block) and 30% more for 4-5
+    (two blocks): a line through those medians priced 3 positions 12% above 2, and the controller
+    chose k = 1 at a third of the demo's steps where k = 2 cost no more. The calibration interleaves
+    the k's step by step, so a burst of load reaches them alike; a median of 20 samples does the rest."""
+    pools: list[list[float]] = []   # [sum, count] of each pool, in k order
+    for k in sorted(medians):
+        pools.append([medians[k], 1.0])
+        while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+            total, count = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += count
+    values = [total / count for total, count in pools for _ in range(int(count))]
+    return dict(zip(sorted(medians), values, strict=True))
 
 
 def verify_line(medians: dict[int, float]) -> dict[int, float]:
     """A target pass's seconds against k, as the Theil–Sen line through `medians` (the median of
-    the slopes between every two k, the median intercept): on a CPU a pass grows about linearly
-    with the positions it verifies, and one k's outlier moves a median of slopes little where it
+    the slopes between every two k, the median intercept; the fit before 2026-12-07, kept for
+    benchmarks/lookahead_policy.py): one k's outlier moves a median of slopes little where it
     would move a least-squares line. Fewer than three k are kept as measured; the slope is never
     below 0 (a longer pass is never cheaper)."""
     if len(medians) < 3:
