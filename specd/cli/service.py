@@ -38,7 +38,7 @@ def add_drafter_flags(p: argparse.ArgumentParser, serving: bool = True) -> None:
     if not serving:
         return
     p.add_argument("--context-k", type=at_least(1), default=None,
-                   help="hybrid: the most drafts a context match or traffic-table continuation proposes in a "
+                   help="hybrid: the most drafts a context match or traffic-table continuation may propose in a "
                         "step, past k where larger, while the pass stays within "
                         f"{WIDE_PASS_ROWS} positions in all (default {CONTEXT_K}; the demo with a fixed -k: k)")
 

@@ -1,36 +1,33 @@
 """Choose each step's lookahead k from measured acceptance and measured costs (a speed floor).
 
-Contract: `choose()` returns the k in 0..max_k with the best expected tokens per second,
-(1 − α^(k+1)) / (1 − α) tokens for k·t_draft + t_verify(k) seconds, where α is the live
-drafter's measured per-draft acceptance and the times are measured on this machine. α is the
-chance that a draft is accepted when every draft before it was: a row that accepted a of its
-drafts and then had one rejected counts a + 1 trials, a row that accepted all of them a trials
-(drafts after a rejection are never tried). Accepted over proposed would read a chain of k
-drafts as k trials and make every k > 1 look worse than it is. k = 0 means
-"decode without the learned drafter this step", so a drafter that does not help costs (almost)
-nothing: every `probe_every` steps a k = 1 probe keeps measuring it. What k governs is the
-engine's (`EngineConfig.lookahead_scope`): by default the learned drafter's drafts alone, a
-hybrid's context continuations being served at every k (0 included) and α being the learned
-drafter's own acceptance, since on a step a continuation serves k changes nothing. (When k covered
-every source, α fell below break-even while a chat-trained drafter missed on the first code
-requests, and k = 0 then also dropped the free context matches: a trap that held k = 0 on 134 of
-172 steps of the demo's first HumanEval round.) A hybrid's continuations get
-a reach of their own (`continuation_reaches`): how many drafts a context match or table
-continuation proposes, by the same rule with no drafting cost and each chain position's own
-measured acceptance, since where a wider pass costs more than a narrow one (on an AVX2 core 4
-positions cost 1.27 one-position passes, 9 positions 1.86) a long reach pays only for spans that
-hold. A new drafter version restarts
-the acceptance estimate from an optimistic prior, so fresh weights get a fair trial. ATLAS's
-confidence-aware controller is the inspiration; this one only uses running averages.
-The costs live in a `LookaheadCosts` of their own: engines that are compared (the demo's adaptive
-and static modes) can share one, frozen after a calibration, so that they choose a different k
-only because their drafters are accepted differently. A calibration (`CalibrationSweep`: k = 0,
-1, ..., max_k in turn, a step each, so that the machine's noise falls on every k alike) keeps
-every sample (`keep_samples`) and freezes each k's median, made non-decreasing in k
-(`frozen_copy`, `monotone_fit`): a running average of a few steps follows its first samples, and
-sweeping one k at a time once let a burst of load make k = 2 look 40% dearer than k = 1. It
-sweeps every width a pass can have, continuations' included, so that no reach is priced by
-extrapolation.
+Contract: `choose()` returns the k in 0..max_k with the best expected tokens per second, (1 −
+α^(k+1)) / (1 − α) tokens for k·t_draft + t_verify(k) seconds, where α is the live drafter's
+measured per-draft acceptance and the times are measured on this machine. α is the chance that a
+draft is accepted when every draft before it was: a row that accepted a of its drafts and then had
+one rejected counts a + 1 trials, a row that accepted all of them a trials (drafts after a rejection
+are never tried). Accepted over proposed would read a chain of k drafts as k trials and make every
+k > 1 look worse than it is. k = 0 means "decode without the learned drafter this step", so a drafter
+that does not help costs (almost) nothing: every `probe_every` steps a k = 1 probe keeps measuring
+it. What k governs is the engine's (`EngineConfig.lookahead_scope`): by default the learned
+drafter's drafts alone, a hybrid's context continuations being served at every k (0 included) and α
+being the learned drafter's own acceptance, since on a step a continuation serves k changes nothing.
+(When k covered every source, α fell below break-even while a chat-trained drafter missed on the
+first code requests, and k = 0 then also dropped the free context matches: a trap that held k = 0 on
+134 of 172 steps of the demo's first HumanEval round.) A hybrid's continuations get a reach of their
+own (`continuation_reaches`): how many drafts a context match or table continuation proposes, by the
+same rule with no drafting cost and each chain position's own measured acceptance, since where a
+wider pass costs more than a narrow one (on an AVX2 core 4 positions cost 1.40 one-position passes,
+9 positions 2.1: benchmarks/results/lookahead_policy.json) a long reach pays only for spans that
+hold. A new drafter version restarts the acceptance estimate from an optimistic prior, so fresh
+weights get a fair trial. ATLAS's confidence-aware controller is the inspiration; this one only uses
+running averages. The costs live in a `LookaheadCosts` of their own: engines that are compared (the
+demo's adaptive and static modes) can share one, frozen after a calibration, so that they choose a
+different k only because their drafters are accepted differently. A calibration (`CalibrationSweep`:
+k = 0, 1, ..., max_k in turn, a step each, so that the machine's noise falls on every k alike) keeps
+every sample (`keep_samples`) and freezes each k's median, made non-decreasing in k (`frozen_copy`,
+`monotone_fit`): a running average of a few steps follows its first samples, and sweeping one k at a
+time once let a burst of load make k = 2 look 40% dearer than k = 1. It sweeps every width a pass
+can have, continuations' included, so that no reach is priced by extrapolation.
 """
 
 from __future__ import annotations
@@ -98,7 +95,7 @@ def monotone_fit(medians: dict[int, float]) -> dict[int, float]:
     (pool adjacent violators: a k measured cheaper than the one before it shares their mean), so a
     longer pass is never cheaper and the steps a CPU's kernel really has stay. On the AVX2 EPYC
     verification costs the same for 1-3 positions a row (one register block) and 30% more for 4-5
-    (two blocks): a line through those medians priced 3 positions 12% above 2, and the controller
+    (two blocks): a line through those medians priced 3 positions 9% above 2, and the controller
     chose k = 1 at a third of the demo's steps where k = 2 cost no more. The calibration interleaves
     the k's step by step, so a burst of load reaches them alike; a median of 20 samples does the rest."""
     pools: list[list[float]] = []   # [sum, count] of each pool, in k order
