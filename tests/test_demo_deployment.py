@@ -152,3 +152,19 @@ def test_the_demo_learner_trains_in_bfloat16_only_on_a_cpu_with_bfloat16_arithme
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
         assert deployment.training_precision() == precision
+
+
+def test_the_calibration_prices_every_width_a_continuation_can_reach_and_never_a_wider_pass_cheaper() -> None:
+    from specd.demo.deployment import calibration_samples
+    from specd.drafter.factory import build_drafter, initial_model
+
+    loaded = tiny_loaded_target()
+    config = demo_config(drafter=DrafterSpec(head_vocab=200, pretrained=False, context_k=6))
+    drafter = build_drafter(config.drafter, initial_model(loaded.model, config.drafter), version=1)
+    prompts = [list(loaded.encode(item.prompt or "")) for item in shifted_traffic()]
+    samples = calibration_samples(loaded, drafter, prompts, config)
+    assert set(samples.samples) == set(range(7))   # k = 0..4 and the continuations' reach up to 6
+    costs = samples.frozen_copy()
+    assert costs.frozen and costs.measured_verify_seconds.keys() == costs.verify_seconds.keys()
+    seconds = [costs.verify_seconds[k] for k in range(7)]
+    assert seconds == sorted(seconds)
