@@ -88,9 +88,20 @@ def test_prefill_chunk_must_be_positive() -> None:
         EngineConfig(prefill_chunk=0)
 
 
-def test_a_prompt_admitted_while_nothing_runs_is_prefilled_whole_and_the_next_in_chunks() -> None:
+def test_a_prompt_admitted_while_nothing_runs_goes_in_large_chunks_and_the_next_in_small_ones() -> None:
+    from specd.engine.engine import IDLE_PREFILL_CHUNK
+
     target = tiny_target()
     engine = Engine(target, None, EngineConfig(max_batch=2, prefill_chunk=5))
+    very_long = (LONG * 6)[:IDLE_PREFILL_CHUNK + 40]
+    alone = engine.add_request(very_long, SamplingParams(max_tokens=3))
+    engine.step()
+    assert engine.prefilling is not None and engine.prefilling.filled == IDLE_PREFILL_CHUNK
+    engine.step()   # the rest of it, and its first token
+    assert engine.prefilling is None and alone.num_output_tokens == 1
+    while engine.has_work:
+        engine.step()
+    assert alone.output_ids == target_only(target, [very_long], [SamplingParams(max_tokens=3)])[0]
     first = engine.add_request(LONG, SamplingParams(max_tokens=30))
     second = engine.add_request(LONG, SamplingParams(max_tokens=4))
     engine.step()   # nothing was running: no stream to keep going, the first prompt in one pass

@@ -3,7 +3,7 @@
 Contract: `Engine.step()` admits waiting requests into free slots, prefilling their prompts up
 to `prefill_chunk` tokens a step (`specd.engine.prefill`: a long prompt is spread over several
 steps instead of stalling the running streams for its whole prefill; a prompt admitted while no
-stream runs has none to stall and is prefilled whole, which is cheaper), then runs one decoding
+stream runs has none to stall and goes in larger chunks, which are cheaper), then runs one decoding
 step for every running request: the drafter proposes k tokens per row,
 the target verifies all rows' k + 1 positions in one batched pass, and each row accepts with
 exact rejection sampling (`specd.engine.verification`). Greedy output is token-identical to
@@ -46,6 +46,7 @@ from specd.model.seeded_draws import PositionNoise, seeded_scores
 from specd.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
+IDLE_PREFILL_CHUNK = 128   # prompt tokens a step where no row is decoding (`Engine._admit`)
 
 
 @dataclass(frozen=True)
@@ -269,10 +270,10 @@ class Engine:
                 self.prefilling = None
                 done.append(part.seq)
                 continue
-            # chunks keep the running rows decoding through a long prefill; with none running there is
-            # no stream to keep going, and one pass over the rest of the prompt is cheaper (a 256-token
-            # prompt on one AVX2 core: 826 ms whole, 984 ms in chunks of 48)
-            chunk = budget if self.running else None
+            # chunks keep running rows decoding; with none running larger ones cost less (256 tokens on an
+            # AVX2 core: 826 ms whole, 827 in chunks of 128, 984 of 48), and not whole prompts, since
+            # oneDNN compiles and caches a primitive, with its scratch memory, for every pass shape
+            chunk = None if budget is None else (budget if self.running else max(budget, IDLE_PREFILL_CHUNK))
             try:
                 used = run_chunk(self.target, self.cache, self.tokens, part, chunk, self.capture_layers)
                 if part.is_complete:
