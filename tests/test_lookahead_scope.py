@@ -1,5 +1,6 @@
 """What the lookahead k governs: the learned drafter alone (continuations draft at every k, 0
-included; the controller's acceptance is the learned drafter's own), or, as before, every source."""
+included; the controller's acceptance is the learned drafter's own), or, as before, every source;
+and how far continuations reach: as far as their measured acceptance pays for, outputs unchanged."""
 
 from __future__ import annotations
 
