@@ -66,7 +66,7 @@ def test_an_unknown_lookahead_scope_is_refused() -> None:
 
 def _mixed_step() -> StepStats:
     """A pass 8 wide at k = 2: one row's continuation all accepted, one learned row's first draft rejected."""
-    stats = StepStats(2, 10, 8, 10, 0.0, 1, k=2, num_rejections=1, learned_rejections=1)
+    stats = StepStats(2, 10, 8, 10, 0.0, 1, k=2, num_rejections=1, row_outcomes=[("context", 8, 8), ("learned", 2, 0)])
     stats.by_source = {"context": AcceptanceCounts(8, 8, 1, 9), "learned": AcceptanceCounts(2, 0, 1, 1)}
     return stats
 

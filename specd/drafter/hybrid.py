@@ -28,6 +28,7 @@ import time
 import numpy as np
 import torch
 
+from specd.core.records import source_kind
 from specd.drafter.base import DraftBatch, Proposal, one_hot_q
 from specd.drafter.context_match import context_match
 from specd.drafter.feature_drafter import FeatureDrafter
@@ -54,12 +55,7 @@ def continuation(tokens: np.ndarray, k: int, table: TrafficTable | None, max_n: 
 
 # rows (positions of every request together) up to which a pass may widen for long continuations
 WIDE_PASS_ROWS = 12
-CONTINUATION_KINDS = ("context", "table")
-
-
-def continuation_kind(source: str) -> str:
-    """"context4" -> "context": a source without its match length."""
-    return source.rstrip("0123456789")
+CONTINUATION_KINDS = ("context", "table")   # `source_kind` of a continuation's source
 
 
 class HybridDrafter:
@@ -150,7 +146,7 @@ class HybridDrafter:
         # with measured reaches a pass of continuations alone is as wide as they are
         floor = k if self.learned_ran or self.reach is None else 0
         if self.reach is not None:  # each kind as far as it pays, never short of a pass already k wide
-            continuations = [(found[:max(floor, self.reach.get(continuation_kind(source), len(found)))], source)
+            continuations = [(found[:max(floor, self.reach.get(source_kind(source, len(found)), len(found)))], source)
                              for found, source in continuations]
         # a pass verifies every row at the widest row's width: widen past k only while the pass stays
         # within WIDE_PASS_ROWS rows (one block of the few-row kernel), where extra rows cost little

@@ -240,10 +240,11 @@ class Engine:
                 self.lookahead.observe(k, stats.num_drafts_accepted, stats.num_rejections, *costs)
             return
         learned = stats.by_source.get(LEARNED_SOURCE)
-        self.lookahead.observe(k, learned.accepted if learned else 0, stats.learned_rejections,
-                               *(costs or (None, None)))
-        for kind, drafts, accepted in stats.continuation_rows:
-            self.lookahead.observe_continuation(kind, drafts, accepted)
+        rejected = sum(accepted < drafts for kind, drafts, accepted in stats.row_outcomes if kind == LEARNED_SOURCE)
+        self.lookahead.observe(k, learned.accepted if learned else 0, rejected, *(costs or (None, None)))
+        for kind, drafts, accepted in stats.row_outcomes:
+            if kind != LEARNED_SOURCE:
+                self.lookahead.observe_continuation(kind, drafts, accepted)
 
     def _drop_cancelled_waiting(self) -> list[Sequence]:
         """Requests cancelled while waiting leave the line at once, not when a slot frees up for them."""

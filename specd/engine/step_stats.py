@@ -5,7 +5,7 @@ request (cut at its token budget and at an end-of-sequence token, which finish i
 into the engine's token buffer, records the step on the request (drafts, accepted, version,
 source) and returns the step's `StepStats`: counts over every row and, per drafting source kind
 (`source_kind`), the learned drafter's own apart, which is what the lookahead controller's
-acceptance follows, and each continuation row's outcome, which its reaches follow.
+acceptance follows, and each drafted row's outcome, which its reaches follow.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.core.records import LEARNED_SOURCE, NO_DRAFTS_SOURCE, AcceptanceCounts, source_kind
+from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, source_kind
 from specd.engine.request import Sequence
 from specd.engine.verification import Verdict
 
@@ -32,10 +32,9 @@ class StepStats:
     k: int = 0
     # rows whose drafts were not all accepted: each chain ended in one rejected draft
     num_rejections: int = 0
-    # of those, rows the learned drafter drafted
-    learned_rejections: int = 0
-    # each continuation row's (kind, drafts, drafts accepted): what a continuation's reach follows
-    continuation_rows: list[tuple[str, int, int]] = field(default_factory=list)
+    # each row that had drafts: (source kind, drafts, drafts accepted), what the lookahead
+    # controller follows (the learned drafter's rejections, each continuation kind's chain)
+    row_outcomes: list[tuple[str, int, int]] = field(default_factory=list)
     # the same counts per drafting source kind (`source_kind`): the learned drafter's own apart
     by_source: dict[str, AcceptanceCounts] = field(default_factory=dict)
 
@@ -75,9 +74,8 @@ def emit_verdict(running: list[Sequence], tokens: torch.Tensor, verdict: Verdict
         stats.num_drafts_proposed += row_limit
         stats.num_drafts_accepted += drafts_kept
         stats.num_rejections += accepted < row_limit
-        stats.learned_rejections += accepted < row_limit and kind == LEARNED_SOURCE
-        if kind not in (LEARNED_SOURCE, NO_DRAFTS_SOURCE):
-            stats.continuation_rows.append((kind, row_limit, min(accepted, row_limit)))
+        if row_limit:
+            stats.row_outcomes.append((kind, row_limit, min(accepted, row_limit)))
         stats.num_tokens_emitted += len(emitted)
         stats.by_source.setdefault(kind, AcceptanceCounts()).add(AcceptanceCounts(row_limit, drafts_kept, 1,
                                                                                   len(emitted)))
