@@ -13,7 +13,7 @@ from specd.drafter.hybrid import HybridDrafter
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.lookahead import LookaheadConfig, LookaheadController, LookaheadCosts
 from specd.engine.request import SamplingParams
-from specd.engine.step_stats import StepStats
+from specd.engine.step_stats import StepStats, feed_lookahead
 
 PROMPTS = [REPEATING, [3, 4, 3, 4, 3, 4, 3], [9, 10, 11, 12]]
 PARAMS = SamplingParams(max_tokens=30)
@@ -73,18 +73,16 @@ def _mixed_step() -> StepStats:
 
 @pytest.mark.parametrize("scope", ["learned", "all"])
 def test_the_controller_follows_the_learned_drafters_acceptance_and_no_wide_pass_is_a_cost_sample(scope) -> None:
-    target = tiny_target()
-    engine = Engine(target, HybridDrafter(tiny_drafter(target)), EngineConfig(max_batch=2, lookahead_scope=scope))
-    engine.drafter.learned_ran = True  # type: ignore[union-attr]
-    prior = engine.lookahead.acceptance
-    engine._observe_lookahead(2, 8, _mixed_step(), draft_seconds=0.01, verify_seconds=0.1)
-    assert engine.lookahead.verify_seconds == {}  # 8 positions wide: no sample of what k = 2 costs
+    controller = LookaheadController(LookaheadConfig(max_k=4))
+    prior = controller.acceptance
+    feed_lookahead(controller, scope, 2, 8, _mixed_step(), True, draft_seconds=0.01, verify_seconds=0.1)
+    assert controller.verify_seconds == {}  # 8 positions wide: no sample of what k = 2 costs
     if scope == "learned":  # the learned row's rejection alone: 0 of 1 trials
-        assert engine.lookahead.acceptance == pytest.approx(0.9 * prior)
+        assert controller.acceptance == pytest.approx(0.9 * prior)
     else:  # the old policy observed nothing of a wide pass
-        assert engine.lookahead.acceptance == prior
-    engine._observe_lookahead(2, 2, _mixed_step(), draft_seconds=0.01, verify_seconds=0.1)
-    assert engine.lookahead.verify_seconds == {2: 0.1} and engine.lookahead.draft_seconds == pytest.approx(0.005)
+        assert controller.acceptance == prior
+    feed_lookahead(controller, scope, 2, 2, _mixed_step(), True, draft_seconds=0.01, verify_seconds=0.1)
+    assert controller.verify_seconds == {2: 0.1} and controller.draft_seconds == pytest.approx(0.005)
 
 
 def test_a_swap_pending_at_k0_goes_live_at_the_next_step() -> None:

@@ -222,7 +222,8 @@ def new_engine(loaded: LoadedTarget, drafter: ServingDrafter | None, config: Dem
     engine = Engine(loaded.model, drafter, EngineConfig(max_batch=config.max_batch, num_draft_tokens=config.k,
                                                         eos_token_ids=loaded.eos_token_ids,
                                                         adaptive_lookahead=config.adaptive_lookahead,
-                                                        record_features=record_features))
+                                                        record_features=record_features,
+                                                        shared_prefixes=loaded.shared_prefixes()))
     if costs is not None:
         engine.lookahead.costs = costs
     return engine

@@ -32,13 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from specd.core.errors import RequestRefused
-from specd.core.records import LEARNED_SOURCE
 from specd.drafter.base import DraftBatch, Drafter, FeatureReader, Proposal, one_hot_q
 from specd.drafter.hybrid import CONTINUATION_KINDS, HybridDrafter
 from specd.engine.lookahead import LookaheadConfig, LookaheadController
 from specd.engine.prefill import InProgress, follow, run_chunk
+from specd.engine.prefix_cache import PrefixCache
 from specd.engine.request import SamplingParams, Sequence
-from specd.engine.step_stats import StepStats, emit_verdict
+from specd.engine.step_stats import StepStats, emit_verdict, feed_lookahead
 from specd.engine.verification import Verdict, verify_greedy, verify_sampled
 from specd.model.distributions import target_probs
 from specd.model.packed_linear import prepare_layouts
@@ -73,6 +73,8 @@ class EngineConfig:
     # pays by their measured acceptance and the pass's measured cost (`continuation_reaches`);
     # "fixed": up to the hybrid's context_k at every step (the policy before 2026-12-07)
     continuation_reach: str = "measured"
+    # openings many prompts share (a chat template's system prompt), prefilled once (`engine.prefix_cache`)
+    shared_prefixes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -117,6 +119,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # index = slot
         self.prefilling: InProgress | None = None  # in slot len(running), until its prompt is in the cache
+        self.prefixes = PrefixCache(config.shared_prefixes)
         self.lookahead = LookaheadController(LookaheadConfig(max_k=config.num_draft_tokens,
                                                              adaptive=config.adaptive_lookahead))
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
@@ -210,7 +213,8 @@ class Engine:
         if features is not None:
             self._observe_emitted(features, lengths)
         if self.drafter is not None and self.k > 0:
-            self._observe_lookahead(k, drafts.shape[1], stats, drafted - begin, verified - drafted)
+            feed_lookahead(self.lookahead, self.config.lookahead_scope, k, drafts.shape[1], stats,
+                           getattr(self.drafter, "learned_ran", True), drafted - begin, verified - drafted)
         stats.seconds, stats.k = time.perf_counter() - begin, k
         self.step_stats.append(stats)
         return done + self._retire()
@@ -226,25 +230,6 @@ class Engine:
         """Does a step at k = 0 still ask for drafts? A hybrid's continuations do, where k governs
         the learned drafter alone."""
         return isinstance(self.drafter, HybridDrafter) and self.config.lookahead_scope == "learned"
-
-    def _observe_lookahead(self, k: int, width: int, stats: StepStats, draft_seconds: float,
-                           verify_seconds: float) -> None:
-        """Feed the lookahead controller a step's acceptance and costs. A pass wider than k (a long
-        continuation) is no sample of what k costs; a step whose learned drafter did not run (every
-        row continued) is no sample of what drafting costs. With lookahead_scope "learned" the
-        acceptance is the learned drafter's rows' alone, wherever they were verified."""
-        learned_ran = getattr(self.drafter, "learned_ran", True)
-        costs = (draft_seconds if learned_ran else None, verify_seconds) if width == k else None
-        if self.config.lookahead_scope == "all":
-            if costs is not None:  # the old policy: a wider pass was not observed at all
-                self.lookahead.observe(k, stats.num_drafts_accepted, stats.num_rejections, *costs)
-            return
-        learned = stats.by_source.get(LEARNED_SOURCE)
-        rejected = sum(accepted < drafts for kind, drafts, accepted in stats.row_outcomes if kind == LEARNED_SOURCE)
-        self.lookahead.observe(k, learned.accepted if learned else 0, rejected, *(costs or (None, None)))
-        for kind, drafts, accepted in stats.row_outcomes:
-            if kind != LEARNED_SOURCE:
-                self.lookahead.observe_continuation(kind, drafts, accepted)
 
     def _drop_cancelled_waiting(self) -> list[Sequence]:
         """Requests cancelled while waiting leave the line at once, not when a slot frees up for them."""
@@ -276,7 +261,7 @@ class Engine:
             # oneDNN compiles and caches a primitive, with its scratch memory, for every pass shape
             chunk = None if budget is None else (budget if self.running else max(budget, IDLE_PREFILL_CHUNK))
             try:
-                used = run_chunk(self.target, self.cache, self.tokens, part, chunk, self.capture_layers)
+                used = run_chunk(self.target, self.cache, self.tokens, part, chunk, self.capture_layers, self.prefixes)
                 if part.is_complete:
                     self._start(part)
             except Exception as error:  # traced to this request's admission: it fails alone

@@ -5,12 +5,14 @@ just past the running rows (`len(running)`), so the running rows keep reading a 
 the caches; when a running row retires and the rows compact, the engine moves the part-filled
 slot down with them (`follow`). Each step spends at most `budget` prompt tokens (None: a whole
 prompt at once, as before chunking), in prompt order, and a request whose prefill completes
-joins the running rows at that step. The chunks run the same target code as a whole prefill, at
-their own start positions against the cache already written, so the cache holds the same
-entries. The features a feature drafter reads are gathered chunk by chunk and handed over
-together when the request starts decoding, only when every chunk captured the layers the drafter
-reads then (a swap to a drafter of other layers part-way leaves the row without features: it
-drafts nothing, as rows in flight at such a swap do, and its request is served all the same).
+joins the running rows at that step; a registered shared prefix is a prompt's first chunk, whole
+whatever the budget, or copied in without a pass (`specd.engine.prefix_cache`). The chunks run
+the same target code as a whole prefill, at their own start positions against the cache already
+written, so the cache holds the same entries. The features a feature drafter reads are gathered
+chunk by chunk and handed over together when the request starts decoding, only when every chunk
+captured the layers the drafter reads then (a swap to a drafter of other layers part-way leaves
+the row without features: it drafts nothing, as rows in flight at such a swap do, and its request
+is served all the same).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.engine.prefix_cache import PrefixCache
 from specd.engine.request import Sequence
 from specd.model.transformer import KVCache, Transformer
 
@@ -48,9 +51,13 @@ class InProgress:
 
 
 def run_chunk(target: Transformer, cache: KVCache, tokens: torch.Tensor, part: InProgress, budget: int | None,
-              capture: tuple[int, ...]) -> int:
+              capture: tuple[int, ...], prefixes: PrefixCache | None = None) -> int:
     """Write up to `budget` more prompt tokens of `part` (already in its row of `tokens`, the
-    engine's token buffer) into its slot's cache; returns how many."""
+    engine's token buffer) into its slot's cache; returns how many the target ran. A registered
+    prefix the prompt starts with is its first chunk whatever the budget (`PrefixCache.fill`)."""
+    prefix = prefixes.prefix_of(part.seq.prompt_ids, part.to_fill) if prefixes and not part.filled else None
+    if prefixes is not None and prefix is not None:
+        return prefixes.fill(target, cache, tokens, part, prefix, capture)
     end = part.to_fill if budget is None else min(part.to_fill, part.filled + budget)
     if end <= part.filled:
         return 0

@@ -5,7 +5,8 @@ request (cut at its token budget and at an end-of-sequence token, which finish i
 into the engine's token buffer, records the step on the request (drafts, accepted, version,
 source) and returns the step's `StepStats`: counts over every row and, per drafting source kind
 (`source_kind`), the learned drafter's own apart, which is what the lookahead controller's
-acceptance follows, and each drafted row's outcome, which its reaches follow.
+acceptance follows, and each drafted row's outcome, which its reaches follow. `feed_lookahead`
+hands a step's acceptance and costs to the lookahead controller.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.core.records import LEARNED_SOURCE, AcceptanceCounts, source_kind
+from specd.engine.lookahead import LookaheadController
 from specd.engine.request import Sequence
 from specd.engine.verification import Verdict
 
@@ -80,3 +82,22 @@ def emit_verdict(running: list[Sequence], tokens: torch.Tensor, verdict: Verdict
         stats.by_source.setdefault(kind, AcceptanceCounts()).add(AcceptanceCounts(row_limit, drafts_kept, 1,
                                                                                   len(emitted)))
     return stats
+
+
+def feed_lookahead(lookahead: LookaheadController, scope: str, k: int, width: int, stats: StepStats,
+                   learned_ran: bool, draft_seconds: float, verify_seconds: float) -> None:
+    """Feed the lookahead controller a step's acceptance and costs. A pass wider than k (a long
+    continuation) is no sample of what k costs; a step whose learned drafter did not run (every
+    row continued) is no sample of what drafting costs. With scope "learned" (the engine's
+    `lookahead_scope`) the acceptance is the learned drafter's rows' alone, wherever they were verified."""
+    costs = (draft_seconds if learned_ran else None, verify_seconds) if width == k else None
+    if scope == "all":
+        if costs is not None:  # the old policy: a wider pass was not observed at all
+            lookahead.observe(k, stats.num_drafts_accepted, stats.num_rejections, *costs)
+        return
+    learned = stats.by_source.get(LEARNED_SOURCE)
+    rejected = sum(accepted < drafts for kind, drafts, accepted in stats.row_outcomes if kind == LEARNED_SOURCE)
+    lookahead.observe(k, learned.accepted if learned else 0, rejected, *(costs or (None, None)))
+    for kind, drafts, accepted in stats.row_outcomes:
+        if kind != LEARNED_SOURCE:
+            lookahead.observe_continuation(kind, drafts, accepted)

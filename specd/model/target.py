@@ -116,5 +116,17 @@ class LoadedTarget:
         ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
         return [int(t) for t in ids]
 
+    def shared_prefixes(self) -> tuple[tuple[int, ...], ...]:
+        """Prompt openings worth prefilling once (the engine's `shared_prefixes`): the tokens every
+        one-message chat prompt starts with, the template's system prompt and the user turn's opening;
+        none where there is no chat template."""
+        try:
+            one, other = (self.encode_messages([{"role": "user", "content": text}]) for text in ("a", "b"))
+        except Exception:  # no chat template (transformers raises ValueError; other tokenizers differ)
+            return ()
+        shared = min(len(one), len(other))
+        shared = next((i for i in range(shared) if one[i] != other[i]), shared)
+        return (tuple(one[:shared]),) if shared else ()
+
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))

@@ -182,7 +182,7 @@ def build_server(options: ServeOptions, loaded: LoadedTarget | None = None) -> w
         engine = Engine(loaded.model, drafter, EngineConfig(
             max_batch=options.max_batch, num_draft_tokens=options.k, max_context=options.max_context,
             prefill_chunk=options.prefill_chunk, eos_token_ids=loaded.eos_token_ids,
-            record_features=records and options.drafter.arch == "feature"))
+            shared_prefixes=loaded.shared_prefixes(), record_features=records and options.drafter.arch == "feature"))
     metrics.serving = lambda: (options.server_id, engine.drafter_version)
     worker = EngineWorker(engine, wiring.bus if records else None, options.server_id, metrics, table,
                           health=wiring.health)
