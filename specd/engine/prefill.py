@@ -55,7 +55,7 @@ def run_chunk(target: Transformer, cache: KVCache, tokens: torch.Tensor, part: I
     """Write up to `budget` more prompt tokens of `part` (already in its row of `tokens`, the
     engine's token buffer) into its slot's cache; returns how many the target ran. A registered
     prefix the prompt starts with is its first chunk whatever the budget (`PrefixCache.fill`)."""
-    prefix = prefixes.prefix_of(part.seq.prompt_ids, part.to_fill) if prefixes and not part.filled else None
+    prefix = prefixes.prefix_of(part.seq.prompt_ids, part.to_fill) if prefixes is not None and not part.filled else None
     if prefixes is not None and prefix is not None:
         return prefixes.fill(target, cache, tokens, part, prefix, capture)
     end = part.to_fill if budget is None else min(part.to_fill, part.filled + budget)

@@ -1,7 +1,7 @@
 """Shared prompt prefixes prefilled once: a chat template's system prompt, kept and copied.
 
 Contract: `PrefixCache(prefixes)` holds token sequences that many prompts start with (the demo and
-`specd serve` register their chat template's opening, `LoadedTarget.chat_prefix`). A prompt that
+`specd serve` register their chat template's opening, `LoadedTarget.shared_prefixes`). A prompt that
 starts with one (the longest that leaves at least one prompt token to prefill after it) has that
 prefix written into its slot as a chunk of its own, positions 0..n-1, before the rest of the prompt
 goes in chunks from n. The first such prompt computes that chunk (`fill` runs the target, and keeps
