@@ -9,7 +9,7 @@ from conftest import fixed_k, tiny_target
 from test_chunked_prefill import DRAFTERS, feature_drafter, target_only
 
 from specd.engine.engine import Engine
-from specd.engine.prefill import InProgress
+from specd.engine.prefill import InProgress, run_chunk
 from specd.engine.prefix_cache import PrefixCache
 from specd.engine.request import SamplingParams, Sequence
 from specd.testing import tiny_loaded_target
@@ -63,8 +63,8 @@ def test_a_copied_prefix_runs_no_target_pass_and_the_rest_of_the_prompt_starts_a
                                                                                               SamplingParams()), 0)
     engine.tokens[0, :len(prompt)] = torch.tensor(prompt)
     assert prefixes.prefix_of(prompt, first.to_fill) == OPENING   # the longest that fits
-    assert prefixes.fill(target, engine.cache, engine.tokens, first, OPENING, ()) == len(OPENING)
-    assert prefixes.fill(target, engine.cache, engine.tokens, second, OPENING, ()) == 0
+    assert run_chunk(target, engine.cache, engine.tokens, first, None, (), prefixes) == len(OPENING)
+    assert run_chunk(target, engine.cache, engine.tokens, second, None, (), prefixes) == 0
     assert first.filled == second.filled == len(OPENING)
     assert prefixes.prefix_of(list(OPENING), len(OPENING) - 1) == OPENING[:3]   # the whole opening does not fit
 
@@ -77,7 +77,7 @@ def test_a_drafter_reading_other_layers_gets_the_prefix_computed_again_with_its_
     engine.tokens[0, :len(prompt)] = torch.tensor(prompt)
     for capture, computes in (((0,), 1), ((0,), 0), ((1,), 1), ((0,), 0)):
         part = InProgress(Sequence("r", prompt, SamplingParams()), 0)
-        used = prefixes.fill(target, engine.cache, engine.tokens, part, OPENING, capture)
+        used = run_chunk(target, engine.cache, engine.tokens, part, None, capture, prefixes)
         assert (used > 0) == bool(computes) and part.captured == {capture} and part.features[0].shape[0] == len(OPENING)
     assert set(prefixes.kept[OPENING].features) == {(0,), (1,)}
 

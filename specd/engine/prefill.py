@@ -54,11 +54,13 @@ def run_chunk(target: Transformer, cache: KVCache, tokens: torch.Tensor, part: I
               capture: tuple[int, ...], prefixes: PrefixCache | None = None) -> int:
     """Write up to `budget` more prompt tokens of `part` (already in its row of `tokens`, the
     engine's token buffer) into its slot's cache; returns how many the target ran. A registered
-    prefix the prompt starts with is its first chunk whatever the budget (`PrefixCache.fill`)."""
+    prefix the prompt starts with is its first chunk whatever the budget: copied in where kept
+    (`PrefixCache.copy_into`), else run as this chunk and kept (`PrefixCache.keep`)."""
     prefix = prefixes.prefix_of(part.seq.prompt_ids, part.to_fill) if prefixes is not None and not part.filled else None
-    if prefixes is not None and prefix is not None:
-        return prefixes.fill(target, cache, tokens, part, prefix, capture)
+    if prefixes is not None and prefix is not None and prefixes.copy_into(cache, part, prefix, capture):
+        return 0
     end = part.to_fill if budget is None else min(part.to_fill, part.filled + budget)
+    end = len(prefix) if prefix is not None else end
     if end <= part.filled:
         return 0
     chunk = tokens[part.slot, part.filled:end]
@@ -68,6 +70,8 @@ def run_chunk(target: Transformer, cache: KVCache, tokens: torch.Tensor, part: I
     part.captured.add(capture)
     if features is not None:
         part.features.append(features[0])
+    if prefixes is not None and prefix is not None:
+        prefixes.keep(cache, part.slot, prefix, capture, features[0] if features is not None else None)
     used, part.filled = end - part.filled, end
     return used
 

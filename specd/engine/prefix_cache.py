@@ -4,10 +4,11 @@ Contract: `PrefixCache(prefixes)` holds token sequences that many prompts start 
 `specd serve` register their chat template's opening, `LoadedTarget.shared_prefixes`). A prompt that
 starts with one (the longest that leaves at least one prompt token to prefill after it) has that
 prefix written into its slot as a chunk of its own, positions 0..n-1, before the rest of the prompt
-goes in chunks from n. The first such prompt computes that chunk (`fill` runs the target, and keeps
-the slot's keys, values and the captured features); every later one copies them in instead of
-running the target. Whether copied or computed, the chunk is the same pass over the same tokens at
-the same positions, so the cache holds the same bits either way, and every engine of a deployment
+goes in chunks from n. The first such prompt runs that chunk as any other
+(`specd.engine.prefill.run_chunk`), and `keep` keeps the slot's keys, values and the captured
+features; every later one has them copied in (`copy_into`) instead of running the target. Whether
+copied or computed, the chunk is the same pass over the same tokens at the same positions, so the
+cache holds the same bits either way, and every engine of a deployment
 (speculative or not) splits its prompts at the same place: greedy output stays the target's alone.
 Features are kept per set of captured layers: after a swap to a drafter that reads other layers,
 the next prompt computes the prefix again (same keys and values) and keeps those features too. The
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specd.model.transformer import KVCache, Transformer
+from specd.model.transformer import KVCache
 
 if TYPE_CHECKING:  # the prefill module imports this one
     from specd.engine.prefill import InProgress
@@ -49,31 +50,30 @@ class PrefixCache:
                 return prefix
         return None
 
-    def fill(self, target: Transformer, cache: KVCache, tokens: torch.Tensor, part: InProgress,
-             prefix: tuple[int, ...], capture: tuple[int, ...]) -> int:
-        """Write `prefix` into `part`'s slot (positions 0..n-1) and mark it filled; returns the prompt
-        tokens the target ran (0 when copied)."""
-        n, slot = len(prefix), part.slot
+    def copy_into(self, cache: KVCache, part: InProgress, prefix: tuple[int, ...], capture: tuple[int, ...]) -> bool:
+        """Write the kept `prefix` (with its features for `capture`) into `part`'s slot, positions
+        0..n-1, and mark them filled; False where it is not kept yet for `capture` (then the caller
+        runs it as the prompt's first chunk and `keep`s it)."""
         kept = self.kept.get(prefix)
-        if kept is not None and capture in kept.features:
-            cache.k[:, slot, :, :n] = kept.keys
-            cache.v[:, slot, :, :n] = kept.values
-            features = kept.features[capture]
-            if features is not None:
-                part.features.append(features)
-            part.captured.add(capture)
-            part.filled = n
-            self.copied += 1
-            return 0
-        start = torch.zeros(1, dtype=torch.long, device=tokens.device)
-        _, features = target(tokens[slot, None, :n], start, cache, first_slot=slot, logits_for="none",
-                             return_hidden=bool(capture), capture_layers=capture)
-        if kept is None:
-            kept = self.kept[prefix] = KeptPrefix(cache.k[:, slot, :, :n].clone(), cache.v[:, slot, :, :n].clone())
-        kept.features[capture] = features[0].clone() if features is not None else None
+        if kept is None or capture not in kept.features:
+            return False
+        n = len(prefix)
+        cache.k[:, part.slot, :, :n] = kept.keys
+        cache.v[:, part.slot, :, :n] = kept.values
+        features = kept.features[capture]
         if features is not None:
-            part.features.append(features[0])
+            part.features.append(features)
         part.captured.add(capture)
         part.filled = n
+        self.copied += 1
+        return True
+
+    def keep(self, cache: KVCache, slot: int, prefix: tuple[int, ...], capture: tuple[int, ...],
+             features: torch.Tensor | None) -> None:
+        """`prefix` was just run into `slot` (positions 0..n-1), capturing `features` [n, F]: keep them."""
+        kept = self.kept.get(prefix)
+        if kept is None:
+            n = len(prefix)
+            kept = self.kept[prefix] = KeptPrefix(cache.k[:, slot, :, :n].clone(), cache.v[:, slot, :, :n].clone())
+        kept.features[capture] = features.clone() if features is not None else None
         self.computed += 1
-        return n
