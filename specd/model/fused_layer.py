@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from specd.model.packed_linear import PackedLinear, kernel_rows, packing_on
-from specd.model.row_kernel import PANEL
 
 if TYPE_CHECKING:  # transformer.py builds these layers: no import back at run time
     from specd.model.transformer import MLP, Attention
@@ -146,7 +145,7 @@ class FusedLayer:
                        post_norm=self.post_norm.weight.data_ptr(), cos=rope[0].data_ptr(), sin=rope[1].data_ptr())
         for index, panels in enumerate(layouts):
             layer.panels[index] = panels.data_ptr()
-            layer.padded[index] = panels.shape[0] * PANEL
+            layer.padded[index] = panels.shape[0] * panels.shape[2]  # [panels, in, width]
             layer.half[index] = int(panels.dtype == torch.float16)
         self._described = (key, layer)
         return layer

@@ -101,7 +101,7 @@ class PackedLinear(nn.Linear):
             kernel = kernel_rows(1)
             if kernel is not None:
                 used = self._kernel_layout(kernel)
-                self._layout(*used)
+                self.kernel_panels(kernel)
                 unused = {"transposed", "panels", "half_panels"} - {used[0]}
             else:
                 self._layout("transposed", _transposed)
@@ -113,7 +113,13 @@ class PackedLinear(nn.Linear):
 
     def kernel_panels(self, kernel: RowKernel) -> torch.Tensor:
         """This layer's weights as `kernel` reads them (made, or remade after a change, on demand)."""
-        return self._layout(*self._kernel_layout(kernel))
+        name, make = self._kernel_layout(kernel)
+        panels = self._layout(name, make)
+        if panels.shape[-1] != kernel.panel_width:  # laid out for another kernel (a benchmark times two)
+            assert self._layouts is not None
+            del self._layouts[name]
+            panels = self._layout(name, make)
+        return panels
 
     def _kernel_layout(self, kernel: RowKernel) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         """The kernel's copy of this layer's weights: fp16 panels for a `half_weights` layer (where

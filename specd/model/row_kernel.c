@@ -2,14 +2,15 @@
  * bits however many rows share the call.
  *
  * specd_rows_linear(x, M, K, panels, N16, out): out[M][N16] = x[M][K] times the weight, which is
- * given as panels of 16 output features, panels[N16 / 16][K][16] (panel p, input k, lane j holds
- * weight[16 p + j][k]; N16 a multiple of 16, padded with zero rows by the caller).
+ * given as panels of W = specd_panel_width() output features (the CPU's vector: 8 on AVX2, 16 with
+ * AVX-512), panels[N16 / W][K][W] (panel p, input k, lane j holds weight[W p + j][k]; N16 a
+ * multiple of 16, padded with zero rows by the caller).
  *
  * Why: a verification pass multiplies a few rows (k + 1 a request) by every weight of the target,
  * which on a CPU is bound by reading the weights from memory. Libraries either run one matrix-
  * vector product per row (MKL below 4 rows: the weights are read once a row) or switch to blocked
- * kernels tuned for many rows. Here a block of rows and a few panels are held in vector registers
- * while the panel streams through once, so 2-12 rows cost about what one does.
+ * kernels tuned for many rows. Here a block of rows' sums over a few panels are held in vector
+ * registers while the panels stream through once, so 2-6 rows cost about what one does.
  * Every output is summed over k in order, in its own accumulator, one row at a time: the result
  * of a row never depends on the other rows, so a one-token decoding step and a verification pass
  * agree to the bit on the rows they share.
@@ -27,7 +28,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -39,31 +40,51 @@
 #define WIDTH 8
 #endif
 typedef float lanes __attribute__((vector_size(WIDTH * 4), aligned(4)));
-#define VECTORS (16 / WIDTH)   /* vectors a panel of 16 outputs spans */
 
-/* Register blocking, by the vector registers the CPU has: a block's sums (rows x panels x VECTORS)
- * and its panels' weights (panels x VECTORS) must stay in registers, or every multiply-add goes
- * through memory. With AVX-512 (32 registers, a panel in one): up to 12 rows share a panel's
- * pass. With AVX2 (16 registers, a panel in two): blocks of up to 3 rows over 2 panels, the sums
- * in 12 registers and the weights read as operands of the multiply-adds; more rows run in blocks
- * of balanced size (4 rows as 2 + 2, not 3 + 1) over a slab of panels small enough to stay in
- * cache, so the weights still come from memory once. Measured on an AVX2 EPYC, the linear layers
- * of a SmolLM2 pass: blocks of 3 over 2 panels cost 3 rows 23-25 ms and 4 rows 28-31 ms, where one
- * block of up to 6 rows over 1 panel cost 27-31 and 31-37 (1 row: 19-22 ms either way). */
+/* sum + value * weights, one rounding (a fused multiply-add) in every block shape: left to
+ * -ffp-contract, GCC tuned for Zen (-march=native) keeps some single chains as a multiply and an
+ * add (its avoid-fma-max-bits heuristic), which rounds twice and would make a row's bits depend on
+ * the block it ran in */
+static inline __attribute__((always_inline)) lanes fused(lanes sum, float value, lanes weights) {
+#if defined(__AVX512F__)
+    return (lanes)_mm512_fmadd_ps(_mm512_set1_ps(value), (__m512)weights, (__m512)sum);
+#elif defined(__FMA__)
+    return (lanes)_mm256_fmadd_ps(_mm256_set1_ps(value), (__m256)weights, (__m256)sum);
+#else
+    return sum + value * weights;   /* no fused multiply-add: every shape multiplies and adds alike */
+#endif
+}
+
+/* Panels one vector wide (PANEL_WIDTH = WIDTH outputs): every vector of a block's sums reads its own
+ * panel, a stream of its own through memory. Measured on an AVX2 EPYC (the linear layers of a
+ * SmolLM2 pass, one thread): with 16-wide panels a block over one panel streamed at 17 GB/s and one
+ * over two at 22, and the blocks that fit the registers for 4-6 rows cover one panel (4 rows cost
+ * 1.35 one-row passes, 6 rows 1.5); with 8-wide panels a block covers as many streams as it has
+ * vectors (4 rows 1.15, 6 rows 1.25; one row, over 8 streams, 8% faster). */
+#define PANEL_WIDTH WIDTH
+/* Register blocking, by the vector registers the CPU has: a block's sums (rows x vectors) and, where
+ * IN_REGISTERS, its weights (vectors) and one broadcast input must fit, or multiply-adds go through
+ * memory: AVX-512 (32 registers) holds up to 12 rows over 4 vectors. AVX2 (16 registers): up to 6
+ * rows in one block, over 8 vectors for 1 row, 6 for 2, 4 for 3 (the weights read as operands of the
+ * multiply-adds), 3 for 4 and 2 for 5-6 (the weights held in registers: as operands, re-read once a
+ * row, the loads outnumbered the multiply-adds, 55 against 80 GFLOP/s over weights in cache at 4 rows).
+ * More rows run in blocks of balanced size (8 rows as 4 + 4) over a slab of vectors small enough to
+ * stay in cache, so the weights still come from memory once. */
 #ifdef __AVX512F__
 #define BLOCK_ROWS 12
-#define FEW_ROWS 6
-#define PANELS_FEW_ROWS 4
-#define PANELS_MANY_ROWS 2
+#define BLOCK_VECTORS(rows) ((rows) <= 6 ? 4 : 2)
+#define IN_REGISTERS(rows) 0
+#define PREFETCH_STEPS 16   /* inputs ahead (a 64-byte line each) */
+#define SLAB_VECTORS 4      /* vectors every row block reads before the next slab */
 #else
-#define BLOCK_ROWS 3
-#define FEW_ROWS 3
-#define PANELS_FEW_ROWS 2
-#define PANELS_MANY_ROWS 1   /* unused here: no block has more than FEW_ROWS rows */
+#define BLOCK_ROWS 6
+#define BLOCK_VECTORS(rows) ((rows) == 1 ? 8 : (rows) == 2 ? 6 : (rows) == 3 ? 4 : (rows) == 4 ? 3 : 2)
+#define IN_REGISTERS(rows) ((rows) >= 4)
+#define PREFETCH_STEPS 32   /* inputs ahead (half a 64-byte line each) */
+#define SLAB_VECTORS 12
 #endif
 #define MAX_ROWS 12
-#define MAX_VECTORS 4
-#define SLAB_PANELS PANELS_FEW_ROWS   /* panels every row block reads before the next slab */
+#define MAX_VECTORS 8
 
 /* one vector of a panel's weights at element `index`: float32, or fp16 widened (`half`, a constant
  * in every caller, so each kernel is compiled with one kind of load and no branch) */
@@ -82,53 +103,57 @@ static inline __attribute__((always_inline)) lanes load_weights(const char *w, s
     return *(const lanes *)(w + 4 * index);
 }
 
+/* rows x vectors sums: x's rows times panels 0 .. vectors - 1 from w, into out's rows (n_size apart) */
 static inline __attribute__((always_inline)) void block(const float *x, size_t k_size, const char *w,
-                                                        float *out, size_t n_size, const int rows, const int panels,
+                                                        float *out, size_t n_size, const int rows, const int vectors,
                                                         const int half) {
-    const int vectors = panels * VECTORS;   /* vector v: panel v / VECTORS, its lanes WIDTH * (v % VECTORS) .. */
     lanes sums[MAX_VECTORS][MAX_ROWS];
     for (int v = 0; v < vectors; v++)
         for (int m = 0; m < rows; m++) sums[v][m] = (lanes){0};
-    const size_t element = half ? 2 : 4;
+    const size_t element = half ? 2 : 4, steps_a_line = 64 / (PANEL_WIDTH * element);
     for (size_t k = 0; k < k_size; k++) {
-        /* with 2 rows or more, a line of each panel 16 steps ahead: with the hardware's prefetcher
-         * alone a 3-token SmolLM2 pass cost 1.24 one-token passes on the AVX2 EPYC, with this 1.10;
-         * a single row streams as fast without (these instructions slowed it about 10%) */
-        if (rows > 1 && (!half || (k & 1) == 0))
-            for (int p = 0; p < panels; p++) __builtin_prefetch(w + ((size_t)p * k_size + k + 16) * 16 * element, 0, 0);
+        /* with 2 rows or more, each panel's line PREFETCH_STEPS inputs ahead: with the hardware's
+         * prefetcher alone a 3-token SmolLM2 pass cost 1.24 one-token passes on the AVX2 EPYC, with
+         * this 1.10; a single row streams as fast without (these instructions slowed it about 10%) */
+        if (rows > 1 && k % steps_a_line == 0)
+            for (int v = 0; v < vectors; v++)
+                __builtin_prefetch(w + ((size_t)v * k_size + k + PREFETCH_STEPS) * PANEL_WIDTH * element, 0, 0);
         lanes weights[MAX_VECTORS];
-        for (int v = 0; v < vectors; v++)
-            weights[v] = load_weights(w, ((v / VECTORS) * k_size + k) * 16 + (v % VECTORS) * WIDTH, half);
+        for (int v = 0; v < vectors; v++) {
+            weights[v] = load_weights(w, ((size_t)v * k_size + k) * PANEL_WIDTH, half);
+            if (IN_REGISTERS(rows)) __asm__("" : "+x"(weights[v]));   /* a register, not an operand per row */
+        }
         for (int m = 0; m < rows; m++) {
             float value = x[m * k_size + k];
-            for (int v = 0; v < vectors; v++) sums[v][m] += value * weights[v];
+            for (int v = 0; v < vectors; v++) sums[v][m] = fused(sums[v][m], value, weights[v]);
         }
     }
     for (int m = 0; m < rows; m++)
-        for (int v = 0; v < vectors; v++)
-            *(lanes *)(out + m * n_size + (v / VECTORS) * 16 + (v % VECTORS) * WIDTH) = sums[v][m];
+        for (int v = 0; v < vectors; v++) *(lanes *)(out + m * n_size + v * PANEL_WIDTH) = sums[v][m];
 }
 
+/* panels v0 .. v1 - 1 for `rows` rows (a constant in each case), BLOCK_VECTORS(rows) at a time,
+ * the rest one at a time */
 static inline __attribute__((always_inline)) void rows_through(const float *x, size_t k_size, const char *w,
-                                                               size_t n_panels, float *out, size_t n_size,
+                                                               size_t v0, size_t v1, float *out, size_t n_size,
                                                                const int rows, const int half) {
-    const int panels = rows <= FEW_ROWS ? PANELS_FEW_ROWS : PANELS_MANY_ROWS;
-    const size_t panel_bytes = k_size * 16 * (half ? 2 : 4);
-    size_t p = 0;
-    for (; p + panels <= n_panels; p += panels)
-        block(x, k_size, w + p * panel_bytes, out + p * 16, n_size, rows, panels, half);
-    for (; p < n_panels; p++) block(x, k_size, w + p * panel_bytes, out + p * 16, n_size, rows, 1, half);
+    const int vectors = BLOCK_VECTORS(rows);
+    const size_t panel_bytes = k_size * PANEL_WIDTH * (half ? 2 : 4);
+    size_t v = v0;
+    for (; v + vectors <= v1; v += vectors)
+        block(x, k_size, w + v * panel_bytes, out + v * PANEL_WIDTH, n_size, rows, vectors, half);
+    for (; v < v1; v++) block(x, k_size, w + v * panel_bytes, out + v * PANEL_WIDTH, n_size, rows, 1, half);
 }
 
-#define ROWS_CASE(n) case n: rows_through(x, k_size, w, n_panels, out, n_size, n, half); break;
+#define ROWS_CASE(n) case n: rows_through(x, k_size, w, v0, v1, out, n_size, n, half); break;
 
 static inline __attribute__((always_inline)) void some_rows(const float *x, size_t rows, size_t k_size, const char *w,
-                                                            size_t n_panels, float *out, size_t n_size, const int half) {
+                                                            size_t v0, size_t v1, float *out, size_t n_size,
+                                                            const int half) {
     switch (rows) {
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3)
-#if BLOCK_ROWS > 3   /* only the row counts a block can have: the others would be dead code */
-        ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10)
-        ROWS_CASE(11) ROWS_CASE(12)
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
+#if BLOCK_ROWS > 6   /* only the row counts a block can have: the others would be dead code */
+        ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12)
 #endif
         default: break;
     }
@@ -136,18 +161,23 @@ static inline __attribute__((always_inline)) void some_rows(const float *x, size
 
 static inline __attribute__((always_inline)) void all_rows(const float *x, long m_size, long k_size, const char *panels,
                                                            long n16, float *out, const int half) {
-    const size_t n_panels = (size_t)(n16 / 16);
-    const size_t panel_bytes = (size_t)k_size * 16 * (half ? 2 : 4);
-    for (size_t p0 = 0; p0 < n_panels; p0 += SLAB_PANELS) {
-        const size_t slab = n_panels - p0 < SLAB_PANELS ? n_panels - p0 : SLAB_PANELS;
+    const size_t n_panels = (size_t)n16 / PANEL_WIDTH;
+    if (m_size <= BLOCK_ROWS) {   /* one block of rows: the weights stream through once */
+        some_rows(x, (size_t)m_size, (size_t)k_size, panels, 0, n_panels, out, (size_t)n16, half);
+        return;
+    }
+    for (size_t v0 = 0; v0 < n_panels; v0 += SLAB_VECTORS) {
+        const size_t v1 = n_panels - v0 < SLAB_VECTORS ? n_panels : v0 + SLAB_VECTORS;
         long blocks_left = (m_size + BLOCK_ROWS - 1) / BLOCK_ROWS;
         for (long m0 = 0, rows = 0; m0 < m_size; m0 += rows, blocks_left--) {
             rows = (m_size - m0 + blocks_left - 1) / blocks_left;
-            some_rows(x + m0 * k_size, (size_t)rows, (size_t)k_size, panels + p0 * panel_bytes, slab,
-                      out + m0 * n16 + p0 * 16, (size_t)n16, half);
+            some_rows(x + m0 * k_size, (size_t)rows, (size_t)k_size, panels, v0, v1, out + m0 * n16, (size_t)n16,
+                      half);
         }
     }
 }
+
+int specd_panel_width(void) { return PANEL_WIDTH; }
 
 void specd_rows_linear(const float *x, long m_size, long k_size, const float *panels, long n16, float *out) {
     all_rows(x, m_size, k_size, (const char *)panels, n16, out, 0);

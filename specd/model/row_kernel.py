@@ -9,11 +9,12 @@ CPU's feature flags, so a changed source or another CPU builds afresh, and concu
 never see a half-written file.
 `kernel_from(source)` builds and loads another source of the same contract the same way (benchmarks
 time an earlier kernel against this one). `RowKernel.panels(weight)` lays an [out, in] float32
-weight out as the kernel reads it; `RowKernel.linear(x, panels, out_features)` multiplies x's rows
-(any leading shape, float32, CPU) through it on the calling thread and returns a new tensor of shape
-[*x.shape[:-1], out_features]. A row's result has the same bits whatever the other rows are
-(`row_kernel.c` says why). Where the CPU converts fp16 (`RowKernel.has_half`), `half_panels(weight)`
-gives the same layout in fp16 (float32 panels for a weight that does not fit fp16's range), and
+weight out as the kernel reads it (panels of `panel_width` outputs, the CPU's vector);
+`RowKernel.linear(x, panels, out_features)` multiplies x's rows (any leading shape, float32, CPU)
+through it on the calling thread and returns a new tensor of shape [*x.shape[:-1], out_features].
+A row's result has the same bits whatever the other rows are (`row_kernel.c` says why). Where the
+CPU converts fp16 (`RowKernel.has_half`), `half_panels(weight)` gives the same layout in fp16
+(float32 panels for a weight that does not fit fp16's range), and
 `linear` over fp16 panels equals `linear` over float32 panels of the weight rounded to fp16, bit for
 bit: half the bytes to read, for layers whose products may be rounded (a drafter's).
 """
@@ -41,7 +42,7 @@ SOURCE = Path(__file__).with_name("row_kernel.c")
 # -march=native: this CPU's widest vectors (hence the CPU's flags in the cache key); -ffp-contract=fast:
 # every sum a fused multiply-add, in every block shape alike, so a row's bits never depend on the block
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
-PANEL = 16           # output features per panel (one 64-byte vector of float32)
+PADDING = 16         # output features are padded to a multiple of this (the C call's N16)
 BUILD_TIMEOUT_S = 120
 
 
@@ -58,6 +59,11 @@ class RowKernel:
         if self._multiply_half is not None:
             self._multiply_half.argtypes = self._multiply.argtypes
             self._multiply_half.restype = None
+        # output features per panel (the CPU's vector); an older source's build has 16-wide panels
+        width = getattr(library, "specd_panel_width", None)
+        if width is not None:
+            width.restype = ctypes.c_int
+        self.panel_width = int(width()) if width is not None else PADDING
         # a whole decoder layer (`specd.model.fused_layer`); absent from an older source's build
         self.layer = getattr(library, "specd_layer", None)
         if self.layer is not None:
@@ -69,15 +75,15 @@ class RowKernel:
         """Whether this build multiplies through fp16 panels (`half_panels`)."""
         return self._multiply_half is not None
 
-    @staticmethod
-    def panels(weight: torch.Tensor) -> torch.Tensor:
-        """[out, in] -> [ceil(out / 16), in, 16], zero-padded: panel p holds outputs 16p .. 16p + 15."""
+    def panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """[out, in] -> [padded / W, in, W] for W = `panel_width`, out zero-padded to a multiple of 16:
+        panel p holds outputs W p .. W p + W - 1."""
         out_features, in_features = weight.shape
-        padded = -(-out_features // PANEL) * PANEL
+        padded, width = -(-out_features // PADDING) * PADDING, self.panel_width
         source = weight.detach().to(torch.float32)
         if padded != out_features:
             source = torch.cat([source, source.new_zeros(padded - out_features, in_features)])
-        return source.reshape(padded // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
+        return source.reshape(padded // width, width, in_features).transpose(1, 2).contiguous()
 
     def half_panels(self, weight: torch.Tensor) -> torch.Tensor:
         """`panels(weight)` in fp16 where this build reads fp16 and every weight fits fp16's range
@@ -90,7 +96,7 @@ class RowKernel:
     def linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
         in_features = panels.shape[1]
         rows = x.reshape(-1, in_features).contiguous()
-        padded = panels.shape[0] * PANEL
+        padded = panels.shape[0] * panels.shape[2]
         out = torch.empty(rows.shape[0], padded, dtype=torch.float32)
         multiply = self._multiply_half if panels.dtype == torch.float16 else self._multiply
         if multiply is None:
