@@ -3,14 +3,17 @@ quiet fallback to torch's paths wherever it cannot be built."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from specd.core.provenance import cpuinfo_line
 from specd.model import packed_linear, row_kernel
 from specd.model.packed_linear import PackedLinear, prepare_layouts
 from specd.testing import tiny_target
@@ -56,6 +59,38 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(kernel: row_kernel.RowKerne
         assert torch.equal(kernel.linear(x[:rows], panels, 200), together[:rows])
     for row in (0, 11, 12, 28):  # alone, as in a one-token decoding step
         assert torch.equal(kernel.linear(x[row:row + 1], panels, 200), together[row:row + 1])
+
+
+def _fused_in_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each output summed over the inputs in order, a fused multiply-add each: the product of two
+    float32 is exact in float64, so one rounding to float32 a step (bar a double rounding of the sum,
+    about one in 2^29)."""
+    sums = np.zeros((x.shape[0], weight.shape[0]), dtype=np.float32)
+    xs, ws = x.double().numpy(), weight.double().numpy()
+    for k in range(x.shape[1]):
+        sums = (xs[:, k:k + 1] * ws[:, k] + sums.astype(np.float64)).astype(np.float32)
+    return torch.from_numpy(sums)
+
+
+@pytest.mark.skipif(" fma" not in f" {cpuinfo_line('flags') or ''}", reason="no fused multiply-add on this CPU")
+@pytest.mark.parametrize("rows", list(range(1, 14)))
+def test_every_block_shape_sums_each_output_in_order_with_fused_multiply_adds(kernel: row_kernel.RowKernel,
+                                                                               rows: int) -> None:
+    # 200 outputs leave panels outside whole blocks, summed one panel at a time (a compiler tuned for
+    # Zen once left that single chain as a multiply and an add, rounding twice)
+    torch.manual_seed(rows)
+    weight, x = torch.randn(200, 96), torch.randn(rows, 96)
+    assert torch.equal(kernel.linear(x, kernel.panels(weight), 200), _fused_in_order(x, weight))
+
+
+def test_panels_are_the_kernels_vector_wide_and_remade_for_a_kernel_of_another_width(
+        kernel: row_kernel.RowKernel) -> None:
+    layer = PackedLinear(48, 80, bias=False)
+    assert layer.kernel_panels(kernel).shape == (80 // kernel.panel_width, 48, kernel.panel_width)
+    other = copy.copy(kernel)  # as a benchmark's earlier kernel of another width
+    other.panel_width = 16 if kernel.panel_width != 16 else 8
+    assert layer.kernel_panels(other).shape[-1] == other.panel_width
+    assert layer.kernel_panels(kernel).shape[-1] == kernel.panel_width
 
 
 def test_leading_dimensions_and_non_contiguous_inputs_keep_their_shape(kernel: row_kernel.RowKernel) -> None:
