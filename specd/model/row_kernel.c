@@ -10,7 +10,8 @@
  * which on a CPU is bound by reading the weights from memory. Libraries either run one matrix-
  * vector product per row (MKL below 4 rows: the weights are read once a row) or switch to blocked
  * kernels tuned for many rows. Here a block of rows' sums over a few panels are held in vector
- * registers while the panels stream through once, so 2-6 rows cost about what one does.
+ * registers while the panels stream through once, so a few rows (up to 6 on AVX2, 12 with AVX-512)
+ * cost not much more than one.
  * Every output is summed over k in order, in its own accumulator, one row at a time: the result
  * of a row never depends on the other rows, so a one-token decoding step and a verification pass
  * agree to the bit on the rows they share.

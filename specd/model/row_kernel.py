@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("row_kernel.c")
 # -march=native: this CPU's widest vectors (hence the CPU's flags in the cache key); -ffp-contract=fast:
-# every sum a fused multiply-add, in every block shape alike, so a row's bits never depend on the block
+# the decoder layer's own sums fused alike wherever they run (the products' multiply-adds are explicit
+# intrinsics, which no tuning heuristic splits, so a row's bits never depend on the block)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
 PADDING = 16         # output features are padded to a multiple of this (the C call's N16)
 BUILD_TIMEOUT_S = 120
