@@ -80,7 +80,11 @@ static inline __attribute__((always_inline)) lanes fused(lanes sum, float value,
 #else
 #define BLOCK_ROWS 6
 #define BLOCK_VECTORS(rows) ((rows) == 1 ? 8 : (rows) == 2 ? 6 : (rows) == 3 ? 4 : (rows) == 4 ? 3 : 2)
+#ifdef __AVX__
 #define IN_REGISTERS(rows) ((rows) >= 4)
+#else
+#define IN_REGISTERS(rows) 0   /* a vector is two SSE registers: leave the allocation to the compiler */
+#endif
 #define PREFETCH_STEPS 32   /* inputs ahead (half a 64-byte line each) */
 #define SLAB_VECTORS 12
 #endif
