@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from common import markdown_table, paired, parser, spread, write_result
@@ -48,6 +49,30 @@ def use_kernel(source: RowKernel | None, modules: list[torch.nn.Module]) -> None
 def layers_of(drafter: object) -> list[torch.nn.Module]:
     model = getattr(drafter, "model", None)
     return [model] if isinstance(model, torch.nn.Module) else []
+
+
+def summarise(runs: dict[str, ModeRun], items: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per domain: each arm's tokens/s over rounds and accept length, and the per-round ratios; printed too."""
+    domains = list(dict.fromkeys(item.domain for item in items))
+    per_round = {arm: [{"domain": r["domain"], "tok_s": r["tokens"] / r["seconds"]} for r in runs[arm].rounds]
+                 for arm in ARMS}
+    summary, ratios = {}, {}
+    for domain in domains:
+        rounds = {arm: [r for r in per_round[arm] if r["domain"] == domain] for arm in ARMS}
+        served = {arm: [r for r in runs[arm].rounds if r["domain"] == domain] for arm in ARMS}
+        summary[domain] = {arm: {"tokens_per_s": spread([r["tok_s"] for r in rounds[arm]]),
+                                 "accept_length": sum(r["tokens"] for r in served[arm])
+                                 / sum(r["target_passes"] for r in served[arm])} for arm in ARMS}
+        ratios[domain] = {name: paired(rounds, a, b, "tok_s") for name, (a, b) in {
+            "static/none": ("static", "none"), "static@source/none@source": ("static@source", "none@source"),
+            "static/static@source": ("static", "static@source"), "none/none@source": ("none", "none@source")}.items()}
+        print(f"## {domain}")
+        print(markdown_table(["arm", "tok/s (median)", "accept len"],
+                             [[arm, f"{s['tokens_per_s']['median']:.1f}", f"{s['accept_length']:.2f}"]
+                              for arm, s in summary[domain].items()]))
+        for name, ratio in ratios[domain].items():
+            print(f"{name}: per round median {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})")
+    return summary, ratios
 
 
 def main() -> None:
@@ -86,26 +111,7 @@ def main() -> None:
     outputs = {arm: [runs[arm].results[i].output_ids for i in range(len(items))] for arm in ARMS}
     if any(outputs[arm] != outputs["none"] for arm in ARMS):
         raise SystemExit("the arms' greedy outputs differ: a kernel or verification is broken")
-    domains = list(dict.fromkeys(item.domain for item in items))
-    per_round = {arm: [{"domain": r["domain"], "tok_s": r["tokens"] / r["seconds"]} for r in runs[arm].rounds]
-                 for arm in ARMS}
-    summary, ratios = {}, {}
-    for domain in domains:
-        rounds = {arm: [r for r in per_round[arm] if r["domain"] == domain] for arm in ARMS}
-        summary[domain] = {arm: {"tokens_per_s": spread([r["tok_s"] for r in rounds[arm]]),
-                                 "accept_length": sum(r["tokens"] for r in runs[arm].rounds if r["domain"] == domain)
-                                 / sum(r["target_passes"] for r in runs[arm].rounds if r["domain"] == domain)}
-                           for arm in ARMS}
-        ratios[domain] = {name: paired(rounds, a, b, "tok_s") for name, (a, b) in {
-            "static/none": ("static", "none"), "static@source/none@source": ("static@source", "none@source"),
-            "static/static@source": ("static", "static@source"), "none/none@source": ("none", "none@source")}.items()}
-    for domain in domains:
-        print(f"## {domain}")
-        print(markdown_table(["arm", "tok/s (median)", "accept len"],
-                             [[arm, f"{s['tokens_per_s']['median']:.1f}", f"{s['accept_length']:.2f}"]
-                              for arm, s in summary[domain].items()]))
-        for name, ratio in ratios[domain].items():
-            print(f"{name}: per round median {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})")
+    summary, ratios = summarise(runs, items)
     write_result(args.out, args, {
         "cores": sorted(os.sched_getaffinity(0)),
         "panel_width": {"tree": getattr(OWN_KERNEL(), "panel_width", None), "source": source.panel_width},

@@ -64,7 +64,7 @@ class RowKernel:
         width = getattr(library, "specd_panel_width", None)
         if width is not None:
             width.restype = ctypes.c_int
-        self.panel_width = int(width()) if width is not None else PADDING
+        self.panel_width = int(width()) if width is not None else 16
         # a whole decoder layer (`specd.model.fused_layer`); absent from an older source's build
         self.layer = getattr(library, "specd_layer", None)
         if self.layer is not None:
