@@ -44,6 +44,7 @@ from specd.engine.request import SamplingParams, record_from_sequence
 from specd.hotswap.store import WeightStore
 from specd.learner.config import LearnerConfig
 from specd.learner.learner import Learner
+from specd.learner.process import pin_serving, split_cores
 from specd.model.target import LoadedTarget
 from specd.transport.bus import InProcessBus
 
@@ -58,6 +59,18 @@ def validation_items(count: int, domain: str = "humaneval") -> list[TrafficItem]
     if len(rest) < count:
         raise SystemExit(f"only {len(rest)} {domain} items lie outside the demo's, {count} asked for")
     return rest[:count]
+
+
+def pinned_validation_traffic(loaded: LoadedTarget, requests: int, domains: tuple[str, ...] = ("sharegpt", "humaneval"),
+                              ) -> tuple[list[TrafficItem], list[list[int]]]:
+    """`requests` validation items of each domain in turn (`validation_items`) and their prompts, with
+    serving pinned as the demo pins it (its serving cores, as many threads): what the serving A/Bs run on."""
+    items = [item for domain in domains for item in validation_items(requests, domain)]
+    prompts = [encode(loaded, item) for item in items]
+    split = split_cores()
+    if split is not None:
+        pin_serving(split[0])
+    return items, prompts
 
 
 def make_records(loaded: LoadedTarget, items: list[TrafficItem], max_tokens: int) -> list[TrajectoryRecord]:

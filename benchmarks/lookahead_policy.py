@@ -34,15 +34,14 @@ from typing import Any
 
 import torch
 from common import markdown_table, paired, parser, spread, write_result
-from demo_learner_sweep import validation_items
+from demo_learner_sweep import pinned_validation_traffic
 from tqdm import tqdm
 
 from specd.cli.service import CONTEXT_K
-from specd.demo.deployment import DemoConfig, ModeRun, calibration_samples, encode, rounds_of, serve_round
+from specd.demo.deployment import DemoConfig, ModeRun, calibration_samples, rounds_of, serve_round
 from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.lookahead import LookaheadCosts
-from specd.learner.process import pin_serving, split_cores
 from specd.model.target import LoadedTarget
 
 # arm -> (lookahead_scope, continuation_reach, cost fit)
@@ -97,11 +96,7 @@ def main() -> None:
     args = p.parse_args()
     loaded = LoadedTarget.load(None)
     config = DemoConfig(max_tokens=args.max_tokens, drafter=DrafterSpec(context_k=CONTEXT_K), learning=False)
-    items = validation_items(args.requests, "sharegpt") + validation_items(args.requests, "humaneval")
-    prompts = [encode(loaded, item) for item in items]
-    split = split_cores()
-    if split is not None:
-        pin_serving(split[0])  # the demo's serving cores and threads
+    items, prompts = pinned_validation_traffic(loaded, args.requests)
     torch.manual_seed(0)
     day0 = engine_for(loaded, config, "before", None).drafter
     assert day0 is not None

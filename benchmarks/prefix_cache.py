@@ -22,15 +22,14 @@ import os
 
 import torch
 from common import markdown_table, paired, parser, spread, write_result
-from demo_learner_sweep import validation_items
+from demo_learner_sweep import pinned_validation_traffic
 from tqdm import tqdm
 
 from specd.cli.service import CONTEXT_K
-from specd.demo.deployment import DemoConfig, ModeRun, calibrated_costs, encode, rounds_of, serve_round
+from specd.demo.deployment import DemoConfig, ModeRun, calibrated_costs, rounds_of, serve_round
 from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.lookahead import LookaheadCosts
-from specd.learner.process import pin_serving, split_cores
 from specd.model.target import LoadedTarget
 
 ARMS = ("none", "none+prefix", "static", "static+prefix")
@@ -57,12 +56,8 @@ def main() -> None:
     args = p.parse_args()
     loaded = LoadedTarget.load(None)
     config = DemoConfig(max_tokens=args.max_tokens, drafter=DrafterSpec(context_k=CONTEXT_K), learning=False)
-    items = validation_items(args.requests, "sharegpt")
-    prompts = [encode(loaded, item) for item in items]
+    items, prompts = pinned_validation_traffic(loaded, args.requests, ("sharegpt",))
     (opening,) = loaded.shared_prefixes()
-    split = split_cores()
-    if split is not None:
-        pin_serving(split[0])  # the demo's serving cores and threads
     torch.manual_seed(0)
     day0 = build_drafter(config.drafter, initial_model(loaded.model, config.drafter, fingerprint=loaded.fingerprint),
                          version=1)

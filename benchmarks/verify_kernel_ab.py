@@ -24,13 +24,12 @@ from typing import Any
 
 import torch
 from common import markdown_table, paired, parser, spread, write_result
-from demo_learner_sweep import validation_items
+from demo_learner_sweep import pinned_validation_traffic
 from tqdm import tqdm
 
 from specd.cli.service import CONTEXT_K
-from specd.demo.deployment import DemoConfig, ModeRun, calibrated_costs, encode, new_engine, rounds_of, serve_round
+from specd.demo.deployment import DemoConfig, ModeRun, calibrated_costs, new_engine, rounds_of, serve_round
 from specd.drafter.factory import DrafterSpec, build_drafter, initial_model
-from specd.learner.process import pin_serving, split_cores
 from specd.model import packed_linear
 from specd.model.row_kernel import RowKernel, kernel_from
 from specd.model.target import LoadedTarget
@@ -85,11 +84,7 @@ def main() -> None:
     source = kernel_from(args.kernel_source)
     loaded = LoadedTarget.load(None)
     config = DemoConfig(max_tokens=args.max_tokens, drafter=DrafterSpec(context_k=CONTEXT_K), learning=False)
-    items = validation_items(args.requests, "sharegpt") + validation_items(args.requests, "humaneval")
-    prompts = [encode(loaded, item) for item in items]
-    split = split_cores()
-    if split is not None:
-        pin_serving(split[0])  # the demo's serving cores and threads
+    items, prompts = pinned_validation_traffic(loaded, args.requests)
     torch.manual_seed(0)
     runs, costs = {}, {}
     for kernel_name, kernel in (("tree", None), ("source", source)):
