@@ -77,7 +77,7 @@ class PackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         kernel = kernel_rows(x.numel() // x.shape[-1])
         if kernel is not None:
-            out = kernel.linear(x, self._layout(*self._kernel_layout(kernel)), self.out_features)
+            out = kernel.linear(x, self.kernel_panels(kernel), self.out_features)
             return out if self.bias is None else out + self.bias
         if x.numel() == x.shape[-1]:
             # one row (decoding one request without drafts): MKL's matrix-vector product over an
