@@ -104,7 +104,7 @@ def test_the_c_layer_stands_aside_where_it_cannot_serve(kernel: row_kernel.RowKe
         assert call_layer(drafter, torch.tensor([[15, 16]]), ok[1]) is None  # past the cache
         assert call_layer(drafter, ok[0], torch.tensor([[1, drafter.config.vocab_size]])) is None  # past the vocabulary
         rows = packed_linear.KERNEL_MAX_ROWS + 1
-        assert call_layer(drafter, torch.arange(rows)[None], torch.ones(1, rows, dtype=torch.long), 32) is None
+        assert call_layer(drafter, torch.arange(rows)[None], torch.ones(1, rows, dtype=torch.long), rows + 8) is None
         monkeypatch.setenv("SPECD_FUSED_LAYER", "0")
         assert call_layer(drafter, *ok) is None
         monkeypatch.delenv("SPECD_FUSED_LAYER")
@@ -145,7 +145,11 @@ def target_pass(target: torch.nn.Module, cache: object, tokens: torch.Tensor, st
 def prefilled(target: torch.nn.Module, slots: int, length: int = 20, seed: int = 0) -> object:
     cache = target.new_cache(slots, 64)
     prompt = torch.randint(0, target.config.vocab_size, (slots, length), generator=torch.Generator().manual_seed(seed))
-    target_pass(target, cache, prompt, [0] * slots)  # 20 rows a slot: torch's path, in every setting alike
+    kept, packed_linear.KERNEL_MAX_ROWS = packed_linear.KERNEL_MAX_ROWS, 0  # torch's path, in every setting alike
+    try:
+        target_pass(target, cache, prompt, [0] * slots)
+    finally:
+        packed_linear.KERNEL_MAX_ROWS = kept
     return cache
 
 

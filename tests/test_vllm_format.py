@@ -18,7 +18,7 @@ from specd.core.errors import CheckpointError, ConfigurationError
 from specd.drafter.checkpoint import load_drafter, read_metadata
 from specd.drafter.feature_model import FeatureDrafterModel, new_feature_drafter
 from specd.drafter.vllm_format import SPECD_CHECKPOINT, checkpoint_tensors, export_eagle3, vllm_parameters
-from specd.model import row_kernel
+from specd.model import packed_linear, row_kernel
 from specd.model.fingerprint import TargetFingerprint
 from specd.model.transformer import Transformer
 from specd.serving.vllm.eagle3 import plugin
@@ -228,7 +228,8 @@ def test_eager_layers_in_float16_multiply_few_rows_through_the_kernel_and_more_t
     generator = torch.Generator().manual_seed(0)
     for version in (torch.randn(40, 24, generator=generator), torch.randn(40, 24, generator=generator)):
         install(tree, prepare(tree, {"proj.weight": version}, repack=in_half), in_half)
-        few, many = torch.randn(2, 3, 24, generator=generator), torch.randn(20, 24, generator=generator)
+        many_rows = packed_linear.KERNEL_MAX_ROWS + 8  # past what the kernel serves on this CPU
+        few, many = torch.randn(2, 3, 24, generator=generator), torch.randn(many_rows, 24, generator=generator)
         rounded = version.to(torch.float16).float()
         assert torch.equal(layer(few), kernel.linear(few, kernel.panels(rounded), 40))  # the kernel, fp16 weights
         assert torch.equal(layer(many), (many.double() @ version.double().T).float())  # vLLM's float32 path

@@ -26,8 +26,9 @@ and 17 ms for 1, 2, 3 and 4 rows that way, and 7.5, 9.0, 6.6 and 6.1 ms packed (
 drafting paid. oneDNN's packed product gives a row the same bits however many rows share the call
 (from 2 rows up in every layer measured; MKL's changes below 4 rows), but on an Intel Xeon it
 streamed the weights slower for 2-5 rows than MKL's one-row product: a verification pass cost
-1.33-1.41 one-token passes there. The few-row kernel reads each weight once for up to 12 rows and
-keeps a row's bits whatever the other rows are, one row included: a batch-1 pass of 2-5 tokens
+1.33-1.41 one-token passes there. The few-row kernel reads each weight once for up to 12 rows (48
+on an Intel CPU with AVX-512, where it beat oneDNN's product up to there) and keeps a row's bits
+whatever the other rows are, one row included: a batch-1 pass of 2-5 tokens
 costs 1.07-1.16 one-token passes on that Xeon, and the one-token pass is no slower than MKL's
 (benchmarks/target_pass_cost.py). It runs on the calling thread only, so with more intra-op
 threads torch's threaded products serve instead.
@@ -42,11 +43,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specd.core.cpu import intel_avx512
 from specd.model.row_kernel import RowKernel, row_kernel
 
-# rows up to which the few-row kernel is used on one thread: one block of its rows (row_kernel.c's
-# MAX_ROWS); past that it reads the weights again and oneDNN wins (benchmarks/target_pass_cost.py)
-KERNEL_MAX_ROWS = 12
+# rows up to which the few-row kernel is used on one thread (benchmarks/target_pass_cost.py
+# --kernel-rows times it past them): 12 (one AVX-512 block of rows, row_kernel.c's MAX_ROWS; not
+# measured further on AMD's CPUs), and 48 on an Intel Xeon with AVX-512, where a SmolLM2 pass
+# through the kernel beat oneDNN's packed products 1.4-1.7x at 4-16 rows, 1.14x at 48 and 1.05x at
+# 64 (benchmarks/results/target_pass_cost_xeon_rows.json), and lost at 96-128 (0.90-0.93x)
+KERNEL_MAX_ROWS = 48 if intel_avx512() else 12
 
 
 def packing_enabled() -> bool:

@@ -8,7 +8,8 @@ such a layer is served in one of three ways, chosen at its first install and kep
   again the way vLLM packs it at load; with a GEMM dtype (`vllm_cpu_repack(torch.bfloat16)`, see
   `drafter_gemm_dtype`) a copy in that dtype is packed instead and the layer casts around it, while
   its parameter keeps the version's own values; with float16 (`with_half_kernel`) specd's few-row
-  kernel multiplies up to 12 rows through an fp16 copy and vLLM's float32 packing serves the rest;
+  kernel multiplies up to `KERNEL_MAX_ROWS` rows (12; 48 on an Intel CPU with AVX-512) through an fp16
+  copy and vLLM's float32 packing serves the rest;
 - compiled mode with an `InPlaceKernel` (bfloat16 on a CPU whose vLLM has the packed-weight GEMM):
   the weight parameter holds the packed weight, a plain tensor of the weight's own shape, and
   each later version is packed and copied into it, so the graphs (traced over that parameter)
