@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) lanes fused(lanes sum, float value,
 /* The weights' software prefetches: non-temporal on AMD's Zen (measured on the AVX2 EPYC, where the
  * weights are read once a pass), into every cache level elsewhere: on an Intel Xeon (AVX-512, AMX)
  * non-temporal prefetches made 2-12 rows cost 2-3 one-row products even over weights in cache, and
- * a 2-token SmolLM2 pass 2.6 one-token passes (1.04 with these, 1.08 with no prefetches) */
+ * a 2-token SmolLM2 pass about 2.4 one-token passes (1.03-1.04 with these, 1.08 with none) */
 #if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
 #define PREFETCH_LOCALITY 0
 #else
