@@ -3,6 +3,8 @@ path wherever the C call cannot serve."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -145,11 +147,8 @@ def target_pass(target: torch.nn.Module, cache: object, tokens: torch.Tensor, st
 def prefilled(target: torch.nn.Module, slots: int, length: int = 20, seed: int = 0) -> object:
     cache = target.new_cache(slots, 64)
     prompt = torch.randint(0, target.config.vocab_size, (slots, length), generator=torch.Generator().manual_seed(seed))
-    kept, packed_linear.KERNEL_MAX_ROWS = packed_linear.KERNEL_MAX_ROWS, 0  # torch's path, in every setting alike
-    try:
+    with mock.patch.object(packed_linear, "KERNEL_MAX_ROWS", 0):  # torch's path, in every setting alike
         target_pass(target, cache, prompt, [0] * slots)
-    finally:
-        packed_linear.KERNEL_MAX_ROWS = kept
     return cache
 
 

@@ -7,6 +7,7 @@ import copy
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -140,10 +141,7 @@ def test_on_one_thread_a_target_is_prepared_for_the_kernel_and_multiplies_throug
     with torch.inference_mode():
         cache = model.new_cache(1, 16)
         logits, _ = model(tokens, torch.zeros(1, dtype=torch.long), cache, logits_for="all")
-        packed_linear.KERNEL_MAX_ROWS, kept = 0, packed_linear.KERNEL_MAX_ROWS
-        try:
+        with mock.patch.object(packed_linear, "KERNEL_MAX_ROWS", 0):
             without, _ = model(tokens, torch.zeros(1, dtype=torch.long), cache, logits_for="all")
-        finally:
-            packed_linear.KERNEL_MAX_ROWS = kept
     torch.testing.assert_close(logits, without, rtol=1e-4, atol=1e-4)
     assert all(set(layer._layouts or {}) == {"panels", "packed"} for layer in layers), "a layout was made late"
