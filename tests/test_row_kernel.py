@@ -94,6 +94,20 @@ def test_panels_are_the_kernels_vector_wide_and_remade_for_a_kernel_of_another_w
     assert layer.kernel_panels(kernel).shape[-1] == kernel.panel_width
 
 
+def test_a_build_narrower_than_avx512_keeps_the_avx2_reach_whatever_the_cpus_flags(
+        kernel: row_kernel.RowKernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    narrow, wide = copy.copy(kernel), copy.copy(kernel)
+    narrow.panel_width, wide.panel_width = 8, 16  # a $CC without AVX-512, and the build with it
+    monkeypatch.setattr(packed_linear, "KERNEL_MAX_ROWS", 48)  # as on an Intel CPU with AVX-512
+    assert packed_linear.kernel_reach(wide) == 48
+    assert packed_linear.kernel_reach(narrow) == packed_linear.NARROW_BUILD_ROWS == 12
+    with mock.patch.object(packed_linear, "row_kernel", return_value=narrow):  # on one thread (conftest)
+        assert packed_linear.kernel_rows(12) is narrow
+        assert packed_linear.kernel_rows(13) is None
+    with mock.patch.object(packed_linear, "row_kernel", return_value=wide):
+        assert packed_linear.kernel_rows(48) is wide
+
+
 def test_leading_dimensions_and_non_contiguous_inputs_keep_their_shape(kernel: row_kernel.RowKernel) -> None:
     weight, x = torch.randn(40, 24), torch.randn(3, 7, 24)[:, 1:5]
     out = kernel.linear(x, kernel.panels(weight), 40)

@@ -3,7 +3,7 @@
 Contract: `PackedLinear` is an `nn.Linear` (same parameters, same state dict, same autograd). When
 no gradient is needed (inference mode, `no_grad`, or neither input nor weight requires one), the
 weight and input are float32 on the CPU and this torch has oneDNN, the forward multiplies:
-- on one intra-op thread, up to `KERNEL_MAX_ROWS` rows, through specd's few-row kernel
+- on one intra-op thread, up to `kernel_reach` rows, through specd's few-row kernel
   (`row_kernel`, compiled on first use) over a copy in its panel layout;
 - otherwise one row through a transposed copy of the weight (MKL's matrix-vector product) and more
   rows through a copy that oneDNN reordered once into its blocked layout.
@@ -52,6 +52,9 @@ from specd.model.row_kernel import RowKernel, row_kernel
 # through the kernel beat oneDNN's packed products 1.4-1.7x at 4-16 rows, 1.14x at 48 and 1.05x at
 # 64 (benchmarks/results/target_pass_cost_xeon_rows.json), and lost at 96-128 (0.90-0.93x)
 KERNEL_MAX_ROWS = 48 if intel_avx512() else 12
+# the 48 rows were measured for the kernel built with AVX-512 (16-wide panels); a build without it on
+# the same CPU (a `$CC` that leaves AVX-512 out: 8-wide panels) keeps the reach measured for AVX2
+NARROW_BUILD_ROWS = 12
 
 
 def packing_enabled() -> bool:
@@ -188,7 +191,14 @@ def kernel_rows(rows: int) -> RowKernel | None:
     thread only; with more, torch's threaded products win), and no more rows than it beats oneDNN at."""
     if rows > KERNEL_MAX_ROWS or torch.get_num_threads() != 1:
         return None
-    return row_kernel()
+    kernel = row_kernel()
+    return kernel if kernel is not None and rows <= kernel_reach(kernel) else None
+
+
+def kernel_reach(kernel: RowKernel) -> int:
+    """The most rows `kernel` serves: `KERNEL_MAX_ROWS`, or `NARROW_BUILD_ROWS` for a build narrower
+    than AVX-512's (the CPU's flags say what it could run, the build what it does)."""
+    return KERNEL_MAX_ROWS if kernel.panel_width >= 16 else min(KERNEL_MAX_ROWS, NARROW_BUILD_ROWS)
 
 
 def _transposed(weight: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ such a layer is served in one of three ways, chosen at its first install and kep
   again the way vLLM packs it at load; with a GEMM dtype (`vllm_cpu_repack(torch.bfloat16)`, see
   `drafter_gemm_dtype`) a copy in that dtype is packed instead and the layer casts around it, while
   its parameter keeps the version's own values; with float16 (`with_half_kernel`) specd's few-row
-  kernel multiplies up to `KERNEL_MAX_ROWS` rows (12; 48 on an Intel CPU with AVX-512) through an fp16
+  kernel multiplies up to `kernel_reach` rows (12; 48 on an Intel CPU with AVX-512, built for it) through an fp16
   copy and vLLM's float32 packing serves the rest;
 - compiled mode with an `InPlaceKernel` (bfloat16 on a CPU whose vLLM has the packed-weight GEMM):
   the weight parameter holds the packed weight, a plain tensor of the weight's own shape, and
@@ -40,7 +40,7 @@ from torch import nn
 
 from specd.core.cpu import native_bfloat16
 from specd.core.errors import CheckpointError
-from specd.model.packed_linear import KERNEL_MAX_ROWS
+from specd.model import packed_linear
 from specd.model.row_kernel import RowKernel, row_kernel
 
 CpuLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # vLLM's `cpu_linear`
@@ -221,7 +221,7 @@ def _half_kernel() -> RowKernel | None:
 
 def with_half_kernel(repack: Callable[[nn.Module], None], kernel: RowKernel) -> Callable[[nn.Module], None]:
     """`repack`, and then an fp16 copy of each float32 weight in the few-row kernel's layout: a
-    layer's `cpu_linear` multiplies up to `KERNEL_MAX_ROWS` rows through it (on the calling thread;
+    layer's `cpu_linear` multiplies up to `kernel_reach(kernel)` rows through it (on the calling thread;
     exactly the products of the weights rounded to fp16, in float32 arithmetic) and more rows through
     vLLM's own float32 packing. Drafting passes at small batches read half the bytes; the target
     verifies every draft, so outputs are unchanged."""
@@ -235,7 +235,7 @@ def with_half_kernel(repack: Callable[[nn.Module], None], kernel: RowKernel) -> 
         panels, out_features = kernel.half_panels(weight.detach()), weight.shape[0]
 
         def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            if x.dtype != torch.float32 or x.numel() > KERNEL_MAX_ROWS * x.shape[-1]:
+            if x.dtype != torch.float32 or x.numel() > packed_linear.kernel_reach(kernel) * x.shape[-1]:
                 return wide(x, weight, bias)
             out = kernel.linear(x, panels, out_features)
             return out if bias is None else out + bias
