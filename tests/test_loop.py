@@ -521,34 +521,6 @@ def test_gate_waits_for_enough_held_out_records_then_promotes_a_good_candidate(
     assert store.versions() == [1, 2] and learner.stats.steps == 9
 
 
-def test_after_traffic_pauses_one_settled_candidate_follows_and_then_nothing_until_records_come(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    target = learnable_target()
-    bus, store = InProcessBus(), WeightStore(tmp_path)
-    config = LearnerConfig(duty_cycle=1.0, publish_every_steps=1, publish_every_seconds=math.inf,
-                           publish_settled_steps=3, holdout_every=2, gate_min_held_out=2)
-    learner = Learner(config, bus, store, new_drafter_model(target, SHAPE, copy_from_target=False).float(),
-                      FINGERPRINT)
-    # every candidate passes: only the cadence is tested
-    monkeypatch.setattr(learner, "simulated_accept_length", lambda model, records: 1.0)
-
-    def offered() -> list[int]:  # the learner step at which each trained version was offered
-        return [store.manifest(v)["learner_steps"] for v in store.versions()[1:]]
-    records = make_records(target, random_prompts(8, 7), temperature=1.0)
-    for record in records[:4]:
-        bus.publish(record)
-    for _ in range(8):
-        assert learner.step()
-    # offered on the new records after step 1, once more 3 steps later, then nothing: the same
-    # records trained on and on do not make a version every cadence (an idle server's guard)
-    assert offered() == [1, 4]
-    for record in records[4:]:
-        bus.publish(record)
-    for _ in range(5):
-        assert learner.step()
-    assert offered() == [1, 4, 9, 12]
-
-
 def test_gate_never_passes_for_lack_of_evidence_even_when_forced(tmp_path: Path) -> None:
     target = learnable_target()
     bus, store = InProcessBus(), WeightStore(tmp_path)
@@ -573,7 +545,7 @@ def test_a_gate_that_could_pass_without_evidence_is_refused_at_configuration(fie
 @pytest.mark.parametrize("fields", [{"learning_rate": 0.0}, {"feature_learning_rate": float("nan")},
                                     {"publish_every_seconds": 0}, {"publish_every_steps": 0}, {"unroll": 0},
                                     {"buffer_capacity": 0}, {"recent_share": 1.5}, {"gate_margin": -0.1},
-                                    {"canary_z": float("inf")}, {"publish_settled_steps": -1}])
+                                    {"canary_z": float("inf")}])
 def test_step_sizes_counts_and_margins_that_cannot_work_are_refused_at_configuration(fields: dict) -> None:
     with pytest.raises(ConfigurationError, match=next(iter(fields))):
         LearnerConfig(**fields)

@@ -84,12 +84,8 @@ def training_precision() -> str:
 # records (`gate_traffic_window`): a version is judged on the traffic it is about to serve. In the
 # demo that did not bring the first version forward (still after 8 code records: judged on 1-2
 # held-out code records the verdict is noise of about 0.1; docs/measurements.md).
-# A round's records reach the learner while the adaptive mode serves it; the static and none modes
-# then take about 20 s, in which the learner trains on but, with no new record, would offer nothing
-# (`Promoter.due`): the next round began with a version cut a few steps after the last record.
-# `publish_settled_steps` 12 (three cadences, not swept) offers one more candidate in that pause.
 DEMO_LEARNER = LearnerConfig(holdout_every=4, gate_min_held_out=3, publish_every_steps=4,
-                             publish_every_seconds=10.0, publish_settled_steps=12, recent_records=16,
+                             publish_every_seconds=10.0, recent_records=16,
                              precision=training_precision(),
                              feature_learning_rate=1.5e-4, anchor_pull=0.03, anchor="start", gate_traffic_window=8)
 

@@ -48,10 +48,6 @@ class LearnerConfig:
     holdout_capacity: int = 16
     publish_every_steps: int = 10
     publish_every_seconds: float = 15.0
-    # > 0: after a candidate offered on new records, one more this many steps later even if no
-    # record came since (`Promoter.due`), so that traffic which pauses ends with a version trained
-    # on its last records for longer than one cadence; 0: only new records make a candidate due
-    publish_settled_steps: int = 0
     gate_margin: float = 0.05       # a candidate may trail the live version by this much accept length
                                     # (in proportion below accept length 1.5: `Gate.margin_below`)
     gate_min_held_out: int = 4      # below this many held-out records the gate waits: no evidence, no pass
@@ -126,9 +122,6 @@ class LearnerConfig:
         for name, count in counts.items():
             if count < 1:
                 raise ConfigurationError(f"{name} must be at least 1, got {count}")
-        if self.publish_settled_steps < 0:
-            raise ConfigurationError(f"publish_settled_steps must be 0 (off) or a number of steps, "
-                                     f"got {self.publish_settled_steps}")
         if not 0 <= self.recent_share <= 1:
             raise ConfigurationError(f"recent_share must be in [0, 1], got {self.recent_share}")
         margins = {"gate_margin": self.gate_margin, "canary_margin": self.canary_margin, "canary_z": self.canary_z}

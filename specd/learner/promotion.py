@@ -122,7 +122,6 @@ class Promoter:
         self._last_publish = time.monotonic()
         self._steps_at_publish = 0
         self._records_at_publish = 0
-        self._settle_pending = False  # the last offer came with new records: one more may follow them
         self._hold_until = hold_left_at_start(store, self.live_version, config.hold_after_rollback_s)
         self._gate_waiting = False
         self._live_copy = HeldVersion(self.load)
@@ -199,22 +198,16 @@ class Promoter:
         """Is a candidate due now, with evidence for the gate? Counts and logs a wait for evidence.
         Not without records taken since the last one: a learner with no traffic trains on over the
         same records, and offering that every 15 s made a new live version every 15 s on an idle
-        server (an operator's rollback scrolled out of sight and gc took its evidence). With
-        `publish_settled_steps`, one exception: once after an offer that came with new records, a
-        candidate `publish_settled_steps` steps later (traffic that stops, or pauses, then ends
-        with a version trained on its last records for longer than one cadence; then nothing new)."""
+        server (an operator's rollback scrolled out of sight and gc took its evidence)."""
         cfg = self.config
         steps = self.stats.steps
         on_time = (steps - self._steps_at_publish >= cfg.publish_every_steps
                    or time.monotonic() - self._last_publish >= cfg.publish_every_seconds)
         records = self.stats.records_in + gate.kept_from_ranks  # with ranks, theirs reach rank 0 held out
-        new_records = records > self._records_at_publish
-        settled = (cfg.publish_settled_steps > 0 and self._settle_pending
-                   and steps - self._steps_at_publish >= cfg.publish_settled_steps)
-        if not (force or (on_time and new_records) or settled) or steps == self._steps_at_publish:
+        if not (force or (on_time and records > self._records_at_publish)) or steps == self._steps_at_publish:
             return False
         self._steps_at_publish, self._last_publish = steps, time.monotonic()
-        self._records_at_publish, self._settle_pending = records, new_records
+        self._records_at_publish = records
         if not gate.has_evidence:  # never a pass for lack of evidence: train on, try again when due
             self.stats.gate_waits += 1
             # logged once per stretch of waiting (due publications can come many times a second)
