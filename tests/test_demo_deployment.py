@@ -99,6 +99,23 @@ def test_the_demo_prints_its_table_from_a_real_result(tmp_path: Path, capsys: py
     assert f"versions serving: {result['static_version']}" in out and "shift" not in out
 
 
+def test_each_version_of_the_curve_prints_the_gates_own_figures_beside_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from specd.cli.demo_command import print_demo
+
+    result = run_demo(tiny_loaded_target(), shifted_traffic(), demo_config(learning=False), tmp_path / "store")
+    passed = {"version": 2, "passed": True, "candidate": 2.25, "live": 2.2, "bar": 2.1, "held_out_records": 6}
+    refused = {"version": 3, "passed": False, "candidate": 2.05, "live": 2.1, "bar": 2.29, "held_out_records": 7}
+    curve = [{"version": v, "status": s, "records_after_shift": 4 * v, "accept_length": 1.8 + v / 100}
+             for v, s in ((1, "retired"), (2, "retired"), (3, "rejected"))]
+    print_demo({**result, "adaptation": curve,
+                "learner": {**result["learner"], "published": [passed], "stats": {"rejected": [refused]}}})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("version")]
+    assert lines[0].endswith("held-out accept length 1.81")  # day 0 was never judged
+    assert lines[1].endswith("; gate 2.25 against 2.20 on 6 held-out records")
+    assert lines[2].endswith("; gate 2.05 against 2.29 on 7 held-out records")  # the bar, where it is higher
+
+
 def test_prompts_longer_than_a_prefill_chunk_are_served_in_every_mode(tmp_path: Path) -> None:
     # the first steps of a round only prefill (48 prompt tokens a step): they run no decoding pass
     long_prompt = "tell me about this: " + "a long question, " * 12

@@ -153,6 +153,18 @@ def print_demo(result: dict[str, Any]) -> None:
     print(f"learner ({learner['arrangement']}, cores {learner.get('cores')}): {learner['steps']} steps, "
           f"{learner['tokens_trained']} tokens trained, {len(learner['published'])} versions passed the gate, "
           f"{learner.get('rejected', 0)} rejected, {learner.get('cpu_seconds')} CPU s")
+    # the gate's verdict beside each version: it judged on its own few held-out records, not the curve's
+    verdicts = {v["version"]: v for v in [*learner.get("published", []), *learner.get("stats", {}).get("rejected", [])]}
     for point in result["adaptation"] or []:
         print(f"  version {point['version']:>3} ({point['status']}): after {point['records_after_shift']:>3} "
-              f"records{' of the new domain' if shifted else ''}, held-out accept length {point['accept_length']:.2f}")
+              f"records{' of the new domain' if shifted else ''}, held-out accept length {point['accept_length']:.2f}"
+              f"{gate_figures(verdicts.get(point['version']))}")
+
+
+def gate_figures(verdict: dict[str, Any] | None) -> str:
+    """'; gate 2.17 against 2.29 on 7 held-out records' for a verdict with figures, '' otherwise."""
+    if not verdict or not isinstance(verdict.get("candidate"), int | float):
+        return ""
+    reference = max(verdict.get("live") or 0.0, verdict.get("bar") or 0.0)
+    return (f"; gate {verdict['candidate']:.2f} against {reference:.2f} on "
+            f"{verdict.get('held_out_records', '?')} held-out records")
