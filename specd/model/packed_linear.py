@@ -46,15 +46,16 @@ from torch import nn
 from specd.core.cpu import intel_avx512
 from specd.model.row_kernel import RowKernel, row_kernel
 
-# rows up to which the few-row kernel is used on one thread (benchmarks/target_pass_cost.py
-# --kernel-rows times it past them): 12 (one AVX-512 block of rows, row_kernel.c's MAX_ROWS; not
-# measured further on AMD's CPUs), and 48 on an Intel Xeon with AVX-512, where a SmolLM2 pass
-# through the kernel beat oneDNN's packed products 1.4-1.7x at 4-16 rows, 1.14x at 48 and 1.05x at
-# 64 (benchmarks/results/target_pass_cost_xeon_rows.json), and lost at 96-128 (0.90-0.93x)
-KERNEL_MAX_ROWS = 48 if intel_avx512() else 12
-# the 48 rows were measured for the kernel built with AVX-512 (16-wide panels); a build without it on
-# the same CPU (a `$CC` that leaves AVX-512 out: 8-wide panels) keeps the reach measured for AVX2
+# one block of the kernel's rows (row_kernel.c's MAX_ROWS): its reach on AMD's CPUs and on AVX2
+# builds, where it was not measured further
 NARROW_BUILD_ROWS = 12
+# rows up to which the few-row kernel is used on one thread (benchmarks/target_pass_cost.py
+# --kernel-rows times it past them): 48 on an Intel Xeon with AVX-512, where a SmolLM2 pass
+# through the kernel beat oneDNN's packed products 1.4-1.7x at 4-16 rows, 1.14x at 48 and 1.05x at
+# 64 (benchmarks/results/target_pass_cost_xeon_rows.json), and lost at 96-128 (0.90-0.93x); those
+# 48 were measured for the kernel built with AVX-512 (16-wide panels), so a build without it on the
+# same CPU (a `$CC` that leaves AVX-512 out: 8-wide panels) keeps one block (`kernel_reach`)
+KERNEL_MAX_ROWS = 48 if intel_avx512() else NARROW_BUILD_ROWS
 
 
 def packing_enabled() -> bool:
@@ -189,7 +190,7 @@ def packing_on() -> bool:
 def kernel_rows(rows: int) -> RowKernel | None:
     """The few-row kernel where it serves these rows: built, on one thread (it runs on the calling
     thread only; with more, torch's threaded products win), and no more rows than it beats oneDNN at."""
-    if rows > KERNEL_MAX_ROWS or torch.get_num_threads() != 1:
+    if torch.get_num_threads() != 1:
         return None
     kernel = row_kernel()
     return kernel if kernel is not None and rows <= kernel_reach(kernel) else None

@@ -8,8 +8,8 @@ such a layer is served in one of three ways, chosen at its first install and kep
   again the way vLLM packs it at load; with a GEMM dtype (`vllm_cpu_repack(torch.bfloat16)`, see
   `drafter_gemm_dtype`) a copy in that dtype is packed instead and the layer casts around it, while
   its parameter keeps the version's own values; with float16 (`with_half_kernel`) specd's few-row
-  kernel multiplies up to `kernel_reach` rows (12; 48 on an Intel CPU with AVX-512, built for it) through an fp16
-  copy and vLLM's float32 packing serves the rest;
+  kernel multiplies up to `kernel_reach` rows (12; 48 on an Intel CPU with AVX-512, built for it)
+  through an fp16 copy and vLLM's float32 packing serves the rest;
 - compiled mode with an `InPlaceKernel` (bfloat16 on a CPU whose vLLM has the packed-weight GEMM):
   the weight parameter holds the packed weight, a plain tensor of the weight's own shape, and
   each later version is packed and copied into it, so the graphs (traced over that parameter)
@@ -233,9 +233,10 @@ def with_half_kernel(repack: Callable[[nn.Module], None], kernel: RowKernel) -> 
             return
         wide = cast(CpuLinear, module.cpu_linear)  # vLLM's attribute, set by `repack`
         panels, out_features = kernel.half_panels(weight.detach()), weight.shape[0]
+        reach = packed_linear.kernel_reach(kernel)  # once per install, not on every drafting call
 
         def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            if x.dtype != torch.float32 or x.numel() > packed_linear.kernel_reach(kernel) * x.shape[-1]:
+            if x.dtype != torch.float32 or x.numel() > reach * x.shape[-1]:
                 return wide(x, weight, bias)
             out = kernel.linear(x, panels, out_features)
             return out if bias is None else out + bias
